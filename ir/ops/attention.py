@@ -1,0 +1,119 @@
+"""MLA attention, the DSA indexer and cache writes, SPEC §4–5.
+
+Caches are pools of rows; request r's position p lives at row req_base[r] + p (per-request
+contiguous caches; the block-cache pass of the runtime lowers this addressing to block tables).
+"""
+
+from __future__ import annotations
+
+import sympy
+
+from .. import formats
+from ..core import TensorType
+from ..dtypes import f32, f8e4m3, i64
+from ..ref import indexer as ref_indexer
+from ..ref import mla as ref_mla
+from ..shapes import shapes_equal, sym
+from .basic import expect
+from .registry import attr, defop
+
+CONTEXT = sym("L")  # average attended context per query token, used by costs only
+
+
+def _cache_write_infer(a, at):
+    expect(a.values.rank == a.pool.rank and shapes_equal(a.values.shape[1:], a.pool.shape[1:]),
+           f"cache_write: values {a.values} do not fit pool rows {a.pool}")
+    expect(a.values.dtype == a.pool.dtype or (a.values.dtype.is_float and a.pool.dtype.is_float
+                                               and f8e4m3 not in (a.values.dtype, a.pool.dtype)),
+           f"cache_write: values {a.values} cannot be stored in pool {a.pool}")
+    return [a.pool]
+
+
+def _cache_write_ref(a, at):
+    rows = a.req_base[a.token_req] + a.token_pos
+    a.pool[rows] = a.values.to(a.pool.dtype)
+    return a.pool
+
+
+defop("cache_write", ["pool", "values", "token_req", "token_pos", "req_base"], ["pool_out"],
+      _cache_write_infer, _cache_write_ref, inplace={0: "pool"},
+      bytes=lambda a, o, at: 2 * a.values.nbytes() + 3 * a.token_pos.nbytes(),
+      doc="pool[req_base[token_req[i]] + token_pos[i]] = values[i]")
+
+
+def _mla_infer(a, at):
+    t, h, dn = a.q_nope.shape
+    dr = a.q_pe.shape[2]
+    kv = a.kv_b.shape[1]
+    expect(shapes_equal(a.latent.shape[1:], (kv + dr,)), f"mla: latent pool {a.latent} must be [N, {kv}+{dr}]")
+    dv = sympy.simplify(a.kv_b.shape[0] / h - dn)
+    expect(dv.is_integer and dv > 0, f"mla: kv_b {a.kv_b} is not [H*(dn+dv), kv] for H={h}, dn={dn}")
+    if a.selection is not None:
+        expect(a.selection.dtype == i64 and shapes_equal(a.selection.shape[:1], (t,)),
+               f"mla: selection {a.selection} must be i64[{t}, K]")
+    expect(at["form"] in ("absorbed", "decompressed"), f"mla: form must be absorbed|decompressed, found {at['form']!r}")
+    return [TensorType(a.q_nope.dtype, (t, h, dv))]
+
+
+def _mla_ref(a, at):
+    return ref_mla.mla_attention(a.q_nope, a.q_pe, a.latent, a.kv_b, a.token_pos, a.token_req, a.req_base,
+                                 at["scale"], a.selection, at["form"])
+
+
+def _mla_ctx(a):
+    return a.selection.shape[1] if a.selection is not None else CONTEXT
+
+
+def _mla_flops(a, o, at):
+    t, h, _ = a.q_nope.shape
+    width = a.latent.shape[1]
+    return 2 * t * h * _mla_ctx(a) * (width + a.kv_b.shape[1])
+
+
+def _mla_bytes(a, o, at):
+    t = a.q_nope.shape[0]
+    return a.q_nope.nbytes() + a.q_pe.nbytes() + o[0].nbytes() + a.kv_b.nbytes() + \
+        t * _mla_ctx(a) * a.latent.shape[1] * a.latent.dtype.bits / 8
+
+
+defop("mla_attention", ["q_nope", "q_pe", "latent", "kv_b", "token_pos", "token_req", "req_base", "selection?"],
+      ["o"], _mla_infer, _mla_ref, attrs={"scale": attr(float), "form": attr(str, default="absorbed")},
+      flops=_mla_flops, bytes=_mla_bytes,
+      doc="softmax(scale*(q_nope.k_nope + q_pe.k_pe)) v over the causal context (or the selected positions); "
+          "absorbed: q~ = [W_UK^T q_nope; q_pe] against latent rows; decompressed: k_nope, v = W_UK c, W_UV c")
+
+
+def _quant_infer(a, at):
+    return [a.x.with_dtype(f8e4m3), TensorType(f32, a.x.shape[:-1])]
+
+
+defop("quantize_fp8_pow2", ["x"], ["q", "scale"], _quant_infer, lambda a, at: formats.quantize_fp8_pow2(a.x),
+      flops=lambda a, o, at: 3 * a.x.numel(),
+      doc="FP8 e4m3 per row (last axis) with scale 2^ceil(log2(max(amax,1e-4)/448)) (SPEC §5.4)")
+
+
+def _indexer_infer(a, at):
+    t, hi, di = a.q.shape
+    expect(a.q.dtype == f8e4m3 and a.keys.dtype == f8e4m3, f"indexer: q {a.q} and keys {a.keys} must be f8e4m3")
+    expect(shapes_equal(a.q_scale.shape, (t, hi)) and shapes_equal(a.w.shape, (t, hi)),
+           f"indexer: q_scale {a.q_scale} and w {a.w} must be [{t},{hi}]")
+    expect(shapes_equal(a.keys.shape[1:], (di,)) and shapes_equal(a.key_scale.shape, a.keys.shape[:1]),
+           f"indexer: keys {a.keys} / key_scale {a.key_scale} must be [N,{di}] / [N]")
+    expect(at["topk"] > 0, "indexer: topk must be positive")
+    return [TensorType(i64, (t, at["topk"]))]
+
+
+def _indexer_ref(a, at):
+    q = formats.dequantize_fp8(a.q, a.q_scale).to(a.w.dtype)
+    k = formats.dequantize_fp8(a.keys, a.key_scale).to(a.w.dtype)
+    sel, _ = ref_indexer.indexer_topk(q, a.w, k, a.token_pos, a.token_req, a.req_base, at["topk"])
+    return sel
+
+
+defop("indexer_topk", ["q", "q_scale", "w", "keys", "key_scale", "token_pos", "token_req", "req_base"], ["selection"],
+      _indexer_infer, _indexer_ref, attrs={"topk": attr(int)},
+      flops=lambda a, o, at: 2 * a.q.shape[0] * a.q.shape[1] * CONTEXT * (a.q.shape[2] + 1),
+      bytes=lambda a, o, at: a.q.nbytes() + a.w.nbytes() + o[0].nbytes()
+      + a.q.shape[0] * CONTEXT * (a.keys.shape[1] * a.keys.dtype.bits / 8 + 4),
+      doc="I(t,s) = sum_j w_j relu(deq(q_j) . deq(k_s)) over s <= t; top-k positions (ties to the lower "
+          "position) ascending, -1 padded when the context is shorter than topk")

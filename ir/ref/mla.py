@@ -1,0 +1,106 @@
+"""Literal torch reference semantics of MLA attention over a latent cache pool (SPEC §4).
+
+Context rule (shared with ``ir.ref.indexer``): token i of request r = token_req[i] at position
+p_i = token_pos[i] attends to positions 0..p_i of its request, stored at pool rows
+req_base[r] + p; or, when ``selection`` is given, exactly the positions listed in selection[i]
+(entries -1 are padding; entries are positions, not pool rows, must be distinct and <= p_i).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["mla_attention", "context_positions"]
+
+# Upper bound on the elements of one token block's gathered-context intermediates; the
+# reference processes tokens in blocks so that long prefill contexts stay within memory.
+_BLOCK_ELEMS = 1 << 26
+
+
+def context_positions(token_pos: torch.Tensor, selection: torch.Tensor | None):
+    """(positions [B, L] int64, valid [B, L] bool) of each token's context.
+
+    Dense: L = max(token_pos)+1, positions 0..L-1, valid where position <= token_pos.
+    Selection: positions = selection, valid where selection >= 0; raises ValueError when a
+    valid entry is > token_pos (non-causal).
+    """
+    tp = token_pos.to(torch.int64)
+    if selection is None:
+        L = int(tp.max().item()) + 1 if tp.numel() else 0
+        pos = torch.arange(L, device=tp.device, dtype=torch.int64).expand(tp.numel(), L)
+        valid = pos <= tp.unsqueeze(1)
+        return pos, valid
+    sel = selection.to(device=tp.device, dtype=torch.int64)
+    if sel.dim() != 2 or sel.shape[0] != tp.numel():
+        raise ValueError(f"selection must be [B, K], got {tuple(sel.shape)}")
+    valid = sel >= 0
+    if bool((valid & (sel > tp.unsqueeze(1))).any()):
+        raise ValueError("selection holds a position after the token's own (non-causal)")
+    return sel, valid
+
+
+def _token_blocks(n_tokens: int, per_token: int):
+    bs = max(1, _BLOCK_ELEMS // max(1, per_token))
+    for s in range(0, n_tokens, bs):
+        yield s, min(n_tokens, s + bs)
+
+
+def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                  kv_b_w: torch.Tensor, token_pos: torch.Tensor, token_req: torch.Tensor,
+                  req_base: torch.Tensor, scale: float, selection: torch.Tensor | None = None,
+                  form: str = "absorbed") -> torch.Tensor:
+    """MLA attention for a ragged batch of tokens against a latent cache pool.
+
+    q_nope [B, H, dn], q_pe [B, H, dr]; latent [N, kv+dr] pool rows = [c_KV (normalised); k_pe];
+    kv_b_w [H*(dn+dv), kv] in DeepSeek's kv_b_proj layout (view(H, dn+dv, kv): first dn rows of
+    head h are W_UK^h, next dv rows W_UV^h).  token_pos/token_req [B], req_base [R].
+
+    score_h(t,s) = scale*(q_nope^h . W_UK^h c(s) + q_pe^h . k_pe(s)); p = softmax over the
+    context; o^h = sum_s p(s) W_UV^h c(s).
+      form="absorbed":     q~ = [W_UK^T q_nope ; q_pe] against latent rows, o~ = sum p c, o = W_UV o~.
+      form="decompressed": k_nope, v materialised per context token.
+    The current token's own latent row must already be in the pool.  Computes in q_nope's
+    dtype (latent / kv_b_w are cast to it).  Returns o [B, H, dv].
+    """
+    if form not in ("absorbed", "decompressed"):
+        raise ValueError(f"form must be 'absorbed' or 'decompressed', got {form!r}")
+    B, H, dn = q_nope.shape
+    dr = q_pe.shape[-1]
+    dt, dev = q_nope.dtype, q_nope.device
+    kv = kv_b_w.shape[1]
+    if latent.shape[1] != kv + dr:
+        raise ValueError(f"latent rows must be kv+dr = {kv + dr} wide, got {latent.shape[1]}")
+    if kv_b_w.shape[0] % H:
+        raise ValueError("kv_b_w rows must be a multiple of H")
+    dv = kv_b_w.shape[0] // H - dn
+    Wkv = kv_b_w.to(dt).view(H, dn + dv, kv)
+    W_UK, W_UV = Wkv[:, :dn], Wkv[:, dn:]                    # [H, dn, kv], [H, dv, kv]
+    q_pe = q_pe.to(dt)
+
+    pos, valid = context_positions(token_pos.to(dev), selection)
+    if B and not bool(valid.any(dim=1).all()):
+        raise ValueError("a token has an empty attention context")
+    base = req_base.to(device=dev, dtype=torch.int64)[token_req.to(device=dev,
+                                                                  dtype=torch.int64)]
+    o = q_nope.new_zeros(B, H, dv)
+    L = pos.shape[1]
+    per_tok = L * (kv + dr + H * (dn + dv + 1))
+    for s, e in _token_blocks(B, per_tok):
+        m = valid[s:e]
+        rows = base[s:e].unsqueeze(1) + torch.where(m, pos[s:e], 0)     # [b, L]
+        ctx = latent[rows].to(dt)                                        # [b, L, kv+dr]
+        c, kpe = ctx[..., :kv], ctx[..., kv:]
+        rope_part = torch.einsum("bhr,blr->bhl", q_pe[s:e], kpe)
+        if form == "absorbed":
+            q_abs = torch.einsum("bhn,hnk->bhk", q_nope[s:e], W_UK)     # W_UK^T q_nope
+            logits = scale * (torch.einsum("bhk,blk->bhl", q_abs, c) + rope_part)
+            p = torch.softmax(logits.masked_fill(~m.unsqueeze(1), float("-inf")), dim=-1)
+            o_lat = torch.einsum("bhl,blk->bhk", p, c)
+            o[s:e] = torch.einsum("bhk,hvk->bhv", o_lat, W_UV)
+        else:
+            k_nope = torch.einsum("blk,hnk->blhn", c, W_UK)
+            v = torch.einsum("blk,hvk->blhv", c, W_UV)
+            logits = scale * (torch.einsum("bhn,blhn->bhl", q_nope[s:e], k_nope) + rope_part)
+            p = torch.softmax(logits.masked_fill(~m.unsqueeze(1), float("-inf")), dim=-1)
+            o[s:e] = torch.einsum("bhl,blhv->bhv", p, v)
+    return o

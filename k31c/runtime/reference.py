@@ -1,0 +1,228 @@
+"""The simple runtime path: executes the model's IR with the reference interpreter.
+
+Caches are per-request contiguous: a request owns rows [base, base + capacity) of every MLA/indexer
+pool and one row (its slot) of every KDA state pool. The pools are read from the module's function
+signatures (every input after the step metadata), so this runtime knows nothing about the model.
+
+    rt = ReferenceRuntime(module, weights, max_rows=1024, max_requests=4)
+    rt.add_request("a", capacity=64)
+    logits = rt.prefill({"a": [1, 2, 3]})          # [3, vocab]
+    logits = rt.decode({"a": 7})                    # [1, vocab]
+    out = generate(rt, [[1, 2, 3]], SamplingParams(max_new_tokens=8))
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import torch
+
+from ir.core import Module
+from ir.dtypes import WIDENED_FLOATS
+from ir.interpreter import Interpreter
+from ir.shapes import evaluate
+
+from .sampling import Sampler, SamplingParams
+
+METADATA = ("tokens", "token_pos", "token_req", "cu_seqlens", "req_base", "state_slot")
+
+
+class RequestError(ValueError):
+    """A request or step the runtime cannot serve; the message says which and why."""
+
+
+@dataclass
+class _Request:
+    rid: str
+    base: int
+    slot: int
+    capacity: int
+    length: int = 0
+
+
+@dataclass
+class _RowAllocator:
+    """First-fit allocator of contiguous pool rows."""
+
+    size: int
+    free: list[tuple[int, int]] = field(default_factory=list)  # (start, length), sorted
+
+    def __post_init__(self):
+        self.free = [(0, self.size)]
+
+    def alloc(self, n: int) -> int | None:
+        for i, (start, length) in enumerate(self.free):
+            if length >= n:
+                self.free[i:i + 1] = [(start + n, length - n)] if length > n else []
+                return start
+        return None
+
+    def release(self, start: int, n: int):
+        self.free.append((start, n))
+        self.free.sort()
+        merged = []
+        for s, n_ in self.free:
+            if merged and merged[-1][0] + merged[-1][1] == s:
+                merged[-1] = (merged[-1][0], merged[-1][1] + n_)
+            else:
+                merged.append((s, n_))
+        self.free = merged
+
+
+class ReferenceRuntime:
+    def __init__(self, module: Module, weights: Mapping, *, max_rows: int = 4096, max_requests: int = 8,
+                 compute_dtype: torch.dtype = torch.float32, device: str = "cpu"):
+        self.module = module
+        self.interp = Interpreter(module, weights, compute_dtype, device)
+        self.device, self.compute_dtype = torch.device(device), compute_dtype
+        fn = module.function("prefill")
+        names = [v.name for v in fn.inputs]
+        if tuple(names[:len(METADATA)]) != METADATA:
+            raise RequestError(f"module @{module.name}: prefill inputs must start with {METADATA}, found {names[:6]}")
+        self.vocab_size = int(fn.outputs[0].type.shape[1])
+        self.max_context = int(_module_config(module).get("max_position_embeddings", 1 << 62))
+        env = {"N": max_rows, "S": max_requests}
+        self.pools: dict[str, torch.Tensor] = {}
+        for v in fn.inputs[len(METADATA):]:
+            dims = [evaluate(d, env) for d in v.type.shape]
+            dt = compute_dtype if v.type.dtype.name in WIDENED_FLOATS else v.type.dtype.torch_dtype
+            self.pools[v.name] = torch.zeros(dims, dtype=dt, device=self.device)
+        self.state_pools = [n for n, t in self.pools.items() if _leading_symbol(fn, n) == "S"]
+        self.rows = _RowAllocator(max_rows)
+        self.free_slots = list(range(max_requests))
+        self.requests: dict[str, _Request] = {}
+
+    # ---- request lifetime --------------------------------------------------------------------
+    def add_request(self, rid: str, capacity: int):
+        if rid in self.requests:
+            raise RequestError(f"request {rid!r} already exists")
+        if capacity > self.max_context:
+            raise RequestError(f"request {rid!r}: {capacity} tokens exceed the model context {self.max_context}")
+        if not self.free_slots:
+            raise RequestError(f"request {rid!r}: all {len(self.requests)} request slots are in use")
+        base = self.rows.alloc(capacity)
+        if base is None:
+            raise RequestError(f"request {rid!r}: no {capacity} contiguous free cache rows "
+                                f"(pool has {self.rows.size}; free ranges {self.rows.free})")
+        slot = self.free_slots.pop(0)
+        for name in self.state_pools:
+            self.pools[name][slot].zero_()
+        self.requests[rid] = _Request(rid, base, slot, capacity)
+
+    def release(self, rid: str):
+        r = self.requests.pop(rid, None)
+        if r is None:
+            raise RequestError(f"unknown request {rid!r}")
+        self.rows.release(r.base, r.capacity)
+        self.free_slots.append(r.slot)
+        self.free_slots.sort()
+
+    def length(self, rid: str) -> int:
+        return self.requests[rid].length
+
+    # ---- steps -------------------------------------------------------------------------------
+    def prefill(self, chunks: Mapping[str, Sequence[int]]) -> torch.Tensor:
+        return self.step("prefill", chunks)
+
+    def decode(self, tokens: Mapping[str, int]) -> torch.Tensor:
+        return self.step("decode", {rid: [t] for rid, t in tokens.items()})
+
+    def verify(self, drafts: Mapping[str, Sequence[int]]) -> torch.Tensor:
+        return self.step("verify", drafts)
+
+    def step(self, fn: str, chunks: Mapping[str, Sequence[int]]) -> torch.Tensor:
+        """Run one entry function over {request: new tokens}; returns logits [total tokens, vocab]."""
+        meta = self._metadata(fn, chunks)
+        outs = self.interp.run(fn, {**meta, **self.pools})
+        for name, t in zip(self.pools, outs[1:]):
+            self.pools[name] = t
+        for rid, toks in chunks.items():
+            self.requests[rid].length += len(toks)
+        return outs[0]
+
+    def _metadata(self, fn: str, chunks: Mapping[str, Sequence[int]]) -> dict[str, torch.Tensor]:
+        problems = []
+        if not chunks:
+            problems.append("a step needs at least one request")
+        limit = self.module.function(fn).attrs.get("max_tokens_per_request")
+        tokens, pos, req, cu, base, slot = [], [], [], [0], [], []
+        for r_index, (rid, toks) in enumerate(chunks.items()):
+            r = self.requests.get(rid)
+            if r is None:
+                problems.append(f"unknown request {rid!r}")
+                continue
+            toks = [int(t) for t in toks]
+            if not toks:
+                problems.append(f"request {rid!r}: no tokens in this step")
+            if limit is not None and len(toks) > limit:
+                problems.append(f"request {rid!r}: {fn} takes at most {limit} tokens per request, got {len(toks)}")
+            bad = [t for t in toks if not 0 <= t < self.vocab_size]
+            if bad:
+                problems.append(f"request {rid!r}: token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+            if r.length + len(toks) > r.capacity:
+                problems.append(f"request {rid!r}: {r.length} cached + {len(toks)} new tokens exceed its "
+                                f"capacity {r.capacity}")
+            tokens += toks
+            pos += range(r.length, r.length + len(toks))
+            req += [r_index] * len(toks)
+            cu.append(cu[-1] + len(toks))
+            base.append(r.base)
+            slot.append(r.slot)
+        if problems:
+            raise RequestError(f"{fn} step rejected: " + "; ".join(problems))
+
+        def t(x):
+            return torch.tensor(x, dtype=torch.int64, device=self.device)
+
+        return {"tokens": t(tokens), "token_pos": t(pos), "token_req": t(req), "cu_seqlens": t(cu),
+                "req_base": t(base), "state_slot": t(slot)}
+
+
+def generate(rt: ReferenceRuntime, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+             prefill_chunk: int | None = None) -> list[list[int]]:
+    """Prefill every prompt (in chunks of `prefill_chunk` tokens if given), then decode them together."""
+    plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    rids = [f"req{i}" for i in range(len(prompts))]
+    samplers, outputs = {}, {}
+    for rid, prompt, p in zip(rids, prompts, plist):
+        if len(prompt) == 0:
+            raise ValueError(f"{rid}: empty prompt; give at least one token")
+        rt.add_request(rid, len(prompt) + p.max_new_tokens)
+        samplers[rid], outputs[rid] = Sampler(p), []
+    try:
+        last = {}
+        step = prefill_chunk or max(len(p) for p in prompts)
+        for start in range(0, max(len(p) for p in prompts), step):
+            chunks = {rid: list(pr[start:start + step]) for rid, pr in zip(rids, prompts) if len(pr) > start}
+            logits = rt.prefill(chunks)
+            ends = torch.tensor([len(c) for c in chunks.values()]).cumsum(0) - 1
+            last.update({rid: logits[e] for rid, e in zip(chunks, ends.tolist())})
+        active = [rid for rid, p in zip(rids, plist) if p.max_new_tokens > 0]
+        while active:
+            nxt = {}
+            for rid in active:
+                tok = samplers[rid].sample(last[rid])
+                outputs[rid].append(tok)
+                p = samplers[rid].params
+                if tok not in p.stop_token_ids and len(outputs[rid]) < p.max_new_tokens:
+                    nxt[rid] = tok
+            active = list(nxt)
+            if active:
+                logits = rt.decode(nxt)
+                last = {rid: logits[i] for i, rid in enumerate(active)}
+    finally:
+        for rid in rids:
+            if rid in rt.requests:
+                rt.release(rid)
+    return [outputs[rid] for rid in rids]
+
+
+def _module_config(module: Module) -> dict:
+    return json.loads(module.attrs.get("config", "{}"))
+
+
+def _leading_symbol(fn, name: str) -> str:
+    v = fn.input(name)
+    return str(v.type.shape[0])

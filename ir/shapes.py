@@ -10,6 +10,7 @@ import re
 from functools import lru_cache
 
 import sympy
+from sympy.printing.str import StrPrinter
 
 Dim = sympy.Expr
 Shape = tuple  # tuple[Dim, ...]
@@ -38,8 +39,17 @@ def shape(dims) -> Shape:
     return tuple(as_dim(d) for d in dims)
 
 
+class _DimPrinter(StrPrinter):
+    """sympy's str form, except floor(a/b) prints as `(a//b)` so that parse_dim reads it back."""
+
+    def _print_floor(self, e):
+        num, den = sympy.fraction(sympy.together(e.args[0]))
+        wrap = lambda x: self._print(x) if x.is_Atom else f"({self._print(x)})"  # noqa: E731
+        return f"({wrap(num)}//{wrap(den)})"
+
+
 def dim_str(d: Dim) -> str:
-    return str(d).replace(" ", "")
+    return _DimPrinter().doprint(d).replace(" ", "")
 
 
 def shape_str(s: Shape) -> str:

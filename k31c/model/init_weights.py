@@ -230,3 +230,19 @@ def run_init_weights(args) -> int:
 
 
 __all__ = ["init_weights", "add_init_weights_parser", "run_init_weights"]
+
+
+def random_weights(cfg: ModelConfig, seed: int = 0) -> dict:
+    """The canonical weights `load_checkpoint(init_weights(cfg, dir, seed))` would return, built in
+    memory (same values, same storage dtypes; MXFP4 experts as `PackedMXFP4`)."""
+    from ir.formats import quantize_mxfp4
+    from ir.packed import PackedMXFP4
+
+    out: dict = {}
+    for spec in param_specs(cfg):
+        values = _draw(spec, seed)
+        if spec.format == "mxfp4":
+            out[spec.name] = PackedMXFP4(*quantize_mxfp4(values.to(torch.bfloat16)))
+        else:
+            out[spec.name] = values.to(_DTYPES[spec.format])
+    return out

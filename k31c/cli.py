@@ -1,0 +1,279 @@
+"""`k31c` command line: thin — parse, resolve, say what will happen, call the library.
+
+    k31c run --model k31-tiny --prompt "hello" --max-new-tokens 16
+    k31c logits --model k31-tiny --tokens 1,2,3 --out logits.safetensors [--decode-from 2]
+    k31c init-weights --preset k31-tiny -o ckpt/ [--mxfp4] [--k3-names] [--shards 3]
+    k31c ir --model k31-tiny [--function decode] [-o model.ir]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+EXAMPLES = {
+    "run": "examples:\n  k31c run --model k31-tiny --prompt 'Kimi says' --max-new-tokens 16\n"
+           "  k31c run --model ckpt/ --prompt-tokens 1,2,3 --temperature 0.8 --top-p 0.9 --seed 1",
+    "logits": "examples:\n  k31c logits --model k31-tiny --tokens 1,2,3,4 --out /tmp/logits.safetensors\n"
+              "  k31c logits --model ckpt/ --tokens 1,2,3,4 --decode-from 2 --out /tmp/dec.safetensors",
+    "ir": "examples:\n  k31c ir --model k31-pro --function decode -o k31-pro.decode.ir\n  k31c ir --model ckpt/ --verify",
+}
+
+
+class UsageError(ValueError):
+    """Bad command-line input; all problems found are listed together."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(f"  - {p}" for p in problems) if len(problems) > 1 else problems[0])
+
+
+def _add_model_args(p: argparse.ArgumentParser):
+    p.add_argument("--model", required=True, help="checkpoint directory or preset name (random weights)")
+    p.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights (default 0)")
+    p.add_argument("--dtype", choices=("fp32", "fp64"), default="fp32", help="reference compute dtype")
+    p.add_argument("--device", default="cpu", help="torch device for the reference interpreter (cpu, cuda)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .model.init_weights import add_init_weights_parser
+
+    ap = argparse.ArgumentParser(prog="k31c", description="k31c: compiler and runtime for Kimi K3 / K3.1 Pro models",
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+    fmt = argparse.RawDescriptionHelpFormatter
+
+    p = sub.add_parser("run", help="generate from a prompt", epilog=EXAMPLES["run"], formatter_class=fmt)
+    _add_model_args(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (byte-level tokenizer)")
+    src.add_argument("--prompt-tokens", help="comma-separated token ids")
+    src.add_argument("--prompts-file", help="file with one prompt per line (run together as a batch)")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--sample-seed", type=int, default=0, help="seed of the sampler")
+    p.add_argument("--prefill-chunk", type=int, default=None, help="prefill in chunks of this many tokens")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("logits", help="write the logits of a prompt to a safetensors file",
+                       epilog=EXAMPLES["logits"], formatter_class=fmt)
+    _add_model_args(p)
+    p.add_argument("--tokens", required=True, help="comma-separated token ids")
+    p.add_argument("--out", required=True, help="output .safetensors (tensor `logits`, fp32 [T, vocab])")
+    p.add_argument("--decode-from", type=int, default=None,
+                   help="prefill the first N tokens, compute the rest by decode steps")
+    p.set_defaults(func=cmd_logits)
+
+    p = sub.add_parser("ir", help="print the model's IR (text form)", epilog=EXAMPLES["ir"], formatter_class=fmt)
+    p.add_argument("--model", required=True, help="checkpoint directory, config.json, or preset name")
+    p.add_argument("--function", default=None, help="print only this entry function (prefill, decode, verify)")
+    p.add_argument("-o", "--out", default=None, help="write to this file instead of stdout")
+    p.add_argument("--verify", action="store_true", help="run the verifier and report")
+    p.set_defaults(func=cmd_ir)
+
+    add_init_weights_parser(sub)
+    return ap
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+def parse_token_list(text: str, what: str, problems: list[str]) -> list[int]:
+    parts = [t.strip() for t in text.split(",") if t.strip()]
+    if not parts:
+        problems.append(f"{what} is empty; give comma-separated token ids, e.g. {what} 1,2,3")
+        return []
+    out = []
+    for t in parts:
+        try:
+            out.append(int(t))
+        except ValueError:
+            problems.append(f"{what}: {t!r} is not an integer token id")
+    return out
+
+
+def check_tokens(tokens: list[int], vocab: int, what: str, problems: list[str]):
+    bad = [t for t in tokens if not 0 <= t < vocab]
+    if bad:
+        problems.append(f"{what}: token ids {bad[:8]} outside the model's vocabulary [0, {vocab})")
+
+
+def check_out_path(path: str, problems: list[str]):
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        problems.append(f"--out {path}: folder {folder} does not exist (create it first: mkdir -p {folder})")
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {"fp32": torch.float32, "fp64": torch.float64}[name]
+
+
+def _runtime(model, args, rows: int, requests: int):
+    from .model.build import build_module
+    from .runtime.reference import ReferenceRuntime
+
+    module = build_module(model.config)
+    return ReferenceRuntime(module, model.weights, max_rows=rows, max_requests=requests,
+                            compute_dtype=_torch_dtype(args.dtype), device=args.device)
+
+
+def _say(msg: str):
+    print(msg, file=sys.stderr)
+
+
+# ---- commands ----------------------------------------------------------------------------------
+def cmd_logits(args) -> int:
+    import torch
+    from safetensors.torch import save_file
+
+    from .model import load_model
+
+    problems: list[str] = []
+    tokens = parse_token_list(args.tokens, "--tokens", problems)
+    check_out_path(args.out, problems)
+    if args.decode_from is not None and tokens and not 1 <= args.decode_from <= len(tokens):
+        problems.append(f"--decode-from {args.decode_from} must be in 1..{len(tokens)} (number of prompt tokens)")
+    model = None
+    try:
+        model = load_model(args.model, args.seed)
+    except ValueError as e:
+        problems.append(str(e))
+    if model is not None:
+        check_tokens(tokens, model.config.vocab_size, "--tokens", problems)
+    if problems:
+        raise UsageError(problems)
+    _say(f"k31c logits: {model.source}, {len(tokens)} tokens, {args.dtype} reference interpreter on {args.device}")
+    rt = _runtime(model, args, rows=len(tokens), requests=1)
+    rt.add_request("r", len(tokens))
+    n = len(tokens) if args.decode_from is None else args.decode_from
+    rows = [rt.prefill({"r": tokens[:n]})]
+    rows += [rt.decode({"r": t}) for t in tokens[n:]]
+    logits = torch.cat(rows).to("cpu", torch.float32).contiguous()
+    save_file({"logits": logits}, args.out, metadata={"model": model.source, "tokens": ",".join(map(str, tokens)),
+                                                      "decode_from": str(n)})
+    _say(f"wrote {args.out}: logits fp32 {list(logits.shape)}")
+    return 0
+
+
+def cmd_run(args) -> int:
+    from .model import load_model
+    from .runtime.reference import generate
+    from .runtime.sampling import SamplingParams
+    from .runtime.tokenizer import ByteTokenizer
+
+    problems: list[str] = []
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.sample_seed,
+                            max_new_tokens=args.max_new_tokens)
+    problems += params.problems()
+    if args.prefill_chunk is not None and args.prefill_chunk <= 0:
+        problems.append(f"--prefill-chunk must be positive, found {args.prefill_chunk}")
+    model = None
+    try:
+        model = load_model(args.model, args.seed)
+    except ValueError as e:
+        problems.append(str(e))
+    tok = None
+    if model is not None:
+        try:
+            tok = ByteTokenizer(model.config.vocab_size)
+        except ValueError as e:
+            problems.append(str(e))
+    prompts: list[list[int]] = []
+    if args.prompt_tokens is not None:
+        prompts = [parse_token_list(args.prompt_tokens, "--prompt-tokens", problems)]
+    elif args.prompts_file is not None:
+        if not os.path.isfile(args.prompts_file):
+            problems.append(f"--prompts-file {args.prompts_file}: no such file")
+        else:
+            lines = [ln.rstrip("\n") for ln in open(args.prompts_file, encoding="utf-8")]
+            prompts = [tok.encode(ln) for ln in lines if ln] if tok else []
+            if not any(lines):
+                problems.append(f"--prompts-file {args.prompts_file} has no non-empty line")
+    elif args.prompt is not None:
+        if args.prompt == "":
+            problems.append("--prompt is empty; give at least one character")
+        elif tok:
+            prompts = [tok.encode(args.prompt)]
+    if model is not None:
+        for i, p in enumerate(prompts):
+            check_tokens(p, model.config.vocab_size, f"prompt {i}", problems)
+    if problems:
+        raise UsageError(problems)
+    longest = max(len(p) for p in prompts) + args.max_new_tokens
+    _say(f"k31c run: {model.source}; {len(prompts)} prompt(s), up to {args.max_new_tokens} new tokens, "
+         f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature}, top-p {args.top_p}'}; "
+         f"reference interpreter ({args.dtype}, {args.device})")
+    rt = _runtime(model, args, rows=longest * len(prompts), requests=len(prompts))
+    t0 = time.perf_counter()
+    outs = generate(rt, prompts, params, prefill_chunk=args.prefill_chunk)
+    dt = time.perf_counter() - t0
+    for p, o in zip(prompts, outs):
+        if args.json:
+            print(json.dumps({"prompt_tokens": p, "output_tokens": o, "text": tok.decode(o)}))
+        else:
+            print(f"{tok.decode(p)}\x1b[1m{tok.decode(o)}\x1b[0m" if sys.stdout.isatty() else tok.decode(p) + tok.decode(o))
+            print(f"  tokens: {o}")
+    _say(f"generated {sum(map(len, outs))} tokens in {dt:.2f} s")
+    return 0
+
+
+def cmd_ir(args) -> int:
+    from ir.printer import print_function, print_module
+    from ir.verifier import verify
+
+    from .model import load_model
+    from .model.build import build_module
+    from .model.config import ModelConfig
+    from .model.presets import PRESETS, get_preset
+
+    if args.model in PRESETS:
+        cfg = get_preset(args.model)
+    elif os.path.isfile(args.model) or os.path.isfile(os.path.join(args.model, "config.json")):
+        path = args.model if os.path.isfile(args.model) else os.path.join(args.model, "config.json")
+        with open(path, encoding="utf-8") as f:
+            cfg = ModelConfig.from_hf(json.load(f), source=path)
+    else:
+        cfg = load_model(args.model).config  # raises the standard error naming presets
+    m = build_module(cfg)
+    if args.function is not None and args.function not in m.functions:
+        raise UsageError([f"--function {args.function!r}: the module has {', '.join(m.functions)}"])
+    text = print_function(m.functions[args.function]) + "\n" if args.function else print_module(m)
+    if args.verify:
+        verify(m)
+        _say(f"verified @{m.name}: {sum(m.op_counts().values())} nodes, {len(m.params)} params")
+    if args.out:
+        problems: list[str] = []
+        check_out_path(args.out, problems)
+        if problems:
+            raise UsageError(problems)
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text)
+        _say(f"wrote {args.out} ({len(text.splitlines())} lines)")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ir.verifier import VerifyError
+
+    from .model.checkpoint import CheckpointError
+    from .model.config import ConfigError
+    from .runtime.reference import RequestError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (UsageError, ConfigError, CheckpointError, RequestError, VerifyError) as e:
+        print(f"k31c {args.command}: error:\n{e}" if "\n" in str(e) else f"k31c {args.command}: error: {e}",
+              file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

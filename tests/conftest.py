@@ -1,0 +1,26 @@
+"""Shared fixtures: built modules and random weights of the tiny presets (built once per session)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model(preset: str, seed: int = 0):
+    from k31c.model.build import build_module
+    from k31c.model.init_weights import random_weights
+    from k31c.model.presets import get_preset
+
+    cfg = get_preset(preset)
+    return cfg, build_module(cfg), random_weights(cfg, seed)
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    return tiny_model

@@ -72,6 +72,21 @@ class _Tokens:
         return False
 
 
+def _comma(t: _Tokens, close: str):
+    """Between list items: a ',' or else the closing bracket was expected."""
+    if not t.accept("punct", ","):
+        raise t.error(f"',' or '{close}'")
+
+
+def _type(t: _Tokens) -> TensorType:
+    pos = t.peek()[2]
+    tok = t.take("type")
+    try:
+        return _parse_type(tok)
+    except ValueError as e:
+        raise ParseError(f"{t._where(pos)}: bad type {tok}: {e}") from None
+
+
 def _parse_type(tok: str) -> TensorType:
     name, dims = tok[:-1].split("[", 1)
     parts = [d for d in dims.split(",")] if dims.strip() else []
@@ -95,7 +110,7 @@ def _attr_value(t: _Tokens):
         out = []
         while not t.accept("punct", "]"):
             if out:
-                t.take("punct", ",")
+                _comma(t, "]")
             out.append(_attr_value(t))
         return out
     raise t.error("an attribute value")
@@ -106,7 +121,7 @@ def _attrs(t: _Tokens) -> dict:
     t.take("punct", "{")
     while not t.accept("punct", "}"):
         if out:
-            t.take("punct", ",")
+            _comma(t, "}")
         key = t.take("ident")
         t.take("punct", "=")
         out[key] = _attr_value(t)
@@ -117,9 +132,10 @@ class _Scope:
     def __init__(self, module: Module, t: _Tokens):
         self.module, self.t, self.values = module, t, {}
 
-    def define(self, v: Value):
+    def define(self, v: Value, pos: int | None = None):
         if v.name in self.values:
-            raise ParseError(f"{self.t._where(self.t.peek()[2])}: value %{v.name} defined twice")
+            where = self.t._where(self.t.peek()[2] if pos is None else pos)
+            raise ParseError(f"{where}: value %{v.name} defined twice")
         self.values[v.name] = v
 
     def operand(self) -> Value:
@@ -142,11 +158,12 @@ def _signature(t: _Tokens, scope: _Scope) -> list[Value]:
     out: list[Value] = []
     while not t.accept("punct", ")"):
         if out:
-            t.take("punct", ",")
+            _comma(t, ")")
+        pos = t.peek()[2]
         name = t.take("value")[1:]
         t.take("punct", ":")
-        v = Value(name, _parse_type(t.take("type")))
-        scope.define(v)
+        v = Value(name, _type(t))
+        scope.define(v, pos)
         out.append(v)
     return out
 
@@ -165,8 +182,10 @@ def _body(t: _Tokens, scope: _Scope, fn: Function):
 
 
 def _statement(t: _Tokens, scope: _Scope) -> Node:
+    positions = [t.peek()[2]]
     names = [t.take("value")[1:]]
     while t.accept("punct", ","):
+        positions.append(t.peek()[2])
         names.append(t.take("value")[1:])
     t.take("punct", "=")
     op = t.take("ident")
@@ -174,13 +193,13 @@ def _statement(t: _Tokens, scope: _Scope) -> Node:
     inputs: list[Value] = []
     while not t.accept("punct", ")"):
         if inputs:
-            t.take("punct", ",")
+            _comma(t, ")")
         inputs.append(scope.operand())
     attrs = _attrs(t) if t.peek()[:2] == ("punct", "{") else {}
     t.take("punct", ":")
-    types = [_parse_type(t.take("type"))]
+    types = [_type(t)]
     while t.accept("punct", ","):
-        types.append(_parse_type(t.take("type")))
+        types.append(_type(t))
     if len(types) != len(names):
         raise t.error(f"{len(names)} result types")
     node = Node(op, inputs, attrs)
@@ -191,9 +210,9 @@ def _statement(t: _Tokens, scope: _Scope) -> Node:
         t.take("punct", "{")
         _body(t, inner, body)
         node.body = body
-    for name, ty in zip(names, types):
+    for name, ty, pos in zip(names, types, positions):
         v = Value(name, ty, node)
-        scope.define(v)
+        scope.define(v, pos)
         node.outputs.append(v)
     return node
 
@@ -212,7 +231,7 @@ def parse_module(text: str) -> Module:
         elif kw == "param":
             name = t.take("param")[1:]
             t.take("punct", ":")
-            ty = _parse_type(t.take("type"))
+            ty = _type(t)
             attrs = _attrs(t) if t.peek()[:2] == ("punct", "{") else {}
             shard = attrs.pop("shard", "rep")
             m.add_param(Param(name, ty, shard, attrs))
@@ -232,18 +251,19 @@ def _function(t: _Tokens, m: Module) -> Function:
     f = Function(name)
     f.inputs = _signature(t, scope)
     t.take("arrow")
+    decl_pos = t.peek()[2]
     t.take("punct", "(")
     declared = []
     while not t.accept("punct", ")"):
         if declared:
-            t.take("punct", ",")
-        declared.append(_parse_type(t.take("type")))
+            _comma(t, ")")
+        declared.append(_type(t))
     if t.accept("ident", "attrs"):
         f.attrs = _attrs(t)
     t.take("punct", "{")
     _body(t, scope, f)
     got = [v.type for v in f.outputs]
     if len(got) != len(declared) or not all(a.same_as(b) for a, b in zip(got, declared)):
-        raise ParseError(f"function @{name}: declared results ({', '.join(map(str, declared))}) "
-                         f"but returns ({', '.join(map(str, got))})")
+        raise ParseError(f"{t._where(decl_pos)}: function @{name}: expected the declared results "
+                         f"({', '.join(map(str, declared))}), but it returns ({', '.join(map(str, got))})")
     return f

@@ -1,7 +1,8 @@
 """Symbolic shapes: tuples of sympy expressions over named, positive integer symbols.
 
 Dims print as plain text (`B`, `R + 1`, `4*B`) and parse back with a small safe parser (no eval):
-integers, symbol names, `+ - *`, `//` (floor division), parentheses.
+integers, symbol names, `+ - *`, `/` (exact division, e.g. `T/2` from a reshape's type rule),
+`//` (floor division, printed `(a//b)`), `**` with an integer exponent (sympy's `B**2`), parentheses.
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ def bind(declared: Shape, actual: tuple[int, ...], env: dict[str, int], what: st
             continue
         if free:  # e.g. R+1 with R unknown: solve the single linear unknown
             (s,) = tuple(free) if len(free) == 1 else (None,)
-            sol = sympy.solve(sympy.Eq(d, n), s) if s is not None else []
+            known = d.subs({sym(k): v for k, v in env.items()})  # e.g. B*H with H bound: solve B
+            sol = sympy.solve(sympy.Eq(known, n), s) if s is not None else []
             if len(sol) != 1 or not sol[0].is_Integer:
                 raise ValueError(f"{what}: cannot infer {dim_str(d)} from size {n}")
             env[str(s)] = int(sol[0])
@@ -105,7 +107,7 @@ def bind(declared: Shape, actual: tuple[int, ...], env: dict[str, int], what: st
 
 
 # ---- safe parser for dimension expressions ---------------------------------------------------
-_TOKEN = re.compile(r"\s*(?:(\d+)|([A-Za-z_][A-Za-z0-9_]*)|(//|[-+*()]))")
+_TOKEN = re.compile(r"\s*(?:(\d+)|([A-Za-z_][A-Za-z0-9_]*)|(//|\*\*|[-+*/()]))")
 
 
 def parse_dim(text: str) -> Dim:
@@ -147,14 +149,32 @@ class _DimParser:
 
     def term(self):
         v = self.unary()
-        while self.peek() in ("*", "//"):
-            v = v * self.unary() if self.take() == "*" else sympy.floor(v / self.unary())
+        while self.peek() in ("*", "//", "/"):
+            op = self.take()
+            if op == "*":
+                v = v * self.unary()
+                continue
+            d = self.unary()
+            if d == 0:
+                raise ValueError(f"bad dimension expression {self.text!r}: division by zero")
+            # `/` is exact division, as a type rule may produce it (reshape [T,16] -> [-1,2,16] gives T/2)
+            v = v / d if op == "/" else sympy.floor(v / d)
         return v
 
     def unary(self):
         if self.peek() == "-":
             self.take()
             return -self.unary()
+        v = self.atom()
+        if self.peek() == "**":  # sympy prints B*B as B**2: a non-negative integer exponent only
+            self.take()
+            e = self.take()
+            if not e.isdigit():
+                raise ValueError(f"bad dimension expression {self.text!r}: '**' needs an integer exponent")
+            v = v ** int(e)
+        return v
+
+    def atom(self):
         tok = self.take()
         if tok == "(":
             v = self.expr()

@@ -58,17 +58,32 @@ def _verify_function(m: Module, f: Function, where: str, problems: list[str]):
             extra = symbols_of(o.type.shape) - syms
             if extra:
                 problems.append(f"{loc}: result {o.ref} uses shape symbols {sorted(extra)} not bound by the inputs")
-        op = OPS.get(n.op)
-        if op is not None:
-            for _, name in op.inplace.items():
-                i = op.operand_index(name)
-                if i < len(n.inputs) and not n.inputs[i].is_param:
-                    defined[n.inputs[i].name] = f"updated in place by node {idx} ({n.op})"
+        for i in consumed_operands(n):
+            if i < len(n.inputs) and not n.inputs[i].is_param:
+                defined[n.inputs[i].name] = f"updated in place by node {idx} ({n.op})"
     for v in f.outputs:
         if v.name not in defined:
             problems.append(f"{where}: returns undefined value %{v.name}")
         elif defined[v.name] != "live":
             problems.append(f"{where}: returns %{v.name}, which was {defined[v.name]}")
+
+
+def consumed_operands(n: Node) -> list[int]:
+    """Operand indices a node updates in place: declared by its op, or, for a node with a body,
+    the body inputs that an op inside the body updates in place."""
+    op = OPS.get(n.op)
+    if op is not None and n.body is None:
+        return [op.operand_index(name) for name in op.inplace.values()]
+    if n.body is None:
+        return []
+    body_index = {id(v): i for i, v in enumerate(n.body.inputs)}
+    out = []
+    for inner in n.body.nodes:
+        for i in consumed_operands(inner):
+            j = body_index.get(id(inner.inputs[i])) if i < len(inner.inputs) else None
+            if j is not None:
+                out.append(j)
+    return sorted(set(out))
 
 
 def _check_node(m: Module, n: Node, loc: str, problems: list[str]):

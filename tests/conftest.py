@@ -7,6 +7,11 @@ import os
 import sys
 
 import pytest
+import torch
+
+# Triton kernels run in the interpreter on CPU machines; it must be chosen before kernels are defined.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -14,8 +14,9 @@ chunk of 64); prefill + decode steps; chunked prefill over a cache mixed with a 
 batched decode. Every k31c row is compared with transformers' full forward of that prompt alone.
 
 transformers routes KDA / the short conv to fla's Triton kernels when `fla` imports, which fails on
-CPU: the modeling module is (re)imported with `sys.modules["fla"] = None` (restored afterwards) and
-the test checks that the torch reference functions were picked.
+CPU: the modeling module is (re)imported with `sys.modules["fla"] = None` (and `causal_conv1d`;
+both restored afterwards, as is any previously imported modeling module) and the test checks that
+the torch reference functions were picked (the choice is made once, at import).
 """
 
 from __future__ import annotations
@@ -45,30 +46,10 @@ HF_MODELING = "transformers.models.kimi_linear.modeling_kimi_linear"
 # transformers functions that dispatch to fla / causal_conv1d when those import
 _DISPATCHED = ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "causal_conv1d_fn",
                "causal_conv1d_update")
+_BLOCKED = ("fla", "causal_conv1d")  # packages transformers would pick over its torch references
 
 
 # ---------------------------------------------------------------------------------- transformers
-
-def _import_hf_torch_path():
-    """transformers' kimi_linear modeling module, freshly imported with `fla` blocked, so that its KDA
-    and short-conv functions resolve to the pure-torch references. sys.modules is restored."""
-    saved_fla = sys.modules.get("fla", _ABSENT)
-    saved_mod = sys.modules.pop(HF_MODELING, _ABSENT)
-    sys.modules["fla"] = None  # `import fla` raises ImportError -> transformers falls back to torch
-    try:
-        mod = importlib.import_module(HF_MODELING)
-    finally:
-        _restore("fla", saved_fla)
-        _restore(HF_MODELING, saved_mod)
-    for name in _DISPATCHED:
-        fn = getattr(mod, name)
-        cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
-        impl = cells.get("implementation", fn)
-        torch_fn = getattr(fn, "__wrapped__", fn)
-        assert impl is torch_fn, f"transformers' {name} dispatches to {impl!r}, not its torch reference"
-        assert cells.get("is_new_implementation", False) is False, name
-    return mod
-
 
 class _Absent:
     pass
@@ -82,6 +63,29 @@ def _restore(key: str, value):
         sys.modules.pop(key, None)
     else:
         sys.modules[key] = value
+
+
+def _import_hf_torch_path():
+    """transformers' kimi_linear modeling module, freshly imported with `fla` blocked, so that its KDA
+    and short-conv functions resolve to the pure-torch references. sys.modules is restored."""
+    saved = {k: sys.modules.get(k, _ABSENT) for k in _BLOCKED}
+    saved_mod = sys.modules.pop(HF_MODELING, _ABSENT)
+    for k in _BLOCKED:
+        sys.modules[k] = None  # `import fla` raises ImportError -> transformers falls back to torch
+    try:
+        mod = importlib.import_module(HF_MODELING)
+    finally:
+        for k, v in saved.items():
+            _restore(k, v)
+        _restore(HF_MODELING, saved_mod)
+    for name in _DISPATCHED:
+        fn = getattr(mod, name)
+        cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+        impl = cells.get("implementation", fn)
+        torch_fn = getattr(fn, "__wrapped__", fn)
+        assert impl is torch_fn, f"transformers' {name} dispatches to {impl!r}, not its torch reference"
+        assert cells.get("is_new_implementation", False) is False, name
+    return mod
 
 
 def _hf_config(mod, config_path, cfg):
@@ -100,8 +104,8 @@ def _hf_config(mod, config_path, cfg):
     hf = mod.KimiLinearConfig(
         **raw,
         # Not derived by KimiLinearConfig: its default num_key_value_heads is 32 (not None), so it is
-        # not tied to num_attention_heads; Kimi-Linear's MLA has one latent per head (no GQA) and
-        # 4 // 32 = 0 key/value groups would break repeat_kv.
+        # not tied to num_attention_heads. MLA expands its latent to keys/values for every query head
+        # (no GQA), and 4 // 32 = 0 key/value groups would break repeat_kv.
         num_key_value_heads=cfg.num_attention_heads,
         # The defaults are the 163840-token vocabulary's ids, outside our 512-token vocabulary
         # (pad_token_id becomes nn.Embedding's padding_idx).
@@ -115,7 +119,7 @@ def _hf_config(mod, config_path, cfg):
 def _to_hf_state_dict(weights: dict, cfg) -> dict:
     """Our canonical parameters -> transformers' KimiLinearForCausalLM state dict (fp32).
     Every canonical tensor must be consumed exactly once."""
-    w = {k: v.float() for k, v in weights.items()}
+    w = {k: v.to(torch.float32).clone() for k, v in weights.items()}  # never alias the loaded weights
     used: set[str] = set()
 
     def take(name):
@@ -168,7 +172,6 @@ class _Setup:
     def __init__(self, cfg, weights, module, hf_model):
         self.cfg, self.weights, self.module, self.hf = cfg, weights, module, hf_model
         self._hf_cache: dict[tuple, torch.Tensor] = {}
-        self.errors: dict[str, float] = {}
 
     def hf_logits(self, tokens) -> torch.Tensor:
         key = tuple(int(t) for t in tokens)
@@ -184,7 +187,6 @@ class _Setup:
     def check(self, ours, tokens, what):
         """Our logits rows for `tokens` vs transformers' forward of that prompt alone."""
         err = assert_close_rel(ours, self.hf_logits(tokens), TOL, what)
-        self.errors[what] = err
         print(f"{what}: rel err {err:.2e}")
         return err
 
@@ -278,7 +280,6 @@ def test_prefill_then_decode(setup):
     setup.check(rows[0], tokens[:n], "prefill 32 of 40")
     dec = torch.cat(rows[1:])
     err = assert_close_rel(dec, ref[n:], TOL, "decode steps 33..40")
-    setup.errors["decode steps 33..40"] = err
     print(f"decode steps 33..40: rel err {err:.2e}")
     assert_close_rel(torch.cat(rows), ref, TOL, "prefill + decode, all rows")
 

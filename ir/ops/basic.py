@@ -77,7 +77,8 @@ defop("rms_norm", ["x", "weight?"], ["y"], _norm_infer, lambda a, at: ref.rms_no
       attrs={"eps": attr(float)}, flops=lambda a, o, at: 4 * a.x.numel(), doc="x / sqrt(mean(x^2) + eps) * weight")
 defop("layer_norm", ["x", "weight", "bias"], ["y"], _norm_infer,
       lambda a, at: ref.layer_norm(a.x, a.weight, a.bias, at["eps"]),
-      attrs={"eps": attr(float)}, flops=lambda a, o, at: 6 * a.x.numel())
+      attrs={"eps": attr(float)}, flops=lambda a, o, at: 6 * a.x.numel(),
+      doc="(x - mean) / sqrt(var + eps) * weight + bias over the last axis (biased variance)")
 defop("l2_norm", ["x"], ["y"], lambda a, at: [a.x], lambda a, at: ref.l2_norm(a.x, at["eps"]),
       attrs={"eps": attr(float)}, flops=lambda a, o, at: 3 * a.x.numel(), doc="x / sqrt(sum(x^2) + eps), last axis")
 
@@ -93,12 +94,12 @@ defop("gated_rms_norm", ["o", "gate", "weight"], ["y"], _gated_norm_infer,
       doc="rms_norm(o, weight) * sigmoid(gate) over the last axis (KDA output norm)")
 
 # ---- elementwise and activations ----------------------------------------------------------------
-_elementwise("sigmoid", torch.sigmoid, 4)
-_elementwise("silu", torch.nn.functional.silu, 5)
-_binary("add", torch.add)
-_binary("mul", torch.mul)
+_elementwise("sigmoid", torch.sigmoid, 4, doc="1 / (1 + exp(-x))")
+_elementwise("silu", torch.nn.functional.silu, 5, doc="x * sigmoid(x)")
+_binary("add", torch.add, doc="a + b (same shapes)")
+_binary("mul", torch.mul, doc="a * b (same shapes)")
 defop("scale", ["x"], ["y"], lambda a, at: [a.x], lambda a, at: a.x * at["factor"],
-      attrs={"factor": attr(float)}, flops=lambda a, o, at: a.x.numel())
+      attrs={"factor": attr(float)}, flops=lambda a, o, at: a.x.numel(), doc="x * factor")
 
 
 def _glu_infer(a, at):
@@ -165,7 +166,7 @@ def _concat_infer(a, at):
 
 
 defop("concat", ["*xs"], ["y"], _concat_infer, lambda a, at: torch.cat(a.xs, dim=at["axis"]),
-      attrs={"axis": attr(int)})
+      attrs={"axis": attr(int)}, doc="join the operands along axis (same dtype, equal sizes elsewhere)")
 
 
 def _hadamard_infer(a, at):

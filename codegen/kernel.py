@@ -1,0 +1,66 @@
+"""The kernel-template contract every backend family implements (Triton, TVM, torch fallback).
+
+A template implements one or more IR ops (plain or fused) as a drop-in replacement of the op's
+reference: `launch(a, attrs, config)` takes the same bound operands (`a.x`, `a.w`, …, torch tensors
+on the device) and attributes as `OpDef.reference` and returns the same results. Everything the tuner
+and the compiler need is declared as data next to the kernel:
+
+- `tunables`: the search space as literal lists (`Tunable("BLOCK_N", (32, 64, 128))`);
+- `key_dims(a, attrs) -> dict`: the concrete shape dims that key a tuning record;
+- `bucket(key) -> dict`: dynamic dims bucketed (powers of two, context buckets) so caches stay finite;
+- `heuristic(key, target) -> config`: the declared default config;
+- `constraints(config, key, target) -> [problem]`: legality (shared memory, divisibility, ...);
+- `supports(a, attrs, target) -> None | reason`: whether this template can run this node at all.
+
+`kernel_name(config, key)` spells every specialisation (FlashInfer style), e.g.
+`kda_decode_H32_D128_BV64_w4`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Tunable:
+    name: str
+    values: tuple
+
+    def __post_init__(self):
+        if not self.values:
+            raise ValueError(f"tunable {self.name} has no values")
+
+
+def pow2_bucket(n: int, lo: int = 1) -> int:
+    """Smallest power of two >= n (and >= lo)."""
+    return max(lo, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+@dataclass
+class KernelTemplate:
+    family: str
+    backend: str  # "triton" | "tvm" | "torch"
+    ops: tuple[str, ...]
+    launch: Callable  # (a, attrs, config) -> result | tuple
+    key_dims: Callable  # (a, attrs) -> dict[str, int]
+    heuristic: Callable  # (key, target) -> dict
+    tunables: tuple[Tunable, ...] = ()
+    bucket: Callable = field(default=lambda key: dict(key))
+    constraints: Callable = field(default=lambda config, key, target: [])
+    supports: Callable = field(default=lambda a, attrs, target: None)
+    batch_invariant: bool = False  # True when no config splits a reduction by batch size
+    doc: str = ""
+
+    def kernel_name(self, config: dict, key: dict) -> str:
+        parts = [self.family] + [f"{k}{v}" for k, v in sorted(key.items())] + [f"{k}{v}" for k, v in sorted(config.items())]
+        return "_".join(str(p) for p in parts)
+
+    def source(self) -> str:
+        """Source text of the module defining the template (hashed into tuning-record keys)."""
+        return inspect.getsource(inspect.getmodule(self.launch))
+
+    def space_size(self) -> int:
+        return math.prod(len(t.values) for t in self.tunables)

@@ -1,0 +1,92 @@
+"""The pass pipeline: the only place that orders passes. Reads as a table of contents.
+
+Phase 0  annotate          storage formats per target, sharding from --tp/--dcp/--ep  (parallel issue)
+Phase 1  fuse              the serving techniques of DESIGN §5 as fusions
+Phase 2  parallel layout   TP heads, token- vs head-sharded prefill, DCP, EP         (parallel issue)
+Phase 3  memory            packed block-row cache plan, workspaces                    (runtime issue)
+Phase 4  select kernels    codegen/select.py (run by `k31c compile` after the passes)
+
+`run_pipeline` verifies between passes when asked (tests, K31C_VERIFY=1), writes the text IR after
+every pass to `dump_dir/NNN_<pass>.ir` (re-parseable), honours `disable` and `print_after`, and
+returns per-pass timings and rewrite counts.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+from ir.core import Module
+from ir.printer import print_module
+from ir.verifier import verify
+
+from .base import PassContext, PassError
+
+PHASES: list[tuple[str, list[str]]] = [
+    ("fuse", [
+        "packed_projection",      # linears reading one input -> one GEMM
+    ]),
+]
+
+
+def pass_names() -> list[str]:
+    return [p for _, names in PHASES for p in names]
+
+
+@dataclass
+class PassRecord:
+    name: str
+    phase: str
+    rewrites: int
+    seconds: float
+
+
+@dataclass
+class PipelineResult:
+    records: list[PassRecord] = field(default_factory=list)
+
+    def table(self) -> str:
+        rows = [f"{'phase':<10} {'pass':<28} {'rewrites':>8} {'ms':>9}"]
+        rows += [f"{r.phase:<10} {r.name:<28} {r.rewrites:>8} {r.seconds * 1e3:>9.1f}" for r in self.records]
+        return "\n".join(rows)
+
+
+def run_pipeline(module: Module, ctx: PassContext | None = None, *, disable: tuple[str, ...] = (),
+                 dump_dir: str | None = None, print_after: tuple[str, ...] = (), verify_each: bool | None = None,
+                 out=sys.stderr) -> PipelineResult:
+    ctx = ctx or PassContext()
+    known = set(pass_names())
+    unknown = sorted((set(disable) | set(print_after)) - known)
+    if unknown:
+        raise PassError(f"unknown pass name(s) {unknown}; passes: {', '.join(pass_names())}")
+    if verify_each is None:
+        verify_each = os.environ.get("K31C_VERIFY") == "1"
+    result = PipelineResult()
+    step = 0
+    if dump_dir:
+        os.makedirs(dump_dir, exist_ok=True)
+        _dump(module, dump_dir, step, "input")
+    for phase, names in PHASES:
+        for name in names:
+            if name in disable:
+                continue
+            mod = importlib.import_module(f"passes.{name}")
+            t0 = time.perf_counter()
+            n = mod.run(module, ctx)
+            result.records.append(PassRecord(name, phase, n, time.perf_counter() - t0))
+            if verify_each:
+                verify(module)
+            step += 1
+            if dump_dir:
+                _dump(module, dump_dir, step, name)
+            if name in print_after:
+                print(f"// IR after {name}\n{print_module(module)}", file=out)
+    return result
+
+
+def _dump(module: Module, dump_dir: str, step: int, name: str):
+    with open(os.path.join(dump_dir, f"{step:03d}_{name}.ir"), "w", encoding="utf-8") as f:
+        f.write(print_module(module))

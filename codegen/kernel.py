@@ -10,7 +10,17 @@ and the compiler need is declared as data next to the kernel:
 - `bucket(key) -> dict`: dynamic dims bucketed (powers of two, context buckets) so caches stay finite;
 - `heuristic(key, target) -> config`: the declared default config;
 - `constraints(config, key, target) -> [problem]`: legality (shared memory, divisibility, ...);
-- `supports(a, attrs, target) -> None | reason`: whether this template can run this node at all.
+- `supports(a, attrs, target) -> None | reason`: whether this template can run this node at all;
+  called at compile time with `a` bound to the operands' `TensorType`s (dtype + symbolic shape, no
+  data) and `target` a target name ("cpu", "h200", ...).
+
+Fused ops (created by passes, e.g. `fused.kda_decode`) have no registered OpDef: their templates
+receive `a = SimpleNamespace(operands=[...])`, the node's operands in the order the creating pass
+documents, and the node's attrs; they return the node's results in order.
+
+At run time `launch` receives `attrs` extended with `batch_invariant: bool` when the artifact was
+compiled with `--batch-invariant` (then the config must not depend on the batch size, and no
+reduction may be split by it).
 
 `kernel_name(config, key)` spells every specialisation (FlashInfer style), e.g.
 `kda_decode_H32_D128_BV64_w4`.

@@ -10,15 +10,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 EXAMPLES = {
     "run": "examples:\n  k31c run --model k31-tiny --prompt 'Kimi says' --max-new-tokens 16\n"
            "  k31c run --model ckpt/ --prompt-tokens 1,2,3 --temperature 0.8 --top-p 0.9 --seed 1",
     "logits": "examples:\n  k31c logits --model k31-tiny --tokens 1,2,3,4 --out /tmp/logits.safetensors\n"
               "  k31c logits --model ckpt/ --tokens 1,2,3,4 --decode-from 2 --out /tmp/dec.safetensors",
+    "compile": "examples:\n  k31c compile --model k31-tiny --target cpu -o build/tiny\n"
+               "  k31c compile --model ckpt/ --target h200 -o build/x --dump-ir /tmp/ir --print-after packed_projection",
     "ir": "examples:\n  k31c ir --model k31-pro --function decode -o k31-pro.decode.ir\n  k31c ir --model ckpt/ --verify",
 }
 
@@ -31,8 +36,8 @@ class UsageError(ValueError):
         super().__init__("\n".join(f"  - {p}" for p in problems) if len(problems) > 1 else problems[0])
 
 
-def _add_model_args(p: argparse.ArgumentParser):
-    p.add_argument("--model", required=True, help="checkpoint directory or preset name (random weights)")
+def _add_model_args(p: argparse.ArgumentParser, required: bool = True):
+    p.add_argument("--model", required=required, help="checkpoint directory or preset name (random weights)")
     p.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights (default 0)")
     p.add_argument("--dtype", choices=("fp32", "fp64"), default="fp32", help="reference compute dtype")
     p.add_argument("--device", default="cpu", help="torch device for the reference interpreter (cpu, cuda)")
@@ -47,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
 
     p = sub.add_parser("run", help="generate from a prompt", epilog=EXAMPLES["run"], formatter_class=fmt)
-    _add_model_args(p)
+    p.add_argument("artifact", nargs="?", default=None, help="compiled artifact directory (from k31c compile)")
+    _add_model_args(p, required=False)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (byte-level tokenizer)")
     src.add_argument("--prompt-tokens", help="comma-separated token ids")
@@ -62,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("logits", help="write the logits of a prompt to a safetensors file",
                        epilog=EXAMPLES["logits"], formatter_class=fmt)
-    _add_model_args(p)
+    _add_model_args(p, required=False)
+    p.add_argument("--artifact", default=None, help="run a compiled artifact (its kernels) instead of --model")
     p.add_argument("--tokens", required=True, help="comma-separated token ids")
     p.add_argument("--out", required=True, help="output .safetensors (tensor `logits`, fp32 [T, vocab])")
     p.add_argument("--decode-from", type=int, default=None,
@@ -75,6 +82,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--out", default=None, help="write to this file instead of stdout")
     p.add_argument("--verify", action="store_true", help="run the verifier and report")
     p.set_defaults(func=cmd_ir)
+
+    p = sub.add_parser("compile", help="compile a model into an artifact directory", epilog=EXAMPLES["compile"],
+                       formatter_class=fmt)
+    p.add_argument("--model", required=True, help="checkpoint directory, config.json or preset name")
+    p.add_argument("--target", default="cpu", help="cpu | h200 | h100 (kernel targets)")
+    p.add_argument("-o", "--out", required=True, help="artifact directory to write")
+    p.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="every kernel's reduction order independent of batch size and composition")
+    p.add_argument("--disable-pass", action="append", default=[], metavar="NAME", help="skip a pass (repeatable)")
+    p.add_argument("--print-after", action="append", default=[], metavar="NAME", help="print the IR after a pass")
+    p.add_argument("--dump-ir", default=None, metavar="DIR",
+                   help="also copy the IR after every pass (NNN_<pass>.ir) to DIR (the artifact always has ir/)")
+    p.set_defaults(func=cmd_compile)
 
     add_init_weights_parser(sub)
     return ap
@@ -113,13 +134,60 @@ def _torch_dtype(name: str):
     return {"fp32": torch.float32, "fp64": torch.float64}[name]
 
 
-def _runtime(model, args, rows: int, requests: int):
+@dataclass
+class _Source:
+    """What runs a step: a model through the reference interpreter, or a compiled artifact's kernels."""
+
+    config: object
+    description: str
+    make_runtime: Callable
+
+
+def _resolve_source(args, artifact: str | None, problems: list[str]) -> _Source | None:
+    from .compiler import ArtifactError, load_artifact
+    from .model import load_model
     from .model.build import build_module
+    from .model.config import ModelConfig
+    from .runtime.executor import Executor
     from .runtime.reference import ReferenceRuntime
 
-    module = build_module(model.config)
-    return ReferenceRuntime(module, model.weights, max_rows=rows, max_requests=requests,
-                            compute_dtype=_torch_dtype(args.dtype), device=args.device)
+    dtype = _torch_dtype(args.dtype)
+    if artifact and args.model:
+        problems.append(f"give either an artifact ({artifact}) or --model ({args.model}), not both")
+        return None
+    if artifact:
+        try:
+            art = load_artifact(artifact)
+        except (ArtifactError, OSError) as e:
+            problems.append(str(e))
+            return None
+        if art.weights is None:
+            problems.append(f"artifact {artifact} has no weights (compiled from a config alone): it can be "
+                            f"inspected, not run; compile from a checkpoint or a tiny preset")
+            return None
+        cfg = ModelConfig.from_hf(art.manifest["model"]["config"], name=art.manifest["model"]["name"])
+
+        def make(rows, requests):
+            engine = Executor(art.module, art.weights, art.choices, target=art.manifest["target"], configs=art.configs,
+                              batch_invariant=art.manifest.get("batch_invariant", False), compute_dtype=dtype,
+                              device=args.device)
+            return ReferenceRuntime(art.module, art.weights, max_rows=rows, max_requests=requests, engine=engine)
+
+        return _Source(cfg, f"artifact {artifact} (target {art.manifest['target']}, compiled kernels)", make)
+    if not args.model:
+        problems.append("give a compiled artifact directory or --model DIR|PRESET")
+        return None
+    try:
+        model = load_model(args.model, args.seed)
+    except ValueError as e:
+        problems.append(str(e))
+        return None
+
+    def make(rows, requests):
+        return ReferenceRuntime(build_module(model.config), model.weights, max_rows=rows, max_requests=requests,
+                                compute_dtype=dtype, device=args.device)
+
+    return _Source(model.config, f"{model.source}, reference interpreter ({args.dtype}, {args.device})", make)
 
 
 def _say(msg: str):
@@ -131,37 +199,30 @@ def cmd_logits(args) -> int:
     import torch
     from safetensors.torch import save_file
 
-    from .model import load_model
-
     problems: list[str] = []
     tokens = parse_token_list(args.tokens, "--tokens", problems)
     check_out_path(args.out, problems)
     if args.decode_from is not None and tokens and not 1 <= args.decode_from <= len(tokens):
         problems.append(f"--decode-from {args.decode_from} must be in 1..{len(tokens)} (number of prompt tokens)")
-    model = None
-    try:
-        model = load_model(args.model, args.seed)
-    except ValueError as e:
-        problems.append(str(e))
-    if model is not None:
-        check_tokens(tokens, model.config.vocab_size, "--tokens", problems)
+    src = _resolve_source(args, args.artifact, problems)
+    if src is not None:
+        check_tokens(tokens, src.config.vocab_size, "--tokens", problems)
     if problems:
         raise UsageError(problems)
-    _say(f"k31c logits: {model.source}, {len(tokens)} tokens, {args.dtype} reference interpreter on {args.device}")
-    rt = _runtime(model, args, rows=len(tokens), requests=1)
+    _say(f"k31c logits: {src.description}, {len(tokens)} tokens")
+    rt = src.make_runtime(len(tokens), 1)
     rt.add_request("r", len(tokens))
     n = len(tokens) if args.decode_from is None else args.decode_from
     rows = [rt.prefill({"r": tokens[:n]})]
     rows += [rt.decode({"r": t}) for t in tokens[n:]]
     logits = torch.cat(rows).to("cpu", torch.float32).contiguous()
-    save_file({"logits": logits}, args.out, metadata={"model": model.source, "tokens": ",".join(map(str, tokens)),
+    save_file({"logits": logits}, args.out, metadata={"model": src.description, "tokens": ",".join(map(str, tokens)),
                                                       "decode_from": str(n)})
     _say(f"wrote {args.out}: logits fp32 {list(logits.shape)}")
     return 0
 
 
 def cmd_run(args) -> int:
-    from .model import load_model
     from .runtime.reference import generate
     from .runtime.sampling import SamplingParams
     from .runtime.tokenizer import ByteTokenizer
@@ -172,15 +233,11 @@ def cmd_run(args) -> int:
     problems += params.problems()
     if args.prefill_chunk is not None and args.prefill_chunk <= 0:
         problems.append(f"--prefill-chunk must be positive, found {args.prefill_chunk}")
-    model = None
-    try:
-        model = load_model(args.model, args.seed)
-    except ValueError as e:
-        problems.append(str(e))
+    src = _resolve_source(args, args.artifact, problems)
     tok = None
-    if model is not None:
+    if src is not None:
         try:
-            tok = ByteTokenizer(model.config.vocab_size)
+            tok = ByteTokenizer(src.config.vocab_size)
         except ValueError as e:
             problems.append(str(e))
     prompts: list[list[int]] = []
@@ -199,16 +256,15 @@ def cmd_run(args) -> int:
             problems.append("--prompt is empty; give at least one character")
         elif tok:
             prompts = [tok.encode(args.prompt)]
-    if model is not None:
+    if src is not None:
         for i, p in enumerate(prompts):
-            check_tokens(p, model.config.vocab_size, f"prompt {i}", problems)
+            check_tokens(p, src.config.vocab_size, f"prompt {i}", problems)
     if problems:
         raise UsageError(problems)
     longest = max(len(p) for p in prompts) + args.max_new_tokens
-    _say(f"k31c run: {model.source}; {len(prompts)} prompt(s), up to {args.max_new_tokens} new tokens, "
-         f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature}, top-p {args.top_p}'}; "
-         f"reference interpreter ({args.dtype}, {args.device})")
-    rt = _runtime(model, args, rows=longest * len(prompts), requests=len(prompts))
+    _say(f"k31c run: {src.description}; {len(prompts)} prompt(s), up to {args.max_new_tokens} new tokens, "
+         f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature}, top-p {args.top_p}'}")
+    rt = src.make_runtime(longest * len(prompts), len(prompts))
     t0 = time.perf_counter()
     outs = generate(rt, prompts, params, prefill_chunk=args.prefill_chunk)
     dt = time.perf_counter() - t0
@@ -222,24 +278,57 @@ def cmd_run(args) -> int:
     return 0
 
 
+def _config_only(spec: str):
+    """ModelConfig of a preset, a config.json, or a checkpoint directory's config.json (no weights read)."""
+    from .model import load_model
+    from .model.config import ModelConfig
+    from .model.presets import PRESETS, get_preset
+
+    if spec in PRESETS:
+        return get_preset(spec)
+    if os.path.isfile(spec) or os.path.isfile(os.path.join(spec, "config.json")):
+        path = spec if os.path.isfile(spec) else os.path.join(spec, "config.json")
+        with open(path, encoding="utf-8") as f:
+            return ModelConfig.from_hf(json.load(f), source=path)
+    return load_model(spec).config  # raises the standard error naming the presets
+
+
+def cmd_compile(args) -> int:
+    from .compiler import MAX_WEIGHTS_BYTES, CompileOptions, compile_model
+    from .model import load_model
+    from .model.params import param_specs
+
+    cfg = _config_only(args.model)
+    weight_bytes = sum(math.prod(s.shape) * 2 for s in param_specs(cfg))
+    weights, source = None, args.model
+    if os.path.isdir(args.model) or weight_bytes <= MAX_WEIGHTS_BYTES:
+        model = load_model(args.model, args.seed) if not os.path.isfile(args.model) else None
+        if model is not None:
+            cfg, weights, source = model.config, model.weights, model.source
+    if weights is None:
+        _say(f"k31c compile: {cfg.name} without weights ({weight_bytes / 2**30:.0f} GiB of bf16-equivalent "
+             f"parameters): the artifact can be inspected and planned, not run")
+    opts = CompileOptions(target=args.target, batch_invariant=args.batch_invariant,
+                          disable=tuple(args.disable_pass), print_after=tuple(args.print_after), seed=args.seed)
+    _say(f"k31c compile: {source} -> {args.out} (target {args.target}"
+         f"{', batch-invariant' if args.batch_invariant else ''})")
+    art, summary = compile_model(cfg, weights, args.out, opts, model_source=source)
+    if args.dump_ir:
+        import shutil
+
+        shutil.copytree(os.path.join(args.out, "ir"), args.dump_ir, dirs_exist_ok=True)
+    _say(summary)
+    _say(f"wrote {args.out}")
+    return 0
+
+
 def cmd_ir(args) -> int:
     from ir.printer import print_function, print_module
     from ir.verifier import verify
 
-    from .model import load_model
     from .model.build import build_module
-    from .model.config import ModelConfig
-    from .model.presets import PRESETS, get_preset
 
-    if args.model in PRESETS:
-        cfg = get_preset(args.model)
-    elif os.path.isfile(args.model) or os.path.isfile(os.path.join(args.model, "config.json")):
-        path = args.model if os.path.isfile(args.model) else os.path.join(args.model, "config.json")
-        with open(path, encoding="utf-8") as f:
-            cfg = ModelConfig.from_hf(json.load(f), source=path)
-    else:
-        cfg = load_model(args.model).config  # raises the standard error naming presets
-    m = build_module(cfg)
+    m = build_module(_config_only(args.model))
     if args.function is not None and args.function not in m.functions:
         raise UsageError([f"--function {args.function!r}: the module has {', '.join(m.functions)}"])
     text = print_function(m.functions[args.function]) + "\n" if args.function else print_module(m)
@@ -264,12 +353,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from .model.checkpoint import CheckpointError
     from .model.config import ConfigError
+    from passes.base import PassError
+
+    from .compiler import ArtifactError
     from .runtime.reference import RequestError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (UsageError, ConfigError, CheckpointError, RequestError, VerifyError) as e:
+    except (UsageError, ConfigError, CheckpointError, RequestError, VerifyError, ArtifactError, PassError) as e:
         print(f"k31c {args.command}: error:\n{e}" if "\n" in str(e) else f"k31c {args.command}: error: {e}",
               file=sys.stderr)
         return 2

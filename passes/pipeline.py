@@ -56,7 +56,7 @@ class PipelineResult:
 
 def run_pipeline(module: Module, ctx: PassContext | None = None, *, disable: tuple[str, ...] = (),
                  dump_dir: str | None = None, print_after: tuple[str, ...] = (), verify_each: bool | None = None,
-                 out=sys.stderr) -> PipelineResult:
+                 out=None) -> PipelineResult:
     ctx = ctx or PassContext()
     known = set(pass_names())
     unknown = sorted((set(disable) | set(print_after)) - known)
@@ -83,7 +83,7 @@ def run_pipeline(module: Module, ctx: PassContext | None = None, *, disable: tup
             if dump_dir:
                 _dump(module, dump_dir, step, name)
             if name in print_after:
-                print(f"// IR after {name}\n{print_module(module)}", file=out)
+                print(f"// IR after {name}\n{print_module(module)}", file=out or sys.stderr)
     return result
 
 

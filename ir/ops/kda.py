@@ -28,6 +28,9 @@ defop("causal_conv1d", ["x", "weight", "conv_state", "state_slot", "cu_seqlens"]
       _conv_infer,
       lambda a, at: (ref.causal_conv1d(a.x, a.weight, a.conv_state, a.state_slot, a.cu_seqlens), a.conv_state),
       flops=lambda a, o, at: 2 * a.x.numel() * a.weight.shape[1] + 5 * a.x.numel(),
+      # the R = len(cu_seqlens) - 1 state rows of the step are read and written, not the whole pool
+      bytes=lambda a, o, at: 2 * a.x.nbytes() + a.weight.nbytes() + a.state_slot.nbytes() + a.cu_seqlens.nbytes()
+      + 2 * a.conv_state.nbytes() * (a.cu_seqlens.shape[0] - 1) / a.conv_state.shape[0],
       inplace={1: "conv_state"},
       doc="depthwise causal conv per request continuing from its conv_state row, then SiLU; "
           "conv_state[state_slot[r]] <- last K-1 inputs")

@@ -73,9 +73,11 @@ class _RowAllocator:
 
 class ReferenceRuntime:
     def __init__(self, module: Module, weights: Mapping, *, max_rows: int = 4096, max_requests: int = 8,
-                 compute_dtype: torch.dtype = torch.float32, device: str = "cpu"):
+                 compute_dtype: torch.dtype = torch.float32, device: str = "cpu", engine: Interpreter | None = None):
+        """`engine` runs the entry functions: the reference interpreter by default, or a compiled
+        `k31c.runtime.executor.Executor` (kernels) over the same module."""
         self.module = module
-        self.interp = Interpreter(module, weights, compute_dtype, device)
+        self.interp = engine or Interpreter(module, weights, compute_dtype, device)
         self.device, self.compute_dtype = torch.device(device), compute_dtype
         fn = module.function("prefill")
         names = [v.name for v in fn.inputs]

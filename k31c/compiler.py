@@ -1,0 +1,225 @@
+"""`k31c compile`: model -> passes -> kernel selection -> artifact directory; and loading it back.
+
+Artifact layout (same inputs give byte-identical files: no timestamps, sorted keys):
+    manifest.json            schema, model config hash, target, passes run, toolchain, sha256 of every file
+    module.ir                the final IR (parseable text)
+    ir/NNN_<pass>.ir         the IR after every pass (000_input.ir first)
+    kernels/<family>.py      source of every kernel template used
+    kernels/selection.json   [{function, index, op, kernel}] for every node (kernel or "reference"/"view")
+    kernels/configs.json     bucket id -> {family, kernel_name, config, source} for representative shapes
+    weights/model.safetensors  canonical weights (MXFP4 as `<name>.__packed` / `<name>.__scales`), when present
+    report.txt               passes, kernels, reference fallbacks
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+
+import torch
+
+from codegen.select import Choice, fallback_table, select_kernels
+from codegen.registry import all_templates
+from ir.core import Module
+from ir.packed import PackedMXFP4
+from ir.parser import parse_module
+from ir.printer import print_module
+from ir.verifier import verify
+from passes.base import PassContext
+from passes.pipeline import run_pipeline
+
+from .model.build import build_module
+from .model.config import ModelConfig
+
+SCHEMA_VERSION = 1
+TARGET_BACKENDS = {"cpu": ("triton",), "h200": ("triton",), "h100": ("triton",)}
+MAX_WEIGHTS_BYTES = 4 << 30  # presets bigger than this compile without weights (plan only)
+REPRESENTATIVE = {"prefill": {"B": 256, "R": 4}, "decode": {"R": 8}, "verify": {"B": 32, "R": 8}}
+POOL_SIZES = {"N": 4096, "S": 8}
+
+
+class ArtifactError(ValueError):
+    pass
+
+
+@dataclass
+class CompileOptions:
+    target: str = "cpu"
+    batch_invariant: bool = False
+    disable: tuple[str, ...] = ()
+    print_after: tuple[str, ...] = ()
+    seed: int = 0
+
+
+@dataclass
+class Artifact:
+    path: str
+    module: Module
+    choices: list[Choice]
+    configs: dict
+    weights: dict | None
+    manifest: dict = field(default_factory=dict)
+
+
+def compile_model(config: ModelConfig, weights: dict | None, out_dir: str, opts: CompileOptions,
+                  model_source: str = "") -> tuple[Artifact, str]:
+    """Build, optimise, select kernels and write the artifact. Returns (artifact, human summary)."""
+    if opts.target not in TARGET_BACKENDS:
+        raise ArtifactError(f"--target {opts.target!r}: kernels can be built for {', '.join(TARGET_BACKENDS)}; "
+                            f"other targets are planned by `k31c explain` (no kernel backend here yet)")
+    if os.path.exists(out_dir) and os.listdir(out_dir) and not os.path.isfile(os.path.join(out_dir, "manifest.json")):
+        raise ArtifactError(f"-o {out_dir}: exists, is not empty and is not a k31c artifact; choose another folder")
+    if os.path.isdir(out_dir):
+        shutil.rmtree(out_dir)
+    os.makedirs(out_dir)
+    module = build_module(config)
+    ctx = PassContext(target=opts.target, batch_invariant=opts.batch_invariant)
+    result = run_pipeline(module, ctx, disable=opts.disable, dump_dir=os.path.join(out_dir, "ir"),
+                          print_after=opts.print_after)
+    verify(module)
+    _write(out_dir, "module.ir", print_module(module))
+    choices = select_kernels(module, opts.target, TARGET_BACKENDS[opts.target])
+    configs = _representative_configs(module, choices, opts)
+    _write_kernels(out_dir, choices, configs)
+    if weights is not None:
+        save_weights(weights, os.path.join(out_dir, "weights", "model.safetensors"))
+    report = _report(result.records, choices, opts)
+    _write(out_dir, "report.txt", report)
+    manifest = {
+        "schema_version": SCHEMA_VERSION, "model": {"name": config.name, "config_digest": config.digest(),
+                                                     "config": config.to_hf(), "source": model_source},
+        "target": opts.target, "batch_invariant": opts.batch_invariant,
+        "passes": [r.name for r in result.records], "pass_rewrites": {r.name: r.rewrites for r in result.records},
+        "has_weights": weights is not None,
+    }
+    _write(out_dir, "manifest.json", json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    summary = f"{result.table()}\n{report}"  # with pass timings; the artifact itself has none
+    return Artifact(out_dir, module, choices, configs, weights, manifest), summary
+
+
+def load_artifact(path: str, with_weights: bool = True) -> Artifact:
+    problems = []
+    mpath = os.path.join(path, "manifest.json")
+    if not os.path.isfile(mpath):
+        raise ArtifactError(f"{path}: not a k31c artifact (no manifest.json); create one with `k31c compile -o {path}`")
+    manifest = json.load(open(mpath, encoding="utf-8"))
+    if manifest.get("schema_version") != SCHEMA_VERSION:
+        problems.append(f"schema_version {manifest.get('schema_version')} != {SCHEMA_VERSION}: recompile")
+    module = parse_module(open(os.path.join(path, "module.ir"), encoding="utf-8").read())
+    verify(module)
+    selection = json.load(open(os.path.join(path, "kernels", "selection.json"), encoding="utf-8"))
+    configs = json.load(open(os.path.join(path, "kernels", "configs.json"), encoding="utf-8"))
+    by_family = {t.family: t for t in all_templates()}
+    choices = []
+    for s in selection:
+        fam = s["kernel"]
+        t = by_family.get(fam) if fam not in ("reference", "view") else None
+        if fam not in ("reference", "view") and t is None:
+            problems.append(f"kernel family {fam!r} used by {s['function']}:{s['index']} is not in this k31c")
+            continue
+        if t is not None and t.source() != open(os.path.join(path, "kernels", f"{fam}.py"), encoding="utf-8").read():
+            problems.append(f"kernel family {fam}: the installed template source differs from the artifact's copy; "
+                            f"recompile with this k31c")
+        choices.append(Choice(s["function"], s["index"], s["op"], "", t, ""))
+    if problems:
+        raise ArtifactError(f"{path}: cannot load:\n" + "\n".join(f"  - {p}" for p in problems))
+    weights = None
+    wpath = os.path.join(path, "weights", "model.safetensors")
+    if with_weights and os.path.isfile(wpath):
+        weights = load_weights(wpath)
+    return Artifact(path, module, choices, {k: v["config"] for k, v in configs.items()}, weights, manifest)
+
+
+# ---- weights -----------------------------------------------------------------------------------
+def save_weights(weights: dict, path: str):
+    from safetensors.torch import save_file
+
+    flat = {}
+    for name, w in weights.items():
+        if isinstance(w, PackedMXFP4):
+            flat[name + ".__packed"], flat[name + ".__scales"] = w.packed.contiguous(), w.scales.contiguous()
+        else:
+            flat[name] = w.contiguous()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    save_file({k: flat[k] for k in sorted(flat)}, path, metadata={"format": "k31c-canonical"})
+
+
+def load_weights(path: str) -> dict:
+    from safetensors.torch import load_file
+
+    flat = load_file(path)
+    out = {}
+    for name, t in flat.items():
+        if name.endswith(".__packed"):
+            base = name[: -len(".__packed")]
+            out[base] = PackedMXFP4(t, flat[base + ".__scales"])
+        elif not name.endswith(".__scales"):
+            out[name] = t
+    return out
+
+
+# ---- kernels -----------------------------------------------------------------------------------
+def _meta_operands(module: Module, c: Choice, env: dict):
+    from ir.shapes import evaluate
+
+    node = module.function(c.function).nodes[c.index]
+    out = []
+    for v in node.inputs:
+        dims = [evaluate(d, env) for d in v.type.shape]
+        dt = v.type.dtype.torch_dtype or torch.uint8
+        out.append(torch.empty(dims, dtype=dt, device="meta"))
+    return node, out
+
+
+def _representative_configs(module: Module, choices: list[Choice], opts: CompileOptions) -> dict:
+    from types import SimpleNamespace
+
+    from ir.ops import OPS
+
+    from .runtime.executor import bucket_id
+
+    configs = {}
+    for c in choices:
+        if c.template is None:
+            continue
+        env = {**POOL_SIZES, **REPRESENTATIVE.get(c.function, {"B": 64, "R": 4})}
+        node, metas = _meta_operands(module, c, env)
+        op = OPS.get(node.op)
+        a = op.bind(metas) if op is not None and node.body is None else SimpleNamespace(operands=metas)
+        attrs = {**(op.full_attrs(node.attrs) if op else node.attrs), "batch_invariant": opts.batch_invariant}
+        key = c.template.key_dims(a, attrs)
+        cfg = c.template.heuristic(key, opts.target)
+        configs[bucket_id(c.template, key)] = {"family": c.template.family, "op": c.op,
+                                               "kernel_name": c.template.kernel_name(cfg, key),
+                                               "config": cfg, "source": "heuristic"}
+    return configs
+
+
+def _write_kernels(out_dir: str, choices: list[Choice], configs: dict):
+    kdir = os.path.join(out_dir, "kernels")
+    os.makedirs(kdir, exist_ok=True)
+    for t in {c.template.family: c.template for c in choices if c.template is not None}.values():
+        _write(kdir, f"{t.family}.py", t.source())
+    selection = [{"function": c.function, "index": c.index, "op": c.op, "kernel": c.kernel} for c in choices]
+    _write(kdir, "selection.json", json.dumps(selection, indent=0) + "\n")
+    _write(kdir, "configs.json", json.dumps(configs, indent=1, sort_keys=True) + "\n")
+
+
+def _report(records, choices: list[Choice], opts: CompileOptions) -> str:
+    used: dict = {}
+    for c in choices:
+        if c.template is not None:
+            used[c.template.family] = used.get(c.template.family, 0) + 1
+    lines = [f"target {opts.target}; batch-invariant {'on' if opts.batch_invariant else 'off'}", "passes (rewrites):"]
+    lines += [f"  {r.phase:<8} {r.name:<28} {r.rewrites:>5}" for r in records]
+    lines.append("kernels (nodes per family):")
+    lines += [f"  {n:>4} x {fam}" for fam, n in sorted(used.items())] or ["  none"]
+    lines += ["reference fallbacks:", *("  " + ln for ln in fallback_table(choices).splitlines())]
+    return "\n".join(lines) + "\n"
+
+
+def _write(folder: str, name: str, text: str):
+    with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
+        f.write(text)

@@ -1,0 +1,79 @@
+"""The compiled executor: runs a compiled module node by node, each node through the kernel that
+`codegen.select` chose for it, or through the op's reference when none was (the fallbacks `compile`
+listed). It is the reference interpreter with kernel dispatch: shapes are checked the same way.
+
+Configs are chosen per kernel and shape bucket: a record from the artifact's `kernels/configs.json`
+when it has one for that bucket, else the template's declared heuristic (counted as a miss and shown
+by `stats()`). Packed weights (MXFP4) reach kernels packed; the reference fallback sees them
+dequantised.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from types import SimpleNamespace
+
+import torch
+
+from codegen.kernel import KernelTemplate
+from codegen.select import Choice
+from ir.core import Module, Node
+from ir.interpreter import Interpreter, InterpreterError
+from ir.ops import OPS
+from ir.packed import PackedMXFP4
+
+
+def bucket_id(template: KernelTemplate, key: dict) -> str:
+    return template.family + ":" + json.dumps(template.bucket(key), sort_keys=True)
+
+
+class Executor(Interpreter):
+    def __init__(self, module: Module, weights, choices: list[Choice], *, target: str = "cpu",
+                 configs: dict | None = None, batch_invariant: bool = False,
+                 compute_dtype: torch.dtype = torch.float32, device: str = "cpu"):
+        super().__init__(module, weights, compute_dtype, device)
+        self.target, self.batch_invariant = target, batch_invariant
+        self.configs = dict(configs or {})  # bucket_id -> config
+        self._kernel: dict[int, KernelTemplate] = {}
+        for c in choices:
+            if c.template is not None:
+                self._kernel[id(module.function(c.function).nodes[c.index])] = c.template
+        self.calls: Counter = Counter()  # family -> launches
+        self.misses: Counter = Counter()  # bucket_id -> launches that used the heuristic
+        self._packed: dict[str, PackedMXFP4] = {}
+
+    def _execute(self, n: Node, args: list, env: dict) -> list[torch.Tensor]:
+        t = self._kernel.get(id(n))
+        if t is None:
+            return super()._execute(n, args, env)
+        args = [self._packed_param(v.name) if v.is_param and isinstance(self.weights.get(v.name), PackedMXFP4)
+                else a for v, a in zip(n.inputs, args)]
+        op = OPS.get(n.op)
+        a = op.bind(args) if op is not None and n.body is None else SimpleNamespace(operands=args)
+        attrs = op.full_attrs(n.attrs) if op is not None else dict(n.attrs)
+        attrs["batch_invariant"] = self.batch_invariant
+        key = t.key_dims(a, attrs)
+        bid = bucket_id(t, key)
+        config = self.configs.get(bid)
+        if config is None:
+            config = t.heuristic(key, self.target)
+            self.misses[bid] += 1
+        self.calls[t.family] += 1
+        try:
+            out = t.launch(a, attrs, config)
+        except Exception as e:
+            raise InterpreterError(f"kernel {t.kernel_name(config, key)} for {n.op} "
+                                   f"({', '.join(o.ref for o in n.outputs)}) failed: {e}") from e
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        if len(outs) != len(n.outputs):
+            raise InterpreterError(f"kernel {t.family} returned {len(outs)} results for {n.op}, expected {len(n.outputs)}")
+        return outs
+
+    def _packed_param(self, name: str) -> PackedMXFP4:
+        if name not in self._packed:
+            self._packed[name] = self.weights[name].to(self.device)
+        return self._packed[name]
+
+    def stats(self) -> dict:
+        return {"kernel_launches": dict(self.calls), "config_misses": dict(self.misses)}

@@ -1,0 +1,89 @@
+"""`k31c compile` and the artifact: pipeline dumps, determinism, selection listing, and running the
+artifact (through its selected kernels) gives the reference interpreter's logits."""
+
+from __future__ import annotations
+
+import filecmp
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ir.parser import parse_module
+from ir.printer import print_module
+from k31c.cli import main
+from k31c.compiler import ArtifactError, load_artifact
+from tests.helpers import assert_close_rel
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    out = tmp_path_factory.mktemp("art") / "tiny"
+    assert main(["compile", "--model", "k31-tiny", "--target", "cpu", "-o", str(out)]) == 0
+    return out
+
+
+def test_artifact_layout_and_dumps_reparse(artifact):
+    for f in ("manifest.json", "module.ir", "report.txt", "kernels/selection.json", "kernels/configs.json",
+              "weights/model.safetensors", "ir/000_input.ir", "ir/001_packed_projection.ir"):
+        assert (artifact / f).is_file(), f
+    for f in sorted((artifact / "ir").iterdir()):
+        text = f.read_text()
+        assert print_module(parse_module(text)) == text, f.name
+    report = (artifact / "report.txt").read_text()
+    assert "packed_projection" in report and "reference fallbacks:" in report
+
+
+def test_compiling_twice_is_byte_identical(artifact, tmp_path):
+    again = tmp_path / "again"
+    assert main(["compile", "--model", "k31-tiny", "--target", "cpu", "-o", str(again)]) == 0
+    cmp = filecmp.dircmp(artifact, again)
+
+    def diffs(c):
+        return c.diff_files + c.left_only + c.right_only + [d for sub in c.subdirs.values() for d in diffs(sub)]
+    assert diffs(cmp) == []
+
+
+def test_artifact_logits_equal_reference(artifact, tmp_path):
+    toks = "3,141,59,265,358,97,93,238,46,264,338,327,95,28,84,197,169,399,375,105"
+    ref, comp = tmp_path / "ref.safetensors", tmp_path / "comp.safetensors"
+    assert main(["logits", "--model", "k31-tiny", "--tokens", toks, "--out", str(ref)]) == 0
+    assert main(["logits", "--artifact", str(artifact), "--tokens", toks, "--out", str(comp)]) == 0
+    assert main(["logits", "--artifact", str(artifact), "--tokens", toks, "--out", str(tmp_path / "dec.st"),
+                 "--decode-from", "17"]) == 0
+    r = load_file(str(ref))["logits"]
+    assert_close_rel(load_file(str(comp))["logits"], r, 1e-5, "compiled prefill vs reference")
+    assert_close_rel(load_file(str(tmp_path / "dec.st"))["logits"], r, 2e-5, "compiled decode vs reference")
+
+
+def test_disable_and_print_after(tmp_path, capsys):
+    out = tmp_path / "nofuse"
+    assert main(["compile", "--model", "k3-tiny", "-o", str(out), "--disable-pass", "packed_projection",
+                 "--dump-ir", str(tmp_path / "dump")]) == 0
+    assert "fused.packed_linear" not in (out / "module.ir").read_text()
+    dumps = sorted(os.listdir(tmp_path / "dump"))
+    assert dumps[0] == "000_input.ir" and not any("packed_projection" in d for d in dumps)
+    assert main(["compile", "--model", "k3-tiny", "-o", str(tmp_path / "p"), "--print-after", "packed_projection"]) == 0
+    assert "// IR after packed_projection" in capsys.readouterr().err
+    assert main(["compile", "--model", "k3-tiny", "-o", str(tmp_path / "q"), "--disable-pass", "no_such_pass"]) == 2
+    err = capsys.readouterr().err
+    assert "no_such_pass" in err and "packed_projection" in err
+
+
+def test_full_size_compiles_without_weights(tmp_path):
+    out = tmp_path / "pro"
+    assert main(["compile", "--model", "k31-pro", "--target", "h200", "-o", str(out)]) == 0
+    assert not (out / "weights").exists()
+    assert "fused.packed_linear" in (out / "module.ir").read_text()
+
+
+def test_bad_artifact_and_target(tmp_path, capsys):
+    with pytest.raises(ArtifactError, match="not a k31c artifact"):
+        load_artifact(str(tmp_path))
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "x").write_text("x")
+    assert main(["compile", "--model", "k31-tiny", "-o", str(tmp_path / "junk")]) == 2
+    assert "not a k31c artifact" in capsys.readouterr().err
+    assert main(["compile", "--model", "k31-tiny", "--target", "tpu-v7x", "-o", str(tmp_path / "t")]) == 2
+    assert "k31c explain" in capsys.readouterr().err

@@ -54,7 +54,10 @@ def _choose(fname: str, i: int, node: Node, target: str, backends) -> Choice:
         op = OPS.get(node.op)
         types = [v.type for v in node.inputs]
         bound = op.bind(types) if op is not None else _bind_fused(node, types)
-        why = t.supports(bound, node.attrs, target)
+        try:
+            why = t.supports(bound, node.attrs, target)
+        except Exception as e:  # a template bug: listed as a fallback reason (and caught by tests), not a crash
+            why = f"supports() raised {type(e).__name__}: {e}"
         if why is None:
             return Choice(fname, i, node.op, results, t)
         reasons.append(f"{t.family}: {why}")

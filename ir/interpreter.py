@@ -120,8 +120,10 @@ class Interpreter:
             S.bind(v.type.shape, tuple(t.shape), env, what)
         except ValueError as e:
             raise InterpreterError(str(e)) from None
-        kind = v.type.dtype.kind
-        ok = (t.is_floating_point() if kind in ("float", "packed") else
-              t.dtype == torch.bool if kind == "bool" else not t.is_floating_point())
+        dt = v.type.dtype
+        if dt.name in WIDENED_FLOATS or dt.kind == "packed":  # computed in the compute dtype
+            ok = t.is_floating_point()
+        else:  # fp8, integers and bool are held exactly as declared
+            ok = t.dtype == dt.torch_dtype
         if not ok:
             raise InterpreterError(f"{what}: declared {v.type}, found torch {t.dtype}")

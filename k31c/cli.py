@@ -45,6 +45,8 @@ def _add_model_args(p: argparse.ArgumentParser, required: bool = True):
 
 def build_parser() -> argparse.ArgumentParser:
     from .model.init_weights import add_init_weights_parser
+    from .plan import add_plan_args
+    from .plan.cli import add_explain_parser, add_export_onnx_parser, add_inspect_parser
 
     ap = argparse.ArgumentParser(prog="k31c", description="k31c: compiler and runtime for Kimi K3 / K3.1 Pro models",
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -85,8 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("compile", help="compile a model into an artifact directory", epilog=EXAMPLES["compile"],
                        formatter_class=fmt)
-    p.add_argument("--model", required=True, help="checkpoint directory, config.json or preset name")
-    p.add_argument("--target", default="cpu", help="cpu | h200 | h100 (kernel targets)")
+    add_plan_args(p)
     p.add_argument("-o", "--out", required=True, help="artifact directory to write")
     p.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
     p.add_argument("--batch-invariant", action="store_true",
@@ -97,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also copy the IR after every pass (NNN_<pass>.ir) to DIR (the artifact always has ir/)")
     p.set_defaults(func=cmd_compile)
 
+    add_explain_parser(sub)
+    add_inspect_parser(sub)
+    add_export_onnx_parser(sub)
     add_init_weights_parser(sub)
     return ap
 
@@ -144,10 +148,9 @@ class _Source:
 
 
 def _resolve_source(args, artifact: str | None, problems: list[str]) -> _Source | None:
-    from .compiler import ArtifactError, load_artifact
+    from .compiler import ArtifactError, artifact_config, load_artifact
     from .model import load_model
     from .model.build import build_module
-    from .model.config import ModelConfig
     from .runtime.executor import Executor
     from .runtime.reference import ReferenceRuntime
 
@@ -165,15 +168,16 @@ def _resolve_source(args, artifact: str | None, problems: list[str]) -> _Source 
             problems.append(f"artifact {artifact} has no weights (compiled from a config alone): it can be "
                             f"inspected, not run; compile from a checkpoint or a tiny preset")
             return None
-        cfg = ModelConfig.from_hf(art.manifest["model"]["config"], name=art.manifest["model"]["name"])
+        cfg = artifact_config(artifact)
+        target = art.manifest["target"]["name"]
 
         def make(rows, requests):
-            engine = Executor(art.module, art.weights, art.choices, target=art.manifest["target"], configs=art.configs,
-                              batch_invariant=art.manifest.get("batch_invariant", False), compute_dtype=dtype,
-                              device=args.device)
+            engine = Executor(art.module, art.weights, art.choices, target=target, configs=art.configs,
+                              batch_invariant=art.manifest["options"].get("batch_invariant", False),
+                              compute_dtype=dtype, device=args.device)
             return ReferenceRuntime(art.module, art.weights, max_rows=rows, max_requests=requests, engine=engine)
 
-        return _Source(cfg, f"artifact {artifact} (target {art.manifest['target']}, compiled kernels)", make)
+        return _Source(cfg, f"artifact {artifact} (target {target}, compiled kernels)", make)
     if not args.model:
         problems.append("give a compiled artifact directory or --model DIR|PRESET")
         return None
@@ -278,39 +282,30 @@ def cmd_run(args) -> int:
     return 0
 
 
-def _config_only(spec: str):
-    """ModelConfig of a preset, a config.json, or a checkpoint directory's config.json (no weights read)."""
-    from .model import load_model
-    from .model.config import ModelConfig
-    from .model.presets import PRESETS, get_preset
-
-    if spec in PRESETS:
-        return get_preset(spec)
-    if os.path.isfile(spec) or os.path.isfile(os.path.join(spec, "config.json")):
-        path = spec if os.path.isfile(spec) else os.path.join(spec, "config.json")
-        with open(path, encoding="utf-8") as f:
-            return ModelConfig.from_hf(json.load(f), source=path)
-    return load_model(spec).config  # raises the standard error naming the presets
-
-
 def cmd_compile(args) -> int:
     from .compiler import MAX_WEIGHTS_BYTES, CompileOptions, compile_model
     from .model import load_model
+    from .plan import PlanConfigError, resolve_plan_options
+    from .plan.memory import param_bytes
+
+    try:
+        plan = resolve_plan_options(args)
+    except PlanConfigError as e:
+        raise UsageError(e.problems) from None
+    cfg = plan.cfg
     from .model.params import param_specs
 
-    cfg = _config_only(args.model)
-    weight_bytes = sum(math.prod(s.shape) * 2 for s in param_specs(cfg))
-    weights, source = None, args.model
-    if os.path.isdir(args.model) or weight_bytes <= MAX_WEIGHTS_BYTES:
-        model = load_model(args.model, args.seed) if not os.path.isfile(args.model) else None
-        if model is not None:
-            cfg, weights, source = model.config, model.weights, model.source
-    if weights is None:
-        _say(f"k31c compile: {cfg.name} without weights ({weight_bytes / 2**30:.0f} GiB of bf16-equivalent "
-             f"parameters): the artifact can be inspected and planned, not run")
-    opts = CompileOptions(target=args.target, batch_invariant=args.batch_invariant,
-                          disable=tuple(args.disable_pass), print_after=tuple(args.print_after), seed=args.seed)
-    _say(f"k31c compile: {source} -> {args.out} (target {args.target}"
+    weight_bytes = sum(param_bytes(math.prod(s.shape), s.format) for s in param_specs(cfg))
+    weights, source = None, plan.model_source
+    if os.path.isdir(args.model) or (not os.path.isfile(args.model) and weight_bytes <= MAX_WEIGHTS_BYTES):
+        model = load_model(args.model, args.seed)
+        cfg, weights, source = model.config, model.weights, model.source
+    else:
+        _say(f"k31c compile: {cfg.name} without weights ({weight_bytes / 2**30:.0f} GiB of parameters): "
+             f"the artifact can be inspected and planned, not run")
+    opts = CompileOptions(plan=plan, batch_invariant=args.batch_invariant, disable=tuple(args.disable_pass),
+                          print_after=tuple(args.print_after))
+    _say(f"k31c compile: {source} -> {args.out} (target {opts.target}, tp={plan.tp} dcp={plan.dcp} ep={plan.ep}"
          f"{', batch-invariant' if args.batch_invariant else ''})")
     art, summary = compile_model(cfg, weights, args.out, opts, model_source=source)
     if args.dump_ir:
@@ -327,8 +322,9 @@ def cmd_ir(args) -> int:
     from ir.verifier import verify
 
     from .model.build import build_module
+    from .plan.options import load_model_config
 
-    m = build_module(_config_only(args.model))
+    m = build_module(load_model_config(args.model)[0])
     if args.function is not None and args.function not in m.functions:
         raise UsageError([f"--function {args.function!r}: the module has {', '.join(m.functions)}"])
     text = print_function(m.functions[args.function]) + "\n" if args.function else print_module(m)
@@ -356,12 +352,15 @@ def main(argv: list[str] | None = None) -> int:
     from passes.base import PassError
 
     from .compiler import ArtifactError
+    from .plan import PlanConfigError
+    from .targets import TargetError
     from .runtime.reference import RequestError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (UsageError, ConfigError, CheckpointError, RequestError, VerifyError, ArtifactError, PassError) as e:
+    except (UsageError, ConfigError, CheckpointError, RequestError, VerifyError, ArtifactError, PassError,
+            PlanConfigError, TargetError) as e:
         print(f"k31c {args.command}: error:\n{e}" if "\n" in str(e) else f"k31c {args.command}: error: {e}",
               file=sys.stderr)
         return 2

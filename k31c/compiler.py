@@ -1,7 +1,9 @@
 """`k31c compile`: model -> passes -> kernel selection -> artifact directory; and loading it back.
 
 Artifact layout (same inputs give byte-identical files: no timestamps, sorted keys):
-    manifest.json            schema, model config hash, target, passes run, toolchain, sha256 of every file
+    manifest.json            schema, model config hash, target, layout, passes, toolchain, sha256 of every file
+    config.json              the model's configuration (K3 keys)
+    plan.json                memory/capacity/traffic plan (k31c/plan), kernel list with config sources
     module.ir                the final IR (parseable text)
     ir/NNN_<pass>.ir         the IR after every pass (000_input.ir first)
     kernels/<family>.py      source of every kernel template used
@@ -30,27 +32,30 @@ from ir.verifier import verify
 from passes.base import PassContext
 from passes.pipeline import run_pipeline
 
+from .artifact import ArtifactError
 from .model.build import build_module
 from .model.config import ModelConfig
 
-SCHEMA_VERSION = 1
-TARGET_BACKENDS = {"cpu": ("triton",), "h200": ("triton",), "h100": ("triton",)}
 MAX_WEIGHTS_BYTES = 4 << 30  # presets bigger than this compile without weights (plan only)
 REPRESENTATIVE = {"prefill": {"B": 256, "R": 4}, "decode": {"R": 8}, "verify": {"B": 32, "R": 8}}
 POOL_SIZES = {"N": 4096, "S": 8}
 
 
-class ArtifactError(ValueError):
-    pass
-
-
 @dataclass
 class CompileOptions:
-    target: str = "cpu"
+    plan: object  # k31c.plan.PlanOptions: model config, target, layout, cache formats
     batch_invariant: bool = False
     disable: tuple[str, ...] = ()
     print_after: tuple[str, ...] = ()
-    seed: int = 0
+
+    @property
+    def target(self) -> str:
+        return self.plan.target.name
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        """Kernel backends of the target ("triton", "tvm"); empty for plan-only targets."""
+        return tuple(sorted({b.split(":")[0].split("-")[0] for b in self.plan.target.backends}))
 
 
 @dataclass
@@ -65,12 +70,12 @@ class Artifact:
 
 def compile_model(config: ModelConfig, weights: dict | None, out_dir: str, opts: CompileOptions,
                   model_source: str = "") -> tuple[Artifact, str]:
-    """Build, optimise, select kernels and write the artifact. Returns (artifact, human summary)."""
-    if opts.target not in TARGET_BACKENDS:
-        raise ArtifactError(f"--target {opts.target!r}: kernels can be built for {', '.join(TARGET_BACKENDS)}; "
-                            f"other targets are planned by `k31c explain` (no kernel backend here yet)")
+    """Build, optimise, select kernels, plan, and write the artifact. Returns (artifact, summary)."""
+    from .artifact import write_manifest
+    from .plan import make_plan, plan_json
+
     if os.path.exists(out_dir) and os.listdir(out_dir) and not os.path.isfile(os.path.join(out_dir, "manifest.json")):
-        raise ArtifactError(f"-o {out_dir}: exists, is not empty and is not a k31c artifact; choose another folder")
+        raise ArtifactError([f"exists, is not empty and is not a k31c artifact; choose another folder"], f"-o {out_dir}")
     if os.path.isdir(out_dir):
         shutil.rmtree(out_dir)
     os.makedirs(out_dir)
@@ -80,33 +85,47 @@ def compile_model(config: ModelConfig, weights: dict | None, out_dir: str, opts:
                           print_after=opts.print_after)
     verify(module)
     _write(out_dir, "module.ir", print_module(module))
-    choices = select_kernels(module, opts.target, TARGET_BACKENDS[opts.target])
+    _write(out_dir, "config.json", json.dumps(config.to_hf(), indent=1, sort_keys=True) + "\n")
+    choices = select_kernels(module, opts.target, opts.backends) if opts.backends else []
     configs = _representative_configs(module, choices, opts)
     _write_kernels(out_dir, choices, configs)
+    plan = make_plan(opts.plan, _kernel_list(choices, configs))
+    _write(out_dir, "plan.json", plan_json(plan))
     if weights is not None:
         save_weights(weights, os.path.join(out_dir, "weights", "model.safetensors"))
     report = _report(result.records, choices, opts)
     _write(out_dir, "report.txt", report)
-    manifest = {
-        "schema_version": SCHEMA_VERSION, "model": {"name": config.name, "config_digest": config.digest(),
-                                                     "config": config.to_hf(), "source": model_source},
-        "target": opts.target, "batch_invariant": opts.batch_invariant,
-        "passes": [r.name for r in result.records], "pass_rewrites": {r.name: r.rewrites for r in result.records},
-        "has_weights": weights is not None,
-    }
-    _write(out_dir, "manifest.json", json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    p = opts.plan
+    write_manifest(out_dir, {"config": config, "model_source": model_source, "target": p.target,
+                             "layout": {"tp": p.tp, "dcp": p.dcp, "ep": p.ep}, "passes": [r.name for r in result.records],
+                             "options": {"batch_invariant": opts.batch_invariant, "has_weights": weights is not None,
+                                         "latent_cache": p.latent_cache, "key_cache": p.key_cache}})
     summary = f"{result.table()}\n{report}"  # with pass timings; the artifact itself has none
-    return Artifact(out_dir, module, choices, configs, weights, manifest), summary
+    art = Artifact(out_dir, module, choices, {k: v["config"] for k, v in configs.items()}, weights,
+                   json.load(open(os.path.join(out_dir, "manifest.json"), encoding="utf-8")))
+    return art, summary
 
 
-def load_artifact(path: str, with_weights: bool = True) -> Artifact:
-    problems = []
-    mpath = os.path.join(path, "manifest.json")
-    if not os.path.isfile(mpath):
-        raise ArtifactError(f"{path}: not a k31c artifact (no manifest.json); create one with `k31c compile -o {path}`")
-    manifest = json.load(open(mpath, encoding="utf-8"))
-    if manifest.get("schema_version") != SCHEMA_VERSION:
-        problems.append(f"schema_version {manifest.get('schema_version')} != {SCHEMA_VERSION}: recompile")
+def _kernel_list(choices: list[Choice], configs: dict) -> list[dict]:
+    out = [{"name": v["kernel_name"], "op": v["op"], "family": v["family"], "backend": "triton", "config": v["config"],
+            "cache": v["source"]} for _, v in sorted(configs.items())]
+    fallback = sorted({c.op for c in choices if c.template is None and c.kernel == "reference"})
+    out += [{"name": f"reference:{op}", "op": op, "family": "reference", "backend": "torch", "config": {},
+             "cache": "fallback"} for op in fallback]
+    return out
+
+
+def load_artifact(path: str, with_weights: bool = True, check_live: bool = True) -> Artifact:
+    """Validate the artifact (hashes, schema, live machine: every mismatch at once) and load it."""
+    from .artifact import verify as verify_artifact
+
+    manifest, problems = verify_artifact(path, check_live=check_live)
+    if manifest is None:
+        raise ArtifactError(problems, path)
+    if manifest["target"].get("plan_only"):
+        problems.append(f"target {manifest['target']['name']} has no kernel backend: the artifact is a plan only")
+    if problems:
+        raise ArtifactError(problems, path)
     module = parse_module(open(os.path.join(path, "module.ir"), encoding="utf-8").read())
     verify(module)
     selection = json.load(open(os.path.join(path, "kernels", "selection.json"), encoding="utf-8"))
@@ -124,12 +143,17 @@ def load_artifact(path: str, with_weights: bool = True) -> Artifact:
                             f"recompile with this k31c")
         choices.append(Choice(s["function"], s["index"], s["op"], "", t, ""))
     if problems:
-        raise ArtifactError(f"{path}: cannot load:\n" + "\n".join(f"  - {p}" for p in problems))
+        raise ArtifactError(sorted(set(problems)), path)
     weights = None
     wpath = os.path.join(path, "weights", "model.safetensors")
     if with_weights and os.path.isfile(wpath):
         weights = load_weights(wpath)
     return Artifact(path, module, choices, {k: v["config"] for k, v in configs.items()}, weights, manifest)
+
+
+def artifact_config(path: str) -> ModelConfig:
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        return ModelConfig.from_hf(json.load(f), source=os.path.join(path, "config.json"))
 
 
 # ---- weights -----------------------------------------------------------------------------------
@@ -212,7 +236,13 @@ def _report(records, choices: list[Choice], opts: CompileOptions) -> str:
     for c in choices:
         if c.template is not None:
             used[c.template.family] = used.get(c.template.family, 0) + 1
-    lines = [f"target {opts.target}; batch-invariant {'on' if opts.batch_invariant else 'off'}", "passes (rewrites):"]
+    p = opts.plan
+    lines = [f"target {opts.target} (kernel backends: {', '.join(opts.backends) or 'none: plan only'}); "
+             f"layout tp={p.tp} dcp={p.dcp} ep={p.ep}; batch-invariant {'on' if opts.batch_invariant else 'off'}"]
+    if p.tp > 1 or p.dcp > 1 or p.ep > 1:
+        lines.append("note: the IR is the unsharded model; the parallel-layout passes (TP/DCP/EP) are not "
+                     "written yet, so this layout is planned (plan.json) but not materialised")
+    lines.append("passes (rewrites):")
     lines += [f"  {r.phase:<8} {r.name:<28} {r.rewrites:>5}" for r in records]
     lines.append("kernels (nodes per family):")
     lines += [f"  {n:>4} x {fam}" for fam, n in sorted(used.items())] or ["  none"]

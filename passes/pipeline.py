@@ -28,6 +28,13 @@ from .base import PassContext, PassError
 PHASES: list[tuple[str, list[str]]] = [
     ("fuse", [
         "packed_projection",      # linears reading one input -> one GEMM
+        "fused_indexer_front",    # indexer q projection/rotation/FP8, key norm/rotation/FP8/cache write, head weights
+        "overlapped_mla_query",   # MLA query path + latent cache write, scheduled beside the indexer (2nd stream)
+        "fused_indexer_select",   # indexer scorer + exact top-k emitting pool rows; attention reads rows
+        "value_gate",             # absorbed MLA split at W_UV; value projection + sigmoid output gate
+        "latent_moe_tail",        # latent RMSNorm + cast + up-projection + shared-expert add
+        "attn_res_fusion",        # prefix add + AttnRes mix + the following RMSNorm
+        "kda_decode_fusion",      # decode/verify KDA: conv + gate + recurrence + gated RMSNorm
     ]),
 ]
 

@@ -375,7 +375,6 @@ def _sparse_attention64(q_nope, q_pe, latent, kv_b, tp, tr, base, sel):
 @pytest.mark.parametrize("form", ["absorbed", "decompressed"])
 def test_mla_attention_with_reference_selection(form):
     g = torch.Generator().manual_seed(200)
-    _, ref_steps = None, None
     wts = _weights(201)
     xs, cqs = _tokens(202)
     ref = [_reference(wts, xs[r], cqs[r]) for r in range(len(LENGTHS))]

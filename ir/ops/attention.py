@@ -13,7 +13,7 @@ from ..core import TensorType
 from ..dtypes import f32, f8e4m3, i64
 from ..ref import indexer as ref_indexer
 from ..ref import mla as ref_mla
-from ..shapes import shapes_equal, sym
+from ..shapes import numel, shapes_equal, sym
 from .basic import expect
 from .registry import attr, defop
 
@@ -51,13 +51,16 @@ def _mla_infer(a, at):
     if a.selection is not None:
         expect(a.selection.dtype == i64 and shapes_equal(a.selection.shape[:1], (t,)),
                f"mla: selection {a.selection} must be i64[{t}, K]")
-    expect(at["form"] in ("absorbed", "decompressed"), f"mla: form must be absorbed|decompressed, found {at['form']!r}")
-    return [TensorType(a.q_nope.dtype, (t, h, dv))]
+    expect(at["form"] in ("absorbed", "decompressed", "latent"),
+           f"mla: form must be absorbed|decompressed|latent, found {at['form']!r}")
+    expect(at["selection_kind"] in ("positions", "rows"),
+           f"mla: selection_kind must be positions|rows, found {at['selection_kind']!r}")
+    return [TensorType(a.q_nope.dtype, (t, h, kv if at["form"] == "latent" else dv))]
 
 
 def _mla_ref(a, at):
     return ref_mla.mla_attention(a.q_nope, a.q_pe, a.latent, a.kv_b, a.token_pos, a.token_req, a.req_base,
-                                 at["scale"], a.selection, at["form"])
+                                 at["scale"], a.selection, at["form"], at["selection_kind"])
 
 
 def _mla_ctx(a):
@@ -77,10 +80,43 @@ def _mla_bytes(a, o, at):
 
 
 defop("mla_attention", ["q_nope", "q_pe", "latent", "kv_b", "token_pos", "token_req", "req_base", "selection?"],
-      ["o"], _mla_infer, _mla_ref, attrs={"scale": attr(float), "form": attr(str, default="absorbed")},
+      ["o"], _mla_infer, _mla_ref, attrs={"scale": attr(float), "form": attr(str, default="absorbed"),
+                                          "selection_kind": attr(str, default="positions")},
       flops=_mla_flops, bytes=_mla_bytes,
       doc="softmax(scale*(q_nope.k_nope + q_pe.k_pe)) v over the causal context (or the selected positions); "
-          "absorbed: q~ = [W_UK^T q_nope; q_pe] against latent rows; decompressed: k_nope, v = W_UK c, W_UV c")
+          "absorbed: q~ = [W_UK^T q_nope; q_pe] against latent rows; decompressed: k_nope, v = W_UK c, W_UV c; "
+          "latent: the absorbed form returning o~ = sum p c [T,H,kv] (W_UV applied by mla_value_proj); "
+          "selection_kind: selection entries are request positions or physical pool rows")
+
+
+def _value_proj_infer(a, at):
+    t, h, kv = a.o_latent.shape
+    dn = at["nope_dim"]
+    expect(a.kv_b.rank == 2 and shapes_equal(a.kv_b.shape[1:], (kv,)),
+           f"mla_value_proj: kv_b {a.kv_b} must be [H*(dn+dv), {kv}] for o_latent {a.o_latent}")
+    dv = sympy.simplify(a.kv_b.shape[0] / h - dn)
+    expect(dn >= 0 and dv.is_integer and dv > 0, f"mla_value_proj: kv_b {a.kv_b} is not [H*(dn+dv), kv] for H={h}, dn={dn}")
+    return [TensorType(a.o_latent.dtype, (t, h, dv))]
+
+
+defop("mla_value_proj", ["o_latent", "kv_b"], ["o"], _value_proj_infer,
+      lambda a, at: ref_mla.mla_value_proj(a.o_latent, a.kv_b, at["nope_dim"]),
+      attrs={"nope_dim": attr(int)},
+      flops=lambda a, o, at: 2 * numel(o[0].shape) * a.o_latent.shape[2],
+      doc="o^h = W_UV^h o~^h, W_UV^h = rows dn.. of head h of kv_b viewed [H, dn+dv, kv] (absorbed MLA's value up-projection)")
+
+
+def _selection_rows_infer(a, at):
+    expect(a.selection.dtype == i64 and a.selection.rank == 2, f"selection_to_rows: selection {a.selection} must be i64[T, K]")
+    expect(shapes_equal(a.token_req.shape, a.selection.shape[:1]),
+           f"selection_to_rows: token_req {a.token_req} does not match selection {a.selection}")
+    return [a.selection]
+
+
+defop("selection_to_rows", ["selection", "token_req", "req_base"], ["rows"], _selection_rows_infer,
+      lambda a, at: ref_mla.selection_positions_to_rows(a.selection, a.token_req, a.req_base),
+      doc="rows[t, j] = req_base[token_req[t]] + selection[t, j] where selection[t, j] >= 0, else -1 "
+          "(request positions -> physical pool rows)")
 
 
 def _quant_infer(a, at):

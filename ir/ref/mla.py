@@ -3,14 +3,17 @@
 Context rule (shared with ``ir.ref.indexer``): token i of request r = token_req[i] at position
 p_i = token_pos[i] attends to positions 0..p_i of its request, stored at pool rows
 req_base[r] + p; or, when ``selection`` is given, exactly the positions listed in selection[i]
-(entries -1 are padding; entries are positions, not pool rows, must be distinct and <= p_i).
+(entries -1 are padding; entries are positions, must be distinct and <= p_i).  With
+``selection_kind="rows"`` the entries are the physical pool rows req_base[r] + p instead (what the
+fused indexer emits); ``selection_rows_to_positions`` maps them back.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["mla_attention", "context_positions"]
+__all__ = ["mla_attention", "mla_value_proj", "context_positions", "selection_positions_to_rows",
+           "selection_rows_to_positions"]
 
 # Upper bound on the elements of one token block's gathered-context intermediates; the
 # reference processes tokens in blocks so that long prefill contexts stay within memory.
@@ -39,6 +42,43 @@ def context_positions(token_pos: torch.Tensor, selection: torch.Tensor | None):
     return sel, valid
 
 
+def selection_positions_to_rows(selection: torch.Tensor, token_req: torch.Tensor,
+                                req_base: torch.Tensor) -> torch.Tensor:
+    """rows[i, j] = req_base[token_req[i]] + selection[i, j] where selection[i, j] >= 0, else -1."""
+    base = req_base.to(device=selection.device, dtype=torch.int64)[token_req.to(device=selection.device,
+                                                                              dtype=torch.int64)]
+    sel = selection.to(torch.int64)
+    return torch.where(sel >= 0, sel + base.unsqueeze(1), torch.full_like(sel, -1))
+
+
+def selection_rows_to_positions(rows: torch.Tensor, token_req: torch.Tensor,
+                                req_base: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``selection_positions_to_rows``; raises ValueError for a valid row that lies
+    before its token's request base (a row of another request)."""
+    base = req_base.to(device=rows.device, dtype=torch.int64)[token_req.to(device=rows.device,
+                                                                         dtype=torch.int64)]
+    rows = rows.to(torch.int64)
+    valid = rows >= 0
+    pos = rows - base.unsqueeze(1)
+    if bool((valid & (pos < 0)).any()):
+        raise ValueError("selection holds a pool row before its request's base row")
+    return torch.where(valid, pos, torch.full_like(rows, -1))
+
+
+def mla_value_proj(o_latent: torch.Tensor, kv_b_w: torch.Tensor, nope_dim: int) -> torch.Tensor:
+    """o^h = W_UV^h o~^h: o_latent [B, H, kv] (the absorbed attention's latent output), kv_b_w
+    [H*(dn+dv), kv] (layout as in ``mla_attention``), nope_dim = dn.  Returns [B, H, dv] in
+    o_latent's dtype."""
+    B, H, kv = o_latent.shape
+    if kv_b_w.shape[1] != kv or kv_b_w.shape[0] % H:
+        raise ValueError(f"kv_b_w {tuple(kv_b_w.shape)} does not match o_latent {tuple(o_latent.shape)}")
+    dv = kv_b_w.shape[0] // H - nope_dim
+    if dv <= 0:
+        raise ValueError(f"nope_dim {nope_dim} leaves no value rows in kv_b_w {tuple(kv_b_w.shape)}")
+    W_UV = kv_b_w.to(o_latent.dtype).view(H, nope_dim + dv, kv)[:, nope_dim:]
+    return torch.einsum("bhk,hvk->bhv", o_latent, W_UV)
+
+
 def _token_blocks(n_tokens: int, per_token: int):
     bs = max(1, _BLOCK_ELEMS // max(1, per_token))
     for s in range(0, n_tokens, bs):
@@ -48,7 +88,7 @@ def _token_blocks(n_tokens: int, per_token: int):
 def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
                   kv_b_w: torch.Tensor, token_pos: torch.Tensor, token_req: torch.Tensor,
                   req_base: torch.Tensor, scale: float, selection: torch.Tensor | None = None,
-                  form: str = "absorbed") -> torch.Tensor:
+                  form: str = "absorbed", selection_kind: str = "positions") -> torch.Tensor:
     """MLA attention for a ragged batch of tokens against a latent cache pool.
 
     q_nope [B, H, dn], q_pe [B, H, dr]; latent [N, kv+dr] pool rows = [c_KV (normalised); k_pe];
@@ -59,11 +99,18 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor
     context; o^h = sum_s p(s) W_UV^h c(s).
       form="absorbed":     q~ = [W_UK^T q_nope ; q_pe] against latent rows, o~ = sum p c, o = W_UV o~.
       form="decompressed": k_nope, v materialised per context token.
+      form="latent":       the absorbed form without the final W_UV product: returns o~ [B, H, kv]
+                           (``mla_value_proj`` applies W_UV).
+    selection_kind: "positions" (request positions) or "rows" (physical pool rows).
     The current token's own latent row must already be in the pool.  Computes in q_nope's
-    dtype (latent / kv_b_w are cast to it).  Returns o [B, H, dv].
+    dtype (latent / kv_b_w are cast to it).  Returns o [B, H, dv] (o~ [B, H, kv] for "latent").
     """
-    if form not in ("absorbed", "decompressed"):
-        raise ValueError(f"form must be 'absorbed' or 'decompressed', got {form!r}")
+    if form not in ("absorbed", "decompressed", "latent"):
+        raise ValueError(f"form must be 'absorbed', 'decompressed' or 'latent', got {form!r}")
+    if selection_kind not in ("positions", "rows"):
+        raise ValueError(f"selection_kind must be 'positions' or 'rows', got {selection_kind!r}")
+    if selection is not None and selection_kind == "rows":
+        selection = selection_rows_to_positions(selection, token_req, req_base)
     B, H, dn = q_nope.shape
     dr = q_pe.shape[-1]
     dt, dev = q_nope.dtype, q_nope.device
@@ -82,7 +129,7 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor
         raise ValueError("a token has an empty attention context")
     base = req_base.to(device=dev, dtype=torch.int64)[token_req.to(device=dev,
                                                                   dtype=torch.int64)]
-    o = q_nope.new_zeros(B, H, dv)
+    o = q_nope.new_zeros(B, H, kv if form == "latent" else dv)
     L = pos.shape[1]
     per_tok = L * (kv + dr + H * (dn + dv + 1))
     for s, e in _token_blocks(B, per_tok):
@@ -91,12 +138,12 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor
         ctx = latent[rows].to(dt)                                        # [b, L, kv+dr]
         c, kpe = ctx[..., :kv], ctx[..., kv:]
         rope_part = torch.einsum("bhr,blr->bhl", q_pe[s:e], kpe)
-        if form == "absorbed":
+        if form in ("absorbed", "latent"):
             q_abs = torch.einsum("bhn,hnk->bhk", q_nope[s:e], W_UK)     # W_UK^T q_nope
             logits = scale * (torch.einsum("bhk,blk->bhl", q_abs, c) + rope_part)
             p = torch.softmax(logits.masked_fill(~m.unsqueeze(1), float("-inf")), dim=-1)
             o_lat = torch.einsum("bhl,blk->bhk", p, c)
-            o[s:e] = torch.einsum("bhk,hvk->bhv", o_lat, W_UV)
+            o[s:e] = o_lat if form == "latent" else torch.einsum("bhk,hvk->bhv", o_lat, W_UV)
         else:
             k_nope = torch.einsum("blk,hnk->blhn", c, W_UK)
             v = torch.einsum("blk,hvk->blhv", c, W_UV)

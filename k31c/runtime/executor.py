@@ -43,9 +43,16 @@ class Executor(Interpreter):
         self.misses: Counter = Counter()  # bucket_id -> launches that used the heuristic
         self._packed: dict[str, PackedMXFP4] = {}
 
+    def run(self, fn, inputs):
+        f = self.module.function(fn) if isinstance(fn, str) else fn
+        self._token_dim = f.inputs[0].type.shape[0]  # the step's token axis symbol (B, or R for decode)
+        return super().run(f, inputs)
+
     def _execute(self, n: Node, args: list, env: dict) -> list[torch.Tensor]:
         t = self._kernel.get(id(n))
         if t is None:
+            if self.batch_invariant and n.body is None:
+                return self._batch_invariant_reference(n, args, env)
             return super()._execute(n, args, env)
         args = [self._packed_param(v.name) if v.is_param and isinstance(self.weights.get(v.name), PackedMXFP4)
                 else a for v, a in zip(n.inputs, args)]
@@ -69,6 +76,41 @@ class Executor(Interpreter):
         if len(outs) != len(n.outputs):
             raise InterpreterError(f"kernel {t.family} returned {len(outs)} results for {n.op}, expected {len(n.outputs)}")
         return outs
+
+    def _batch_invariant_reference(self, n: Node, args: list, env: dict) -> list[torch.Tensor]:
+        """Run a reference op so that no reduction order depends on the batch: ops over whole requests
+        (those taking cu_seqlens) one request at a time, every other op one token at a time. Library
+        GEMMs and reductions pick their blocking by problem size, so a batched call is not invariant."""
+        names = [v.name for v in n.inputs]
+        token_ix = [i for i, v in enumerate(n.inputs) if not v.is_param and v.type.rank
+                    and v.type.shape[0] == self._token_dim and v.name not in ("req_base", "state_slot")]
+        if not token_ix:
+            return super()._execute(n, args, env)
+        pieces = []
+        if "cu_seqlens" in names:
+            cu, slot = args[names.index("cu_seqlens")], args[names.index("state_slot")]
+            for r in range(cu.numel() - 1):
+                lo, hi = int(cu[r]), int(cu[r + 1])
+                part = list(args)
+                for i in token_ix:
+                    part[i] = args[i][lo:hi]
+                part[names.index("cu_seqlens")] = torch.tensor([0, hi - lo], dtype=cu.dtype, device=cu.device)
+                part[names.index("state_slot")] = slot[r:r + 1]
+                pieces.append(super()._execute(n, part, env))
+        else:
+            tok_req = args[names.index("token_req")] if "token_req" in names else None
+            for row in range(args[token_ix[0]].shape[0]):
+                part = list(args)
+                for i in token_ix:
+                    part[i] = args[i][row:row + 1]
+                if tok_req is not None:
+                    part[names.index("token_req")] = torch.zeros_like(tok_req[:1])
+                    if "req_base" in names:
+                        base = args[names.index("req_base")]
+                        part[names.index("req_base")] = base[int(tok_req[row]):int(tok_req[row]) + 1]
+                pieces.append(super()._execute(n, part, env))
+        token_out = [o.type.rank and o.type.shape[0] == self._token_dim for o in n.outputs]
+        return [torch.cat([p[j] for p in pieces]) if is_tok else pieces[-1][j] for j, is_tok in enumerate(token_out)]
 
     def _packed_param(self, name: str) -> PackedMXFP4:
         if name not in self._packed:

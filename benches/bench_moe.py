@@ -1,0 +1,373 @@
+"""MoE kernels on one GPU (issue 5): checks bf16 correctness at full shapes, times kernels and peers.
+
+Emits one JSON document (stdout and $OUT/moe.json, rewritten after every section so a timeout keeps
+what was measured). Sections: ceilings measured in the same run (HBM read, copy, bf16 and fp8 matmul
+8192³); decode (T=64, top-16 of 112 experts, ℓ=3584, I=3072, MXFP4) as bytes of weights read over the
+measured read bandwidth; prefill (T=8192) as TFLOP/s over the measured bf16 and fp8 ceilings; the whole
+MoE layer (d=7168, 2 shared experts) vs the reference layer written inline here, in torch eager and
+torch.compile, plus a torch._grouped_mm peer.
+
+    python benches/bench_moe.py            # on a CUDA machine
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+
+import torch
+
+if not torch.cuda.is_available():  # the interpreter must be chosen before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from codegen.triton import moe_grouped_gemm as gg  # noqa: E402
+from codegen.triton import moe_router as mr  # noqa: E402
+from codegen.triton import moe_tail as mt  # noqa: E402
+from ir.packed import PackedMXFP4  # noqa: E402
+
+# MOE_BENCH_TINY=1: toy shapes on the CPU (interpreter) to dry-run this script's logic before the GPU call
+TINY = os.environ.get("MOE_BENCH_TINY") == "1"
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+E, K, ELL, INTER, D, SHARED_I = (8, 2, 64, 64, 64, 128) if TINY else (112, 16, 3584, 3072, 7168, 2 * 3072)
+T_DECODE, T_PREFILL = (8, 64) if TINY else (64, 8192)
+ACT = torch.float32 if TINY else torch.bfloat16   # the interpreter computes bf16 wrongly (TOOLCHAIN.md)
+B1, B2, EPS = 4.0, 25.0, 1e-5
+T0 = time.time()
+DOC = {"bench": "moe", "command": " ".join([sys.executable] + sys.argv), "machine": {}, "ceilings": {},
+       "measurements": [], "errors": [], "notes": []}
+
+
+def save():
+    text = json.dumps(DOC, indent=1, default=str)
+    if os.environ.get("OUT"):
+        tmp = os.path.join(os.environ["OUT"], "moe.json.tmp")
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, os.path.join(os.environ["OUT"], "moe.json"))
+    return text
+
+
+def section(fn):
+    def run(*a, **k):
+        t = time.time()
+        try:
+            return fn(*a, **k)
+        except Exception as e:  # one shot on the GPU: report and go on
+            DOC["errors"].append({"section": fn.__name__, "error": f"{type(e).__name__}: {e}",
+                                  "trace": traceback.format_exc()[-2500:]})
+            print(f"!! {fn.__name__}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        finally:
+            print(f"-- {fn.__name__} {time.time() - t:.1f}s (total {time.time() - T0:.0f}s)", flush=True)
+            save()
+    return run
+
+
+def ms(fn, rep=150):
+    if DEV == "cpu":
+        fn()
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    return do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return ((a - b).norm() / b.norm()).item()
+
+
+def record(name, t_ms, **kw):
+    m = {"name": name, "median_ms": round(t_ms, 5), **kw}
+    DOC["measurements"].append(m)
+    print(json.dumps(m, default=str), flush=True)
+    save()
+    return m
+
+
+# ------------------------------------------------------------------------------------- ceilings
+@triton.jit
+def _read_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    base = tl.program_id(0).to(tl.int64) * BLOCK * ITERS
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in range(ITERS):
+        acc += tl.load(x_ptr + base + i * BLOCK + tl.arange(0, BLOCK))
+    tl.store(out_ptr + tl.program_id(0), tl.sum(acc, 0))
+
+
+@section
+def ceilings():
+    n = 1 << (16 if TINY else 30)
+    x = torch.empty(n, device=DEV).uniform_()
+    part = torch.empty(n // (4096 * 16), device=DEV)
+    t_tr = ms(lambda: _read_kernel[(part.numel(),)](x, part, BLOCK=4096, ITERS=16, num_warps=8))
+    t_sum = ms(lambda: x.sum())
+    y = torch.empty_like(x)
+    t_cp = ms(lambda: y.copy_(x))
+    c = DOC["ceilings"]
+    c["read_TBps_triton"], c["read_TBps_torch_sum"] = 4 * n / t_tr / 1e9, 4 * n / t_sum / 1e9
+    c["read_TBps"] = max(c["read_TBps_triton"], c["read_TBps_torch_sum"])
+    c["copy_TBps_read_plus_write"] = 8 * n / t_cp / 1e9
+    del x, y
+    m = 256 if TINY else 8192
+    a = torch.randn(m, m, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(m, m, device=DEV, dtype=torch.bfloat16)
+    c["bf16_matmul_TFLOPs"] = 2 * m ** 3 / ms(lambda: a @ b) / 1e9
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    one = torch.ones((), device=DEV)
+    c["fp8_matmul_TFLOPs"] = 2 * m ** 3 / ms(lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one,
+                                                                       out_dtype=torch.bfloat16)) / 1e9
+    print(json.dumps(c), flush=True)
+
+
+# ----------------------------------------------------------------------------------------- data
+def rand_mx(g, n, k):
+    q = torch.randint(0, 256, (E, n, k // 2), generator=g, device=DEV, dtype=torch.uint8)
+    s = torch.randint(119, 122, (E, n, k // 32), generator=g, device=DEV, dtype=torch.uint8)
+    return PackedMXFP4(q, s)
+
+
+def to_bf16(w: PackedMXFP4):
+    out = torch.empty(w.shape, device=DEV, dtype=ACT)
+    for e in range(0, E, 8):
+        out[e:e + 8] = PackedMXFP4(w.packed[e:e + 8], w.scales[e:e + 8]).dequantize(ACT)
+    return out
+
+
+def mx_bytes(w: PackedMXFP4, experts: int) -> int:
+    return w.nbytes // E * experts
+
+
+def routing(g, T):
+    logits = torch.randn(T, E, generator=g, device=DEV)
+    bias = torch.randn(E, generator=g, device=DEV) * 0.1
+    return mr.router(logits, bias, K, "sigmoid", True, 1.0)
+
+
+def ref_experts(z, w, ids, w1, w2, w3):
+    """fp32 reference of moe_experts on bf16-exact weights (the MXFP4 values are exact in bf16)."""
+    from ir.ref.moe import moe_experts
+    return moe_experts(z.float(), w, ids, w1, w2, w3, "situ", B1, B2)
+
+
+W = {}
+
+
+@section
+def make_weights():
+    g = torch.Generator(device=DEV).manual_seed(0)
+    W["w1"], W["w3"], W["w2"] = rand_mx(g, INTER, ELL), rand_mx(g, INTER, ELL), rand_mx(g, ELL, INTER)
+    for n in ("w1", "w2", "w3"):
+        W[n + "_bf16"] = to_bf16(W[n])
+
+
+# --------------------------------------------------------------------------------------- decode
+DECODE_CFGS = [dict(BM=16, BN=64, BK=128, BN2=64, BK2=128, num_warps=4, num_stages=3),
+               dict(BM=16, BN=32, BK=256, BN2=32, BK2=256, num_warps=4, num_stages=4),
+               dict(BM=16, BN=64, BK=256, BN2=64, BK2=256, num_warps=4, num_stages=3),
+               dict(BM=16, BN=128, BK=128, BN2=128, BK2=128, num_warps=8, num_stages=3)]
+DECODE_DEQ = [("", "arith")] + ([("", "dot_scaled")] if DEV == "cuda" else [])
+PREFILL_CFGS = [dict(BM=128, BN=64, BK=64, BN2=128, BK2=64, num_warps=8, num_stages=3),
+                dict(BM=128, BN=128, BK=64, BN2=128, BK2=64, num_warps=8, num_stages=3),
+                dict(BM=64, BN=128, BK=64, BN2=128, BK2=64, num_warps=4, num_stages=4)]
+
+
+def sweep(tag, T, cfgs, weights, check_rows, floor):
+    """Time gate-up + down (pre-permuted) for each config; check rows [:check_rows] vs fp32."""
+    g = torch.Generator(device=DEV).manual_seed(T)
+    z = torch.randn(T, ELL, generator=g, device=DEV).to(ACT)
+    w, ids = routing(g, T)
+    seg = mr.permute_tokens(ids, E)
+    exp = ref_experts(z[:check_rows], w[:check_rows], ids[:check_rows], W["w1_bf16"], W["w2_bf16"], W["w3_bf16"])
+    live = int((seg.counts > 0).sum())
+    best = None
+    for wname, deq in weights:
+        w1, w2, w3 = (W[n + wname] for n in ("w1", "w2", "w3"))
+        for cfg in cfgs:
+            cfg = {**cfg, "DEQ": deq}
+            name = f"{tag}_{'mxfp4_' + deq if wname == '' else 'bf16'}"
+            try:
+                run = lambda: gg.expert_pair_outputs(z, ids, w1, w2, w3, "situ", B1, B2, cfg, seg)[0]  # noqa: E731
+                y = gg.combine(run(), w, ids, E)[:check_rows]
+                err = rel_err(y, exp)
+                t = ms(run)
+            except Exception as e:
+                DOC["errors"].append({"section": name, "config": cfg, "error": f"{type(e).__name__}: {str(e)[:500]}"})
+                print(f"!! {name} {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            wbytes = sum(mx_bytes(x, live) if isinstance(x, PackedMXFP4) else x.numel() // E * live * 2
+                         for x in (w1, w2, w3))
+            m = record(name, t, config=cfg, rel_err=err, ok=err < (2e-2 if wname == "" else 1e-2),
+                       **floor(t, wbytes))
+            if m["ok"] and (best is None or t < best[0]) and wname == "":
+                best = (t, cfg)
+    return best, (z, w, ids, seg)
+
+
+def decode_floor(t, wbytes):
+    bw = wbytes / t / 1e9
+    return {"weight_bytes": wbytes, "TBps": round(bw, 3),
+            "ratio_vs_read_bw": round(bw / DOC["ceilings"].get("read_TBps", float("nan")), 3)}
+
+
+def prefill_floor(t, wbytes):
+    flops = 6 * T_PREFILL * K * INTER * ELL
+    tf, c = flops / t / 1e9, DOC["ceilings"]
+    return {"flops": flops, "weight_bytes": wbytes, "TFLOPs": round(tf, 1),
+            "ratio_vs_bf16_matmul": round(tf / c.get("bf16_matmul_TFLOPs", float("nan")), 3),
+            "ratio_vs_fp8_matmul": round(tf / c.get("fp8_matmul_TFLOPs", float("nan")), 3)}
+
+
+@section
+def decode():
+    best, (z, w, ids, seg) = sweep("decode_experts_gemms", T_DECODE, DECODE_CFGS, DECODE_DEQ, T_DECODE, decode_floor)
+    sweep("decode_experts_gemms", T_DECODE, DECODE_CFGS[:1], [("_bf16", "arith")], T_DECODE, decode_floor)
+    if best is None:
+        return
+    t_best, cfg = best
+    DOC["decode_best_config"] = cfg
+    w1, w2, w3 = W["w1"], W["w2"], W["w3"]
+    live = int((seg.counts > 0).sum())
+    wbytes = sum(mx_bytes(x, live) for x in (w1, w2, w3))
+    full = lambda: gg.moe_experts(z, w, ids, w1, w2, w3, "situ", B1, B2, cfg)  # noqa: E731
+    t_full = ms(full)
+    record("decode_moe_experts_op_full", t_full, config=cfg, live_experts=live, **decode_floor(t_full, wbytes))
+    record("decode_permute", ms(lambda: mr.permute_tokens(ids, E)))
+    o = gg.expert_pair_outputs(z, ids, w1, w2, w3, "situ", B1, B2, cfg, seg)[0]
+    record("decode_combine", ms(lambda: gg.combine(o, w, ids, E)))
+    logits = torch.randn(T_DECODE, E, device=DEV)
+    record("decode_router", ms(lambda: mr.router(logits, None, K, "sigmoid", True, 1.0)))
+    try:
+        t_graph = triton.testing.do_bench_cudagraph(full, rep=200, return_mode="median")
+        record("decode_moe_experts_op_cudagraph", t_graph, config=cfg, **decode_floor(t_graph, wbytes))
+    except Exception as e:
+        DOC["errors"].append({"section": "decode_cudagraph", "error": f"{type(e).__name__}: {str(e)[:300]}"})
+
+
+@section
+def prefill():
+    best, _ = sweep("prefill_experts_gemms", T_PREFILL, PREFILL_CFGS, DECODE_DEQ, 256, prefill_floor)
+    sweep("prefill_experts_gemms", T_PREFILL, PREFILL_CFGS[:2], [("_bf16", "arith")], 256, prefill_floor)
+    if best:
+        DOC["prefill_best_config"] = best[1]
+
+
+# ---------------------------------------------------------------------------------- whole layer
+def situ_glu(a, u):
+    return B1 * torch.tanh(a / B1) * torch.sigmoid(a) * (B2 * torch.tanh(u / B2))
+
+
+def peer_router(logits, bias):
+    s = torch.sigmoid(logits)
+    ids = torch.sort(s + bias, dim=-1, descending=True, stable=True).indices[:, :K]
+    wt = s.gather(1, ids)
+    return wt / (wt.sum(-1, keepdim=True) + 1e-20), ids
+
+
+def peer_layer(h, P, w1, w2, w3):
+    """The reference MoE layer (SPEC §6) written plainly in torch: loop over experts with tokens."""
+    w, ids = peer_router(h.float() @ P["gate"].t(), P["bias"])
+    z = h @ P["down"].t()
+    outs = z.new_zeros(*ids.shape, ELL)
+    for e in torch.unique(ids).tolist():
+        tok, slot = torch.nonzero(ids == e, as_tuple=True)
+        zt = z[tok]
+        outs[tok, slot] = situ_glu(zt @ w1[e].t(), zt @ w3[e].t()) @ w2[e].t()
+    y = (w.to(z.dtype).unsqueeze(-1) * outs).sum(1).float()
+    y = (y / torch.sqrt(y.pow(2).mean(-1, keepdim=True) + EPS) * P["norm"].float()).to(h.dtype)
+    return y @ P["up"].t() + situ_glu(h @ P["sg"].t(), h @ P["su"].t()) @ P["sd"].t()
+
+
+def peer_layer_grouped(h, P, w1, w2, w3):
+    """Same layer with torch._grouped_mm for the experts (no data-dependent Python control flow)."""
+    w, ids = peer_router(h.float() @ P["gate"].t(), P["bias"])
+    z = h @ P["down"].t()
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+    x = z[order // K]
+    hh = situ_glu(torch._grouped_mm(x, w1.transpose(1, 2), offs=offs), torch._grouped_mm(x, w3.transpose(1, 2), offs=offs))
+    o = torch.empty_like(x)
+    o[order] = torch._grouped_mm(hh, w2.transpose(1, 2), offs=offs)
+    y = (w.unsqueeze(-1) * o.view(*ids.shape, ELL).float()).sum(1)
+    y = (y / torch.sqrt(y.pow(2).mean(-1, keepdim=True) + EPS) * P["norm"].float()).to(h.dtype)
+    return y @ P["up"].t() + situ_glu(h @ P["sg"].t(), h @ P["su"].t()) @ P["sd"].t()
+
+
+def our_layer(h, P, cfg):
+    w, ids = mr.router(h.float() @ P["gate"].t(), P["bias"], K, "sigmoid", True, 1.0)
+    z = h @ P["down"].t()
+    shared = situ_glu(h @ P["sg"].t(), h @ P["su"].t()) @ P["sd"].t()
+    return mt.latent_moe_tail(z, w, ids, W["w1"], W["w2"], W["w3"], P["up"], shared, P["norm"], EPS, "situ",
+                              B1, B2, cfg)
+
+
+@section
+def layer():
+    g = torch.Generator(device=DEV).manual_seed(5)
+    bf = dict(device=DEV, dtype=ACT)
+    P = {"gate": torch.randn(E, D, generator=g, device=DEV) / D ** 0.5,
+         "bias": torch.randn(E, generator=g, device=DEV) * 0.1,
+         "down": torch.randn(ELL, D, generator=g, **bf) / D ** 0.5, "up": torch.randn(D, ELL, generator=g, **bf) / ELL ** 0.5,
+         "norm": (1 + 0.1 * torch.randn(ELL, generator=g, device=DEV)).to(ACT),
+         "sg": torch.randn(SHARED_I, D, generator=g, **bf) / D ** 0.5, "su": torch.randn(SHARED_I, D, generator=g, **bf) / D ** 0.5,
+         "sd": torch.randn(D, SHARED_I, generator=g, **bf) / SHARED_I ** 0.5}
+    wb = (W["w1_bf16"], W["w2_bf16"], W["w3_bf16"])
+    for T in (T_DECODE, T_PREFILL):
+        h = torch.randn(T, D, generator=g, **bf)
+        cfg = {**mt.heuristic({**gg._key(T, E, K, ELL, INTER, True, ACT, {}), "D": D}),
+               **DOC.get("decode_best_config" if T == T_DECODE else "prefill_best_config", {})}
+        ours = our_layer(h, P, cfg)
+        t_ours = ms(lambda: our_layer(h, P, cfg))
+        peers = {"torch_eager_reference": lambda: peer_layer(h, P, *wb),
+                 "torch_eager_grouped_mm": lambda: peer_layer_grouped(h, P, *wb)}
+        for name, fn in peers.items():
+            try:
+                err = rel_err(ours, fn())
+                t = ms(fn)
+                record(f"layer_T{T}_{name}", t, rel_err_vs_ours=err)
+                record(f"layer_T{T}_ours_vs_{name}", t_ours, speedup=round(t / t_ours, 2), config=cfg)
+            except Exception as e:
+                DOC["errors"].append({"section": f"layer_T{T}_{name}", "error": f"{type(e).__name__}: {str(e)[:400]}"})
+        for name, fn in (("torch_compile_grouped_mm", peer_layer_grouped), ("torch_compile_reference", peer_layer)):
+            if time.time() - T0 > 220 or DEV == "cpu":
+                DOC["notes"].append(f"layer_T{T}_{name} skipped: time budget")
+                continue
+            try:
+                cf = torch.compile(fn)
+                t_c = time.time()
+                err = rel_err(ours, cf(h, P, *wb))
+                comp_s = time.time() - t_c
+                t = ms(lambda: cf(h, P, *wb))
+                record(f"layer_T{T}_{name}", t, rel_err_vs_ours=err, compile_s=round(comp_s, 1),
+                       ours_speedup=round(t / t_ours, 2))
+            except Exception as e:
+                DOC["errors"].append({"section": f"layer_T{T}_{name}", "error": f"{type(e).__name__}: {str(e)[:400]}"})
+
+
+def main():
+    DOC["machine"] = {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+                      "python": platform.python_version(), "host": platform.node(), "device": DEV}
+    if DEV == "cuda":
+        p = torch.cuda.get_device_properties(0)
+        DOC["machine"].update(gpu=p.name, cc=f"{p.major}.{p.minor}", sms=p.multi_processor_count,
+                              mem_GiB=round(p.total_memory / 2 ** 30, 1))
+    DOC["shapes"] = {"E": E, "topk": K, "latent": ELL, "inter": INTER, "d": D, "decode_T": T_DECODE,
+                     "prefill_T": T_PREFILL, "shared_inter": SHARED_I}
+    for step in (ceilings, make_weights, decode, prefill, layer):
+        step()
+    DOC["total_s"] = round(time.time() - T0, 1)
+    print(save())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""Attention-Residual mixing (SPEC §2 `mix`): `attn_res_mix` and `fused.attn_res_mix_norm` (the prefix
+add, the mix and the sublayer's RMSNorm after it; signature in passes/attn_res_fusion.py).
+
+Per token row, candidates V = [bank_1..bank_n, prefix], w = mix_norm * proj:
+    [prefix = prev + part]                                (fused prefix add, stored, then read rounded)
+    score_i = (V_i . w) / sqrt(mean(V_i^2) + eps)        (= rmsnorm(V_i) . w, no gain)
+    alpha   = softmax_i(score);   x = sum_i alpha_i V_i
+    fused:  h = x / sqrt(mean(x^2) + norm_eps) * norm_w  (x rounded to its storage dtype first, as the
+                                                          unfused rms_norm would read it)
+One pass over the sources: the whole row (BLOCK_D >= d) of the running sum stays in registers and the
+softmax is folded online (flash style), the prefix first, then the bank in order:
+    m' = max(m, s_i), acc = acc e^{m-m'} + e^{s_i-m'} V_i, l = l e^{m-m'} + e^{s_i-m'}, x = acc / l.
+Each source row is read once; x (or h) and the prefix are written once.
+
+The sources arrive as separate tensors (no stacking copy): MAX_BANK bank pointers, N_BANK (constexpr)
+of them live. Math in fp32 (fp64 for fp64 inputs). Every row is reduced on its own in an order fixed by
+the config, which does not depend on the row count under `batch_invariant` (the key drops it).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from codegen.kernel import KernelTemplate, Tunable, pow2_bucket
+
+MAX_BANK = 15
+MAX_BLOCK_D = 16384
+
+
+@triton.jit
+def _mix_step(v, w, acc, m, l, d, eps, FIRST: tl.constexpr):
+    s = tl.sum(v * w, axis=1) / tl.sqrt(tl.sum(v * v, axis=1) / d + eps)
+    if FIRST:
+        acc_new = v
+        m_new = s
+        l_new = s * 0.0 + 1.0
+    else:
+        m_new = tl.maximum(m, s)
+        c = tl.exp(m - m_new)
+        e = tl.exp(s - m_new)
+        acc_new = acc * c[:, None] + v * e[:, None]
+        l_new = l * c + e
+    return acc_new, m_new, l_new
+
+
+@triton.jit
+def _bank_step(p, offs, ok, w, acc, m, l, d, eps, CDT: tl.constexpr):
+    return _mix_step(tl.load(p + offs, mask=ok, other=0.0).to(CDT), w, acc, m, l, d, eps, False)
+
+
+@triton.jit
+def _attn_res_kernel(b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13, b14,
+                     last_ptr, part_ptr, prefix_ptr, proj_ptr, mnorm_ptr, g_ptr, x_ptr, h_ptr, T, d, eps, norm_eps,
+                     N_BANK: tl.constexpr, PREFIX_ADD: tl.constexpr, STORE_X: tl.constexpr, NORM: tl.constexpr,
+                     CDT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < d
+    ok = (rows < T)[:, None] & col_ok[None, :]
+    offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
+    w = (tl.load(proj_ptr + cols, mask=col_ok, other=0.0).to(CDT)
+         * tl.load(mnorm_ptr + cols, mask=col_ok, other=0.0).to(CDT))[None, :]
+    v = tl.load(last_ptr + offs, mask=ok, other=0.0)
+    if PREFIX_ADD:  # prefix = prev + part, stored, and mixed as the stored (rounded) value
+        v = (v.to(CDT) + tl.load(part_ptr + offs, mask=ok, other=0.0).to(CDT)).to(prefix_ptr.dtype.element_ty)
+        tl.store(prefix_ptr + offs, v, mask=ok)
+    acc, m, l = _mix_step(v.to(CDT), w, 0.0, 0.0, 0.0, d, eps, True)
+    if N_BANK > 0:
+        acc, m, l = _bank_step(b0, offs, ok, w, acc, m, l, d, eps, CDT)
+    if N_BANK > 1:
+        acc, m, l = _bank_step(b1, offs, ok, w, acc, m, l, d, eps, CDT)
+    if N_BANK > 2:
+        acc, m, l = _bank_step(b2, offs, ok, w, acc, m, l, d, eps, CDT)
+    if N_BANK > 3:
+        acc, m, l = _bank_step(b3, offs, ok, w, acc, m, l, d, eps, CDT)
+    if N_BANK > 4:
+        acc, m, l = _bank_step(b4, offs, ok, w, acc, m, l, d, eps, CDT)
+    if N_BANK > 5:
+        acc, m, l = _bank_step(b5, offs, ok, w, acc, m, l, d, eps, CDT)
+    if N_BANK > 6:
+        acc, m, l = _bank_step(b6, offs, ok, w, acc, m, l, d, eps, CDT)
+    if N_BANK > 7:
+        acc, m, l = _bank_step(b7, offs, ok, w, acc, m, l, d, eps, CDT)
+    if N_BANK > 8:
+        acc, m, l = _bank_step(b8, offs, ok, w, acc, m, l, d, eps, CDT)
+    if N_BANK > 9:
+        acc, m, l = _bank_step(b9, offs, ok, w, acc, m, l, d, eps, CDT)
+    if N_BANK > 10:
+        acc, m, l = _bank_step(b10, offs, ok, w, acc, m, l, d, eps, CDT)
+    if N_BANK > 11:
+        acc, m, l = _bank_step(b11, offs, ok, w, acc, m, l, d, eps, CDT)
+    if N_BANK > 12:
+        acc, m, l = _bank_step(b12, offs, ok, w, acc, m, l, d, eps, CDT)
+    if N_BANK > 13:
+        acc, m, l = _bank_step(b13, offs, ok, w, acc, m, l, d, eps, CDT)
+    if N_BANK > 14:
+        acc, m, l = _bank_step(b14, offs, ok, w, acc, m, l, d, eps, CDT)
+    x = (acc / l[:, None]).to(x_ptr.dtype.element_ty)
+    if STORE_X:
+        tl.store(x_ptr + offs, x, mask=ok)
+    if NORM:
+        xf = tl.where(ok, x.to(CDT), 0.0)
+        h = xf / tl.sqrt(tl.sum(xf * xf, axis=1) / d + norm_eps)[:, None]
+        h = h * tl.load(g_ptr + cols, mask=col_ok, other=0.0).to(CDT)[None, :]
+        tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=ok)
+
+
+def attn_res_mix(bank, last, proj, mix_norm, eps: float, config: dict, *, part=None, norm_weight=None,
+                 norm_eps: float = 0.0):
+    """Returns (prefix or None, x or None, h or None). The candidates are bank (0..15 tensors [..., d])
+    then the prefix: `last`, or last + part when `part` is given (then the sum is returned as prefix).
+    x is returned when no norm_weight is given, h = rmsnorm(x) when one is."""
+    if len(bank) > MAX_BANK:
+        raise ValueError(f"attn_res_mix: {len(bank)} bank sources; this kernel takes at most {MAX_BANK}")
+    shape, dt = last.shape, last.dtype
+    for s in [*bank, *([part] if part is not None else [])]:
+        if s.shape != shape or s.dtype != dt:
+            raise ValueError(f"attn_res_mix: sources differ: {tuple(s.shape)} {s.dtype} vs {tuple(shape)} {dt}")
+    d = shape[-1]
+    if config["BLOCK_D"] < d:
+        raise ValueError(f"attn_res_mix: BLOCK_D={config['BLOCK_D']} < d={d} (one-pass rows only)")
+    flat = [s.reshape(-1, d).contiguous() for s in [*bank, last, *([part] if part is not None else [])]]
+    T = flat[0].shape[0]
+    proj, mix_norm = proj.reshape(-1).contiguous(), mix_norm.reshape(-1).contiguous()
+    if proj.numel() != d or mix_norm.numel() != d:
+        raise ValueError(f"attn_res_mix: proj {proj.numel()} / norm {mix_norm.numel()} values do not match d={d}")
+    dev = last.device
+    prefix = torch.empty(T, d, dtype=dt, device=dev) if part is not None else None
+    x = torch.empty(T, d, dtype=dt, device=dev) if norm_weight is None else None
+    h = torch.empty(T, d, dtype=dt, device=dev) if norm_weight is not None else None
+    if T > 0:
+        dummy = flat[0]
+        bank_ptrs = flat[:len(bank)] + [dummy] * (MAX_BANK - len(bank))
+        pick = lambda t: dummy if t is None else t  # noqa: E731
+        _attn_res_kernel[(triton.cdiv(T, config["BLOCK_R"]),)](
+            *bank_ptrs, flat[len(bank)], pick(flat[-1] if part is not None else None), pick(prefix), proj, mix_norm,
+            pick(norm_weight), pick(x if x is not None else h), pick(h), T, d, float(eps), float(norm_eps),
+            N_BANK=len(bank), PREFIX_ADD=part is not None, STORE_X=x is not None, NORM=norm_weight is not None,
+            CDT=tl.float64 if dt == torch.float64 else tl.float32,
+            BLOCK_R=config["BLOCK_R"], BLOCK_D=config["BLOCK_D"], num_warps=config["num_warps"])
+    lead = shape[:-1]
+    shp = lambda t: None if t is None else t.reshape(*lead, d)  # noqa: E731
+    return shp(prefix), shp(x), shp(h)
+
+
+# ---- template plumbing ---------------------------------------------------------------------------
+def _key(sources, attrs) -> dict:
+    rows = 1
+    for dim in sources[0].shape[:-1]:
+        rows *= int(dim)
+    return {"T": rows, "d": int(sources[0].shape[-1]), "n": len(sources),
+            "bi": int(bool(attrs.get("batch_invariant", False)))}
+
+
+def _bucket(key: dict) -> dict:
+    b = dict(key)
+    b["T"] = 0 if b["bi"] else pow2_bucket(b["T"])
+    return b
+
+
+TUNABLES = (Tunable("BLOCK_R", (1, 2, 4, 8, 16)), Tunable("num_warps", (1, 2, 4, 8, 16)))
+
+
+def heuristic(key: dict, target: str) -> dict:
+    """BLOCK_D = next power of two >= d; rows per program so a tile holds ~4096 values (interpreter:
+    ~32768); about one warp per 512 values of the tile. No dependence on T."""
+    bd = pow2_bucket(key["d"])
+    br = max(1, min(16, (32768 if target == "cpu" else 4096) // bd))
+    return {"BLOCK_R": br, "BLOCK_D": bd, "num_warps": max(1, min(16, br * bd // 512))}
+
+
+def constraints(config: dict, key: dict, target: str) -> list[str]:
+    out = []
+    if config["BLOCK_D"] < key["d"]:
+        out.append(f"BLOCK_D={config['BLOCK_D']} < d={key['d']}")
+    if config["BLOCK_R"] * config["BLOCK_D"] > 16384:
+        out.append("running-sum tile BLOCK_R*BLOCK_D > 16384 values does not fit in registers")
+    return out
+
+
+def _supports(sources, n_bank) -> str | None:
+    if n_bank > MAX_BANK:
+        return f"{n_bank} bank sources; the kernel takes at most {MAX_BANK}"
+    d = sources[0].shape[-1]
+    if not getattr(d, "is_number", True) or int(d) > MAX_BLOCK_D:
+        return f"hidden size {d} is symbolic or > {MAX_BLOCK_D} (the row is kept in registers)"
+    return None
+
+
+def _launch_mix(a, attrs, config):
+    return attn_res_mix(a.sources[:-1], a.sources[-1], a.proj, a.norm, attrs["eps"], config)[1]
+
+
+def split_fused(operands, attrs):
+    """fused.attn_res_mix_norm operands -> (proj, mix_norm, norm_w, bank, last, part or None)."""
+    n = int(attrs["bank"])
+    want = 3 + n + (2 if attrs["prefix_add"] else 1)
+    if len(operands) != want:
+        raise ValueError(f"fused.attn_res_mix_norm with bank={n}, prefix_add={attrs['prefix_add']} takes {want} "
+                         f"operands (proj, mix_norm, norm_w, bank.., prev, part | prefix), got {len(operands)}")
+    proj, mnorm, g = operands[:3]
+    bank = list(operands[3:3 + n])
+    tail = operands[3 + n:]
+    return proj, mnorm, g, bank, tail[0], (tail[1] if attrs["prefix_add"] else None)
+
+
+def _launch_mix_norm(a, attrs, config):
+    proj, mnorm, g, bank, last, part = split_fused(a.operands, attrs)
+    prefix, _, h = attn_res_mix(bank, last, proj, mnorm, attrs["eps"], config, part=part, norm_weight=g,
+                                norm_eps=attrs["norm_eps"])
+    return (prefix, h) if part is not None else h
+
+
+def _fused_sources(a, attrs):
+    _, _, _, bank, last, _ = split_fused(a.operands, attrs)
+    return [*bank, last]
+
+
+TEMPLATES = [
+    KernelTemplate(
+        family="attn_res_mix", backend="triton", ops=("attn_res_mix",), launch=_launch_mix,
+        key_dims=lambda a, attrs: _key(a.sources, attrs), heuristic=heuristic, tunables=TUNABLES, bucket=_bucket,
+        constraints=constraints, supports=lambda a, attrs, target: _supports(a.sources, len(a.sources) - 1),
+        batch_invariant=True, doc="softmax over sources of rmsnorm(V_i).w, weighted sum; one read of every source"),
+    KernelTemplate(
+        family="attn_res_mix_norm", backend="triton", ops=("fused.attn_res_mix_norm",), launch=_launch_mix_norm,
+        key_dims=lambda a, attrs: _key(_fused_sources(a, attrs), attrs), heuristic=heuristic, tunables=TUNABLES,
+        bucket=_bucket, constraints=constraints,
+        supports=lambda a, attrs, target: _supports(_fused_sources(a, attrs), int(attrs["bank"])),
+        batch_invariant=True, doc="prefix add + AttnRes mix + the following RMSNorm in one kernel"),
+]

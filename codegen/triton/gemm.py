@@ -1,0 +1,395 @@
+"""Dense GEMM family: `linear` (y = x @ w^T) and `fused.packed_linear` (one GEMM over the concatenated
+weights of linears that read the same input, results split by columns).
+
+Math (per output row m, column n):   y[m, n] = sum_k x[m, k] * w[n, k]          (fp32 accumulation)
+FP8 weights (`FP8Weight`, e4m3 values q with scales s):
+    per output channel  (s: [N]):            y[m, n] = s[n] * sum_k x[m, k] * q[n, k]
+    per block (gn x gk) (s: [N/gn, K/gk]):   y[m, n] = sum_b s[n//gn, b] * sum_{k in block b} x[m, k] q[n, k]
+so the kernel reproduces `x @ w.dequantize().T` up to fp32 summation order (weight-only FP8: the
+activations stay in their dtype, q is widened exactly to the dot dtype in registers).
+
+Operand dtypes. bf16 x bf16 / fp8 (bf16 dot, fp32 accumulate); f32 x bf16 (the logits head: x split
+into X_SPLITS bf16 terms hi+mid+lo so the result keeps ~fp32 accuracy on the bf16 tensor cores);
+f32 x f32 (tf32x3 on a GPU). Under the Triton interpreter everything is computed in fp32 (fp64 when an
+operand is fp64): the interpreter's bf16 arithmetic is wrong, see shared/TOOLCHAIN.md.
+
+Tiling: one program per (BLOCK_M x BLOCK_N) output tile, grouped (GROUP_M) launch order for L2 reuse, a
+K loop of BLOCK_K steps software-pipelined `num_stages` deep. There is never a split-K: every output
+element is reduced over K in one fixed order (k = 0, BLOCK_K, 2 BLOCK_K, ...).
+
+Batch invariance (`attrs["batch_invariant"]`): the key drops M (`bi=1`), so `heuristic` returns one
+config for every batch size and the reduction order of a row, including the MMA instruction shape,
+is the same whether the row runs alone or inside any batch.
+
+`fused.packed_linear` operands: (x, w_1..w_n), attr `splits=[N_1..N_n]`, results y_1..y_n. The weights
+are concatenated once (cached by weight identity and version) and y_i are column views of one
+[M, sum N_i] output (row stride sum N_i).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from codegen.kernel import KernelTemplate, Tunable, pow2_bucket
+
+# Shared memory a program may use, per target (bytes). Unknown GPU targets get the conservative value.
+SMEM_BYTES = {"h100": 232448, "h200": 232448, "b200": 232448, "b300": 232448, "gb300": 232448, "rubin": 232448,
+              "mi355x": 163840}
+DEFAULT_SMEM = 101376
+PLAIN_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ---- FP8 weights --------------------------------------------------------------------------------
+@dataclass(eq=False)
+class FP8Weight:
+    """An FP8 e4m3 weight [N, K] with scales: `scale` [N] (per output channel) or [ceil(N/gn), ceil(K/gk)]
+    (per block, `block=(gn, gk)`). Value = q * scale, exactly as `dequantize` computes it."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    block: tuple[int, int] | None = None
+
+    def __post_init__(self):
+        if self.q.dtype != torch.float8_e4m3fn or self.q.dim() != 2:
+            raise ValueError(f"FP8Weight: q must be float8_e4m3fn [N, K], found {self.q.dtype} {tuple(self.q.shape)}")
+        n, k = self.q.shape
+        want = (n,) if self.block is None else (-(-n // self.block[0]), -(-k // self.block[1]))
+        if tuple(self.scale.shape) != want:
+            raise ValueError(f"FP8Weight: scale must be {want} for q {tuple(self.q.shape)} and block {self.block}, "
+                             f"found {tuple(self.scale.shape)}")
+
+    shape = property(lambda self: self.q.shape)
+    dtype = property(lambda self: self.q.dtype)
+    device = property(lambda self: self.q.device)
+
+    def to(self, device) -> "FP8Weight":
+        return FP8Weight(self.q.to(device), self.scale.to(device), self.block)
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        q = self.q.to(torch.float32)
+        if self.block is None:
+            return (q * self.scale.to(torch.float32)[:, None]).to(dtype)
+        gn, gk = self.block
+        s = self.scale.to(torch.float32).repeat_interleave(gn, 0).repeat_interleave(gk, 1)
+        return (q * s[: q.shape[0], : q.shape[1]]).to(dtype)
+
+    @staticmethod
+    def quantize(w: torch.Tensor, block: tuple[int, int] | None = None) -> "FP8Weight":
+        """Scales amax/448 per channel (or per block); q = e4m3(w / scale), round to nearest even."""
+        w32 = w.to(torch.float32)
+        if block is None:
+            s = (w32.abs().amax(dim=1) / 448.0).clamp_min(1e-12)
+            return FP8Weight((w32 / s[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn), s, None)
+        gn, gk = block
+        n, k = w32.shape
+        pad = torch.zeros(-(-n // gn) * gn, -(-k // gk) * gk, dtype=torch.float32, device=w.device)
+        pad[:n, :k] = w32
+        s = pad.reshape(pad.shape[0] // gn, gn, pad.shape[1] // gk, gk).abs().amax(dim=(1, 3)) / 448.0
+        s = s.clamp_min(1e-12)
+        full = s.repeat_interleave(gn, 0).repeat_interleave(gk, 1)[:n, :k]
+        return FP8Weight((w32 / full).clamp(-448, 448).to(torch.float8_e4m3fn), s, (gn, gk))
+
+
+# ---- the kernel ---------------------------------------------------------------------------------
+@triton.jit
+def gemm_tile(x_ptr, w_ptr, s_ptr, offs_m, offs_n, m_ok, n_ok, K, stride_xm, stride_xk, stride_wn, stride_wk,
+              stride_sn, stride_sk, SCALE_MODE: tl.constexpr, SCALE_GN: tl.constexpr, SCALE_GK: tl.constexpr,
+              DOT_DTYPE: tl.constexpr, ACC_DTYPE: tl.constexpr, X_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+              EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc[BLOCK_M, BLOCK_N] = x[offs_m, :] @ w[offs_n, :]^T (scales applied), K reduced in BLOCK_K steps
+    in increasing k; shared with the kernels that fuse an epilogue onto a GEMM."""
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
+    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk  # [BK, BN] = w^T tile
+    acc = tl.zeros((BLOCK_M, BLOCK_N), ACC_DTYPE)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            xt = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+            wt = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = (offs_k + k0) < K
+            xt = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            wt = tl.load(w_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        wt = wt.to(DOT_DTYPE)
+        if SCALE_MODE == 2:  # per-block scales: each K block's partial product is scaled on its own
+            part = tl.zeros((BLOCK_M, BLOCK_N), ACC_DTYPE)
+        else:
+            part = acc
+        if X_SPLITS == 1:
+            part = tl.dot(xt.to(DOT_DTYPE), wt, part, input_precision=PRECISION, out_dtype=ACC_DTYPE)
+        else:  # fp32 x against low-precision w: x = hi + mid (+ lo), each term exact in DOT_DTYPE
+            xf = xt.to(tl.float32)
+            hi = xf.to(DOT_DTYPE)
+            rest = xf - hi.to(tl.float32)
+            mid = rest.to(DOT_DTYPE)
+            part = tl.dot(hi, wt, part, out_dtype=ACC_DTYPE)
+            part = tl.dot(mid, wt, part, out_dtype=ACC_DTYPE)
+            if X_SPLITS == 3:
+                lo = (rest - mid.to(tl.float32)).to(DOT_DTYPE)
+                part = tl.dot(lo, wt, part, out_dtype=ACC_DTYPE)
+        if SCALE_MODE == 2:
+            s = tl.load(s_ptr + (offs_n // SCALE_GN) * stride_sn + (k0 // SCALE_GK) * stride_sk, mask=n_ok, other=0.0)
+            acc += part * s.to(ACC_DTYPE)[None, :]
+        else:
+            acc = part
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+    if SCALE_MODE == 1:  # per-output-channel scales
+        s = tl.load(s_ptr + offs_n * stride_sn, mask=n_ok, other=0.0)
+        acc = acc * s.to(ACC_DTYPE)[None, :]
+    return acc
+
+
+@triton.jit
+def _gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K,
+                 stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn, stride_sn, stride_sk,
+                 SCALE_MODE: tl.constexpr, SCALE_GN: tl.constexpr, SCALE_GK: tl.constexpr,
+                 DOT_DTYPE: tl.constexpr, ACC_DTYPE: tl.constexpr, X_SPLITS: tl.constexpr,
+                 PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    acc = gemm_tile(x_ptr, w_ptr, s_ptr, offs_m, offs_n, m_ok, n_ok, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                    stride_sn, stride_sk, SCALE_MODE, SCALE_GN, SCALE_GK, DOT_DTYPE, ACC_DTYPE, X_SPLITS, PRECISION,
+                    EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :] * stride_yn
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+# ---- numerics chosen from the operands ----------------------------------------------------------
+def dot_numerics(x_dtype: torch.dtype, w_dtype: torch.dtype, interpret: bool | None = None) -> dict:
+    """DOT_DTYPE / ACC_DTYPE / X_SPLITS / PRECISION for these operand dtypes (not tunables: they fix
+    the numerics, the tuner must not trade them for speed)."""
+    interpret = interpreting() if interpret is None else interpret
+    if torch.float64 in (x_dtype, w_dtype):
+        return dict(DOT_DTYPE=tl.float64, ACC_DTYPE=tl.float64, X_SPLITS=1, PRECISION="ieee")
+    if interpret:
+        return dict(DOT_DTYPE=tl.float32, ACC_DTYPE=tl.float32, X_SPLITS=1, PRECISION="ieee")
+    low = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+    w_low = low.get(w_dtype) if w_dtype != torch.float8_e4m3fn else low.get(x_dtype, tl.bfloat16)
+    if x_dtype in low and w_low is not None and (w_dtype == torch.float8_e4m3fn or w_dtype == x_dtype):
+        return dict(DOT_DTYPE=low[x_dtype], ACC_DTYPE=tl.float32, X_SPLITS=1, PRECISION="tf32")
+    if x_dtype == torch.float32 and w_low is not None:
+        return dict(DOT_DTYPE=w_low, ACC_DTYPE=tl.float32, X_SPLITS=3, PRECISION="tf32")
+    return dict(DOT_DTYPE=tl.float32, ACC_DTYPE=tl.float32, X_SPLITS=1, PRECISION="tf32x3")
+
+
+def gemm(x: torch.Tensor, w, config: dict, out: torch.Tensor | None = None) -> torch.Tensor:
+    """y[M, N] = x[M, K] @ w[N, K]^T with w a tensor or an FP8Weight; x may be strided (2-D)."""
+    if x.dim() != 2:
+        raise ValueError(f"gemm: x must be 2-D [M, K], found {tuple(x.shape)}")
+    fp8 = isinstance(w, FP8Weight)
+    wq = w.q if fp8 else w
+    M, K = x.shape
+    N = wq.shape[0]
+    if wq.dim() != 2 or wq.shape[1] != K:
+        raise ValueError(f"gemm: weight {tuple(wq.shape)} does not match input {tuple(x.shape)} (in features {K})")
+    if x.dtype not in PLAIN_DTYPES or (not fp8 and wq.dtype not in PLAIN_DTYPES):
+        raise ValueError(f"gemm: unsupported dtypes x {x.dtype}, w {wq.dtype}")
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out
+    if M == 0 or N == 0 or K == 0:
+        return out.zero_()
+    if fp8:
+        scale_mode, (gn, gk) = (1, (1, 1)) if w.block is None else (2, w.block)
+        s = w.scale.to(torch.float32)
+        s_strides = (s.stride(0), 0) if s.dim() == 1 else (s.stride(0), s.stride(1))
+        if scale_mode == 2 and gk % config["BLOCK_K"]:
+            raise ValueError(f"gemm: BLOCK_K={config['BLOCK_K']} must divide the FP8 scale block {gk} along K")
+    else:
+        scale_mode, gn, gk, s, s_strides = 0, 1, 1, out, (0, 0)
+    grid = (triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"]),)
+    _gemm_kernel[grid](
+        x, wq, s, out, M, N, K, x.stride(0), x.stride(1), wq.stride(0), wq.stride(1), out.stride(0), out.stride(1),
+        *s_strides, SCALE_MODE=scale_mode, SCALE_GN=gn, SCALE_GK=gk, **dot_numerics(x.dtype, wq.dtype),
+        EVEN_K=K % config["BLOCK_K"] == 0, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
+        BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
+        num_stages=config["num_stages"])
+    return out
+
+
+# ---- packed weights: concatenated once, cached by identity ---------------------------------------
+_PACKED: dict[tuple, tuple] = {}
+
+
+def packed_weight(ws: list):
+    """The row-concatenation of ws (tensors or FP8Weights with equal scale layouts), built once per
+    distinct list of weight objects (identity + in-place version); stale entries are dropped."""
+    key = tuple(id(w) for w in ws)
+    versions = tuple(getattr(w, "_version", 0) if not isinstance(w, FP8Weight) else w.q._version for w in ws)
+    hit = _PACKED.get(key)
+    if hit is not None and all(r() is w for r, w in zip(hit[0], ws)) and hit[1] == versions:
+        return hit[2]
+    for k in [k for k, v in _PACKED.items() if any(r() is None for r in v[0])]:
+        del _PACKED[k]
+    if all(isinstance(w, FP8Weight) for w in ws):
+        blocks = {w.block for w in ws}
+        if len(blocks) != 1:
+            raise ValueError(f"packed_linear: FP8 weights have different scale blocks {sorted(map(str, blocks))}")
+        block = blocks.pop()
+        if block is not None and any(w.q.shape[0] % block[0] for w in ws[:-1]):
+            raise ValueError(f"packed_linear: FP8 block rows {block[0]} must divide every split but the last")
+        packed = FP8Weight(torch.cat([w.q for w in ws]), torch.cat([w.scale for w in ws]), block)
+    elif any(isinstance(w, FP8Weight) for w in ws):
+        raise ValueError("packed_linear: weights mix FP8 and plain dtypes")
+    else:
+        packed = torch.cat(list(ws), dim=0)
+    _PACKED[key] = ([weakref.ref(w) for w in ws], versions, packed)
+    return packed
+
+
+# ---- template plumbing ---------------------------------------------------------------------------
+def _dtype_name(t) -> str:
+    if isinstance(t, FP8Weight):
+        return "f8e4m3"
+    dt = getattr(t, "dtype", None)
+    name = getattr(dt, "name", None)  # IR DType at compile time
+    if isinstance(name, str):
+        return name
+    return {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16", torch.float64: "f64",
+            torch.float8_e4m3fn: "f8e4m3"}.get(dt, str(dt))
+
+
+def _rows(x) -> int:
+    n = 1
+    for d in x.shape[:-1]:
+        n *= int(d)
+    return n
+
+
+def _key(x, ws, attrs) -> dict:
+    blk = ws[0].block[1] if isinstance(ws[0], FP8Weight) and ws[0].block else 0  # FP8 scale block along K
+    return {"M": _rows(x), "N": sum(int(w.shape[0]) for w in ws), "K": int(x.shape[-1]), "x": _dtype_name(x),
+            "w": _dtype_name(ws[0]), "gk": blk, "bi": int(bool(attrs.get("batch_invariant", False)))}
+
+
+def _bucket(key: dict) -> dict:
+    b = dict(key)
+    if b["bi"]:
+        b["M"] = 0  # one config for every batch size
+    else:
+        b["M"] = pow2_bucket(b["M"], 16)
+    return b
+
+
+TUNABLES = (
+    Tunable("BLOCK_M", (16, 32, 64, 128)),
+    Tunable("BLOCK_N", (32, 64, 128, 256)),
+    Tunable("BLOCK_K", (32, 64, 128, 256)),
+    Tunable("GROUP_M", (1, 8)),
+    Tunable("num_warps", (4, 8)),
+    Tunable("num_stages", (1, 2, 3, 4, 5)),
+)
+
+
+def heuristic(key: dict, target: str) -> dict:
+    """cpu (interpreter): big tiles, few programs. GPU: decode (M <= 64) streams the weights with
+    BLOCK_M = 16..64 and BLOCK_N small enough for >= 1.5 waves on 132 SMs; prefill uses 128 x 256 x 64
+    tiles, 3 stages. Batch-invariant: one mid-size config for every M (the key has no M). Wide
+    operands (fp32) shed stages, then BLOCK_N, until the shared-memory constraint holds."""
+    if target == "cpu":
+        bm = 64 if key["bi"] else min(64, pow2_bucket(key["M"], 16))
+        cfg = dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=1)
+    elif key["bi"]:
+        cfg = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
+    elif key["M"] <= 64:
+        bn = 64 if key["N"] >= 200 * 64 else 32
+        bk = 256 if key["w"] == "f8e4m3" else 128
+        cfg = dict(BLOCK_M=max(16, pow2_bucket(key["M"], 16)), BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1,
+                   num_warps=4, num_stages=4)
+    else:
+        cfg = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+    if key.get("gk"):
+        cfg["BLOCK_K"] = min(cfg["BLOCK_K"], key["gk"])
+    while constraints(cfg, key, target):
+        if cfg["num_stages"] > 2:
+            cfg["num_stages"] -= 1
+        elif cfg["BLOCK_N"] > 32:
+            cfg["BLOCK_N"] //= 2
+        elif cfg["BLOCK_K"] > 32:
+            cfg["BLOCK_K"] //= 2
+        else:
+            break
+    return cfg
+
+
+_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "f8e4m3": 1}
+
+
+def constraints(config: dict, key: dict, target: str) -> list[str]:
+    out = []
+    if key.get("gk") and key["gk"] % config["BLOCK_K"]:
+        out.append(f"BLOCK_K={config['BLOCK_K']} does not divide the FP8 scale block {key['gk']} along K")
+    if target != "cpu":
+        xb, wb = _BYTES.get(key["x"], 4), _BYTES.get(key["w"], 2)
+        smem = (config["BLOCK_M"] * config["BLOCK_K"] * xb + config["BLOCK_K"] * config["BLOCK_N"] * wb) \
+            * max(1, config["num_stages"])
+        limit = SMEM_BYTES.get(target, DEFAULT_SMEM)
+        if smem > limit:
+            out.append(f"shared memory {smem} B (BLOCK_M*BLOCK_K*{xb} + BLOCK_K*BLOCK_N*{wb}) * stages > {limit} B")
+        if config["BLOCK_M"] * config["BLOCK_N"] > 128 * 256:
+            out.append("accumulator tile BLOCK_M*BLOCK_N > 32768 fp32 values does not fit in registers")
+    return out
+
+
+def _supports_types(x, ws, target) -> str | None:
+    if getattr(x.dtype, "is_packed", False) or _dtype_name(x) not in ("f32", "bf16", "f16", "f64"):
+        return f"activation dtype {_dtype_name(x)} is not f32/bf16/f16/f64"
+    for w in ws:
+        name = _dtype_name(w)
+        if name not in ("f32", "bf16", "f16", "f64", "f8e4m3"):
+            return f"weight dtype {name} (packed formats run in the MoE kernels)"
+        if len(w.shape) != 2:
+            return f"weight of rank {len(w.shape)} (needs [out, in])"
+    if len({_dtype_name(w) for w in ws}) != 1:
+        return "packed weights of different dtypes"
+    return None
+
+
+def _launch_linear(a, attrs, config):
+    y = gemm(a.x.reshape(-1, a.x.shape[-1]), a.w, config)
+    return y.reshape(*a.x.shape[:-1], y.shape[-1])
+
+
+def _launch_packed(a, attrs, config):
+    x, ws = a.operands[0], list(a.operands[1:])
+    splits = list(attrs["splits"])
+    if len(splits) != len(ws) or any(int(w.shape[0]) != s for w, s in zip(ws, splits)):
+        raise ValueError(f"packed_linear: splits {splits} do not match weights "
+                         f"{[tuple(w.shape) for w in ws]}")
+    y = gemm(x.reshape(-1, x.shape[-1]), packed_weight(ws), config)
+    return tuple(part.reshape(*x.shape[:-1], part.shape[-1]) for part in torch.split(y, splits, dim=1))
+
+
+TEMPLATES = [
+    KernelTemplate(
+        family="gemm", backend="triton", ops=("linear",), launch=_launch_linear,
+        key_dims=lambda a, attrs: _key(a.x, [a.w], attrs), heuristic=heuristic, tunables=TUNABLES,
+        bucket=_bucket, constraints=constraints, supports=lambda a, attrs, target: _supports_types(a.x, [a.w], target),
+        batch_invariant=True, doc="y = x @ w^T, bf16/fp8(+scales)/fp32 weights, no split-K"),
+    KernelTemplate(
+        family="packed_gemm", backend="triton", ops=("fused.packed_linear",), launch=_launch_packed,
+        key_dims=lambda a, attrs: _key(a.operands[0], a.operands[1:], attrs), heuristic=heuristic,
+        tunables=TUNABLES, bucket=_bucket, constraints=constraints,
+        supports=lambda a, attrs, target: _supports_types(a.operands[0], a.operands[1:], target),
+        batch_invariant=True, doc="[y_1..y_n] = split(x @ concat(w_1..w_n)^T): one GEMM, weights packed once"),
+]

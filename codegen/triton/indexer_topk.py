@@ -1,0 +1,438 @@
+"""DSA indexer scorer + exact top-k (IR op `indexer_topk`, SPEC §5 steps 6-7), decode and prefill.
+
+Math. Token i (request r = token_req[i], position p_i = token_pos[i]) scores the causal positions
+s <= p_i of its request, whose keys sit at pool row req_base[r] + s:
+    I(i, s) = sum_j w_j ReLU(deq(q_j) . deq(k_s)).
+FP8 keys: q and keys carry power-of-two fp32 scales (q per (token, head), keys per row), so
+    I(i, s) = ks_s * sum_j (w_j qs_j) ReLU(q8_j . k8_s),
+where the fp8 values are exact in bf16 and the dot accumulates in fp32 (tensor cores). MXFP4 keys
+(E2M1 codes, one E8M0 scale per 32 values, SPEC §7): the key tile is dequantised in registers (exact in
+bf16) and dotted with the even/odd halves of q. Sel(i) = top-k by (score desc, position asc) over the
+causal context, written in ascending position order and -1 padded; a context of <= topk positions
+selects all of it (no scoring at all).
+
+The [rows x context] score matrix never exists in memory. Each score becomes a unique 64-bit key
+    key = (orderable(score) << 32) | (2^32 - 1 - position)            (signed int64 order)
+whose order is exactly the selection order; four kernels:
+ 1. score    grid (rows, SPLITS): per tile of BLOCK_N positions, keys in registers, the tile's KT best
+             (tl.topk) re-sorted by position go to `cand[row, tile]`, their minimum to `tmin[row, tile]`.
+ 2. merge 1  grid (rows): theta = topk-th largest candidate by an 8-bit radix select (tl.histogram; stops
+             once the boundary bucket is taken whole). A tile whose KT-th candidate is selected may
+             hold more winners: it "overflowed". At most topk/KT tiles can (each gives KT winners).
+             Without overflow the selected candidates ARE the exact top-k: an unsent element ranks
+             below its tile's KT-th candidate, which ranks below theta, which has topk elements above.
+             Candidates are in position order, so compaction writes the ascending output directly.
+ 3. rescore  grid (rows, topk/KT): each overflowed tile is rescored whole into `ext`, its candidates
+             are dropped (graph-safe: programs without an overflowed tile do nothing).
+ 4. merge 2  rows that overflowed: radix select over candidates + ext, then one tl.sort.
+Per-row workspace: 8 B x (NT*KT + NT + (topk/KT)*BLOCK_N + KP), NT = ceil(context/BLOCK_N),
+KP = pow2 >= topk; large prefill batches run in row chunks under WORKSPACE_BYTES.
+
+Public API: `indexer_topk(...)` (positions, the IR op), `indexer_topk(..., output="rows")` (physical
+pool rows req_base + position, -1 padded: what attention kernels read), `key_format="mxfp4"`.
+Tunables: BLOCK_N (positions per tile), KT (candidates per tile), SPLITS (programs per row),
+num_warps / num_stages (score kernel), MERGE_TILE (keys per merge step). Batch invariant: every
+row's result depends only on that row (exact selection).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..kernel import KernelTemplate, Tunable, pow2_bucket
+
+INVALID = tl.constexpr(-(2 ** 63))
+WORKSPACE_BYTES = 1 << 28
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ------------------------------------------------------------------------------ device helpers
+@triton.jit
+def _low32():
+    return tl.full([], 0xFFFFFFFF, tl.int64)
+
+
+@triton.jit
+def e2m1_to_f32(code):
+    """E2M1 codes (low 4 bits) -> fp32: 0, .5, 1, 1.5, 2, 3, 4, 6, bit 3 = sign."""
+    c = code.to(tl.int32)
+    e = (c >> 1) & 3
+    m = (c & 1).to(tl.float32)
+    mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * (1 << e).to(tl.float32) * 0.5)
+    return tl.where((c & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def e8m0_to_f32(b):
+    """E8M0 bytes -> 2^(b-127) in fp32 (b = 0 is the subnormal 2^-127)."""
+    bi = b.to(tl.int32)
+    return tl.where(bi == 0, tl.full(bi.shape, 0x00400000, tl.int32), bi << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _score_keys(s, p, valid):
+    """Unique int64 keys ordered like (score desc, position asc); invalid lanes get INVALID."""
+    s = tl.where(s == 0.0, 0.0, s)                     # -0 -> +0 (they tie in the reference)
+    bits = s.to(tl.int32, bitcast=True)
+    ordv = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # signed int order == float order
+    key = (ordv.to(tl.int64) << 32) | (_low32() - p.to(tl.int64))
+    return tl.where(valid, key, INVALID)
+
+
+@triton.jit
+def _rot32(k):
+    """Swap the 32-bit halves (an involution): orders candidates by position, keeps INVALID last."""
+    r = (k << 32) | ((k >> 32) & _low32())
+    return tl.where(k == INVALID, INVALID, r)
+
+
+@triton.jit
+def _load_q(q_ptr, wq_ptr, row, HI: tl.constexpr, DI: tl.constexpr, HP: tl.constexpr,
+            KEY_FMT: tl.constexpr, DOT_DT: tl.constexpr):
+    """q^T operands ([DI, HP], or even/odd halves [DI/2, HP] for MXFP4) and per-head weights w*qs."""
+    h = tl.arange(0, HP)
+    hm = h < HI
+    wq = tl.load(wq_ptr + row * HI + h, mask=hm, other=0.0)
+    qrow = q_ptr + row * HI * DI
+    if KEY_FMT == 0:
+        d = tl.arange(0, DI)
+        qa = tl.load(qrow + h[None, :] * DI + d[:, None], mask=hm[None, :], other=0)
+        qa = qa.to(tl.float8e4nv, bitcast=True).to(DOT_DT)
+        qb = qa
+    else:
+        d = tl.arange(0, DI // 2)
+        qa = tl.load(qrow + h[None, :] * DI + 2 * d[:, None], mask=hm[None, :], other=0)
+        qb = tl.load(qrow + h[None, :] * DI + 2 * d[:, None] + 1, mask=hm[None, :], other=0)
+        qa = qa.to(tl.float8e4nv, bitcast=True).to(DOT_DT)
+        qb = qb.to(tl.float8e4nv, bitcast=True).to(DOT_DT)
+    return qa, qb, wq
+
+
+@triton.jit
+def _tile_keys(qa, qb, wq, k_ptr, ks_ptr, base, ctx, start, DI: tl.constexpr, BLOCK_N: tl.constexpr,
+               KEY_FMT: tl.constexpr, DOT_DT: tl.constexpr):
+    """Keys of positions start .. start+BLOCK_N-1 (>= ctx are INVALID)."""
+    p = start + tl.arange(0, BLOCK_N)
+    valid = p < ctx
+    rows = base + p.to(tl.int64)
+    if KEY_FMT == 0:
+        d = tl.arange(0, DI)
+        kt = tl.load(k_ptr + rows[:, None] * DI + d[None, :], mask=valid[:, None], other=0)
+        acc = tl.dot(kt.to(tl.float8e4nv, bitcast=True).to(DOT_DT), qa)          # [BLOCK_N, HP]
+        ks = tl.load(ks_ptr + rows, mask=valid, other=0.0)
+        s = tl.sum(tl.maximum(acc, 0.0) * wq[None, :], 1) * ks
+    else:
+        d = tl.arange(0, DI // 2)
+        by = tl.load(k_ptr + rows[:, None] * (DI // 2) + d[None, :], mask=valid[:, None], other=0)
+        sb = tl.load(ks_ptr + rows[:, None] * (DI // 32) + (d // 16)[None, :], mask=valid[:, None], other=127)
+        sc = e8m0_to_f32(sb)
+        lo = (e2m1_to_f32(by & 15) * sc).to(DOT_DT)
+        hi = (e2m1_to_f32(by >> 4) * sc).to(DOT_DT)
+        acc = tl.dot(lo, qa) + tl.dot(hi, qb)
+        s = tl.sum(tl.maximum(acc, 0.0) * wq[None, :], 1)
+    return _score_keys(s, p, valid)
+
+
+# ------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _score_kernel(q_ptr, wq_ptr, k_ptr, ks_ptr, base_ptr, pos_ptr, cand_ptr, tmin_ptr, NT, TOPK,
+                  HI: tl.constexpr, DI: tl.constexpr, HP: tl.constexpr, BLOCK_N: tl.constexpr,
+                  KT: tl.constexpr, SPLITS: tl.constexpr, KEY_FMT: tl.constexpr, DOT_DT: tl.constexpr):
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    ctx = tl.load(pos_ptr + row) + 1
+    if ctx > TOPK:
+        base = tl.load(base_ptr + row)
+        qa, qb, wq = _load_q(q_ptr, wq_ptr, row, HI, DI, HP, KEY_FMT, DOT_DT)
+        n_tiles = tl.cdiv(ctx, BLOCK_N)
+        crow = cand_ptr + row.to(tl.int64) * NT * KT
+        for tile in range(split, n_tiles, SPLITS):
+            key = _tile_keys(qa, qb, wq, k_ptr, ks_ptr, base, ctx, tile * BLOCK_N, DI, BLOCK_N, KEY_FMT, DOT_DT)
+            if KT < BLOCK_N:
+                top = tl.topk(key, KT)
+                tl.store(tmin_ptr + row.to(tl.int64) * NT + tile, tl.min(top, 0))
+                key = _rot32(tl.sort(_rot32(top), descending=True))
+            tl.store(crow + tile * KT + tl.arange(0, KT), key)
+
+
+@triton.jit
+def _rescore_kernel(q_ptr, wq_ptr, k_ptr, ks_ptr, base_ptr, pos_ptr, cand_ptr, ovf_ptr, novf_ptr, ext_ptr,
+                    NT, MAX_OVF, HI: tl.constexpr, DI: tl.constexpr, HP: tl.constexpr,
+                    BLOCK_N: tl.constexpr, KT: tl.constexpr, KEY_FMT: tl.constexpr, DOT_DT: tl.constexpr):
+    row = tl.program_id(0)
+    i = tl.program_id(1)
+    if i < tl.load(novf_ptr + row):
+        tile = tl.load(ovf_ptr + row * MAX_OVF + i)
+        ctx = tl.load(pos_ptr + row) + 1
+        base = tl.load(base_ptr + row)
+        qa, qb, wq = _load_q(q_ptr, wq_ptr, row, HI, DI, HP, KEY_FMT, DOT_DT)
+        key = _tile_keys(qa, qb, wq, k_ptr, ks_ptr, base, ctx, tile * BLOCK_N, DI, BLOCK_N, KEY_FMT, DOT_DT)
+        tl.store(ext_ptr + (row.to(tl.int64) * MAX_OVF + i) * BLOCK_N + tl.arange(0, BLOCK_N), key)
+        tl.store(cand_ptr + row.to(tl.int64) * NT * KT + tile * KT + tl.arange(0, KT),
+                 tl.full([KT], INVALID, tl.int64))
+
+
+@triton.jit
+def _hist_pass(ptr, n, prefix, pmask, shift: tl.constexpr, TILE: tl.constexpr):
+    """Histogram of the 8-bit digit at `shift` (unsigned order) of the valid keys matching prefix."""
+    hist = tl.zeros([256], dtype=tl.int32)
+    for off in range(0, n, TILE):
+        o = off + tl.arange(0, TILE)
+        m = o < n
+        k = tl.load(ptr + o, mask=m, other=INVALID)
+        match = m & (k != INVALID) & ((k & pmask) == prefix)
+        d = ((k >> shift) & 255).to(tl.int32)
+        if shift == 56:
+            d = d ^ 128
+        hist += tl.histogram(d, 256, mask=match)
+    return hist
+
+
+@triton.jit
+def _collect(ptr, n, prefix, pmask, dst, cnt, add, LIMIT, TILE: tl.constexpr):
+    """Append (in stored order) position + add of every selected key to dst[cnt:]; returns cnt."""
+    for off in range(0, n, TILE):
+        o = off + tl.arange(0, TILE)
+        m = o < n
+        k = tl.load(ptr + o, mask=m, other=INVALID)
+        sel = m & (k != INVALID) & ((k & pmask) >= prefix)
+        c = tl.cumsum(sel.to(tl.int32), 0)
+        at = cnt + c - 1
+        tl.store(dst + at, (_low32() - (k & _low32())) + add, mask=sel & (at < LIMIT))
+        cnt += tl.sum(sel.to(tl.int32), 0)
+    return cnt
+
+
+@triton.jit
+def _merge_kernel(cand_ptr, tmin_ptr, ext_ptr, ovf_ptr, novf_ptr, work_ptr, out_ptr, base_ptr, pos_ptr,
+                  NT, TOPK, MAX_OVF, BLOCK_N: tl.constexpr, KT: tl.constexpr, KP: tl.constexpr,
+                  PHASE: tl.constexpr, ROWS_OUT: tl.constexpr, TILE: tl.constexpr):
+    row = tl.program_id(0)
+    ctx = tl.load(pos_ptr + row) + 1
+    if ROWS_OUT:
+        add = tl.load(base_ptr + row)
+    else:
+        add = tl.zeros([], tl.int64)
+    orow = out_ptr + row.to(tl.int64) * TOPK
+    if PHASE == 1:
+        n_ovf = tl.zeros([], tl.int32)
+        active = ctx > TOPK
+        if ctx <= TOPK:  # everything is selected
+            for off in range(0, TOPK, TILE):
+                j = off + tl.arange(0, TILE)
+                tl.store(orow + j, tl.where(j < ctx, j + add, -1), mask=j < TOPK)
+    else:
+        n_ovf = tl.load(novf_ptr + row)
+        active = (ctx > TOPK) & (n_ovf > 0)
+    if active:
+        n_c = tl.cdiv(ctx, BLOCK_N) * KT
+        crow = cand_ptr + row.to(tl.int64) * NT * KT
+        erow = ext_ptr + row.to(tl.int64) * MAX_OVF * BLOCK_N
+        n_e = n_ovf * BLOCK_N
+        # ---- radix select of the TOPK-th largest key (8-bit digits, most significant first)
+        prefix = tl.zeros([], tl.int64)
+        pmask = tl.zeros([], tl.int64)
+        need = TOPK + tl.zeros([], tl.int32)
+        done = tl.zeros([], tl.int32)
+        idx = tl.arange(0, 256)
+        for p in tl.static_range(8):
+            if done == 0:
+                hist = _hist_pass(crow, n_c, prefix, pmask, 56 - 8 * p, TILE)
+                if PHASE == 2:
+                    hist += _hist_pass(erow, n_e, prefix, pmask, 56 - 8 * p, TILE)
+                total = tl.sum(hist, 0)
+                if total <= need:          # fewer valid keys than TOPK: select them all
+                    done = tl.full([], 1, tl.int32)
+                else:
+                    suffix = total - tl.cumsum(hist, 0) + hist     # keys with digit >= idx
+                    b = tl.sum((suffix >= need).to(tl.int32), 0) - 1
+                    cnt_b = tl.sum(tl.where(idx == b, hist, 0), 0)
+                    need -= tl.sum(tl.where(idx == b, suffix, 0), 0) - cnt_b
+                    bits = b ^ 128 if p == 0 else b
+                    prefix = prefix | (bits.to(tl.int64) << (56 - 8 * p))
+                    pmask = pmask | (tl.full([], 255, tl.int64) << (56 - 8 * p))
+                    done = (cnt_b == need).to(tl.int32)
+        if PHASE == 1:
+            if KT < BLOCK_N:  # tiles whose last candidate is selected may hold more winners
+                n_tiles = tl.cdiv(ctx, BLOCK_N)
+                for t0 in range(0, n_tiles, TILE):
+                    tt = t0 + tl.arange(0, TILE)
+                    m = tt < n_tiles
+                    last = tl.load(tmin_ptr + row.to(tl.int64) * NT + tt, mask=m, other=INVALID)
+                    ov = m & (last != INVALID) & ((last & pmask) >= prefix)
+                    at = n_ovf + tl.cumsum(ov.to(tl.int32), 0) - 1
+                    tl.store(ovf_ptr + row * MAX_OVF + at, tt, mask=ov & (at < MAX_OVF))
+                    n_ovf += tl.sum(ov.to(tl.int32), 0)
+            tl.store(novf_ptr + row, tl.minimum(n_ovf, MAX_OVF))
+            if n_ovf == 0:  # candidates are in position order: compaction gives the sorted output
+                cnt = _collect(crow, n_c, prefix, pmask, orow, tl.zeros([], tl.int32), add, TOPK, TILE)
+                for off in range(0, TOPK, TILE):
+                    j = off + tl.arange(0, TILE)
+                    tl.store(orow + j, tl.full([TILE], -1, tl.int64), mask=(j >= cnt) & (j < TOPK))
+        else:
+            wrow = work_ptr + row.to(tl.int64) * KP
+            cnt = _collect(crow, n_c, prefix, pmask, wrow, tl.zeros([], tl.int32), tl.zeros([], tl.int64), KP, TILE)
+            cnt = _collect(erow, n_e, prefix, pmask, wrow, cnt, tl.zeros([], tl.int64), KP, TILE)
+            tl.debug_barrier()
+            j = tl.arange(0, KP)
+            v = tl.load(wrow + j, mask=j < cnt, other=(1 << 62))
+            v = tl.sort(v)
+            tl.store(orow + j, tl.where(j < cnt, v + add, -1), mask=j < TOPK)
+
+
+# ------------------------------------------------------------------------------------ host API
+def _pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, n))))
+
+
+def default_kt(block_n: int, topk: int, context: int) -> int:
+    """Candidates per tile: the expected winners per tile mu = BLOCK_N*topk/context plus 4 sigma + 4,
+    rounded up to a power of two (overflow past that is exact but rescored)."""
+    mu = block_n * topk / max(1, context)
+    return int(min(block_n, max(4, _pow2(math.ceil(mu + 4 * math.sqrt(mu) + 4)))))
+
+
+def heuristic(key: dict, target: str) -> dict:
+    """cpu: few, big programs. GPU: BLOCK_N 256 (8 warps) for wgmma-sized M; SPLITS gives ~4 programs
+    per SM (132 SMs) but at least 8 tiles per program; KT from `default_kt`."""
+    L, K, T = max(1, key["L"]), key["K"], max(1, key["T"])
+    if target == "cpu":
+        bn = 32 if L <= 256 else 128
+        return dict(BLOCK_N=bn, KT=default_kt(bn, K, L), SPLITS=1, num_warps=4, num_stages=1, MERGE_TILE=256)
+    bn = 256
+    nt = max(1, -(-L // bn))
+    splits = max(1, min(max(1, nt // 8), -(-528 // T)))
+    return dict(BLOCK_N=bn, KT=default_kt(bn, K, L), SPLITS=_pow2(splits) if splits > 1 else 1,
+                num_warps=8, num_stages=3, MERGE_TILE=2048)
+
+
+def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, req_base, topk: int, *,
+                 key_format: str = "fp8", output: str = "positions", config: dict | None = None,
+                 max_context: int | None = None) -> torch.Tensor:
+    """Exact DSA top-k. q f8e4m3 [T, HI, DI], q_scale fp32 [T, HI], w [T, HI];
+    key_format "fp8": keys f8e4m3 (or its uint8 view) [N, DI], key_scale fp32 [N];
+    key_format "mxfp4": keys uint8 [N, DI/2] (low nibble = even element), key_scale uint8 E8M0 [N, DI/32].
+    Returns int64 [T, topk]: ascending positions (output="positions") or pool rows req_base[r] +
+    position (output="rows"), -1 padded. `max_context` (>= every token_pos + 1) avoids a host sync."""
+    if key_format not in ("fp8", "mxfp4"):
+        raise ValueError(f"indexer_topk: key_format must be 'fp8' or 'mxfp4', found {key_format!r}")
+    if output not in ("positions", "rows"):
+        raise ValueError(f"indexer_topk: output must be 'positions' or 'rows', found {output!r}")
+    if topk < 1:
+        raise ValueError(f"indexer_topk: topk must be positive, found {topk}")
+    T, HI, DI = q.shape
+    fmt = 0 if key_format == "fp8" else 1
+    want_k = (keys.shape[0], DI if fmt == 0 else DI // 2)
+    if tuple(keys.shape) != want_k or DI % 32 or DI & (DI - 1):
+        raise ValueError(f"indexer_topk: keys {tuple(keys.shape)} do not match q {tuple(q.shape)} for "
+                         f"{key_format} (need [N, {want_k[1]}], DI a power of two >= 32)")
+    dev = q.device
+    out = torch.empty(T, topk, dtype=torch.int64, device=dev)
+    if T == 0:
+        return out
+    L = int(max_context) if max_context is not None else int(token_pos.max()) + 1
+    cfg = dict(config or heuristic({"T": T, "L": L, "K": topk, "HI": HI, "DI": DI},
+                                   "cpu" if dev.type == "cpu" else "gpu"))
+    bn, kt = int(cfg["BLOCK_N"]), int(cfg["KT"])
+    if kt > bn or kt & (kt - 1) or bn & (bn - 1) or bn < 16:
+        raise ValueError(f"indexer_topk: config {cfg} needs powers of two KT <= BLOCK_N, BLOCK_N >= 16")
+    q8 = q.view(torch.uint8) if q.dtype != torch.uint8 else q
+    k8 = keys.view(torch.uint8) if keys.dtype != torch.uint8 else keys
+    ks = key_scale.to(torch.float32) if fmt == 0 else key_scale.view(torch.uint8)
+    wq = (w.to(torch.float32) * q_scale.to(torch.float32)).contiguous()
+    pos = token_pos.to(device=dev, dtype=torch.int64).contiguous()
+    base = req_base.to(device=dev, dtype=torch.int64)[token_req.to(device=dev, dtype=torch.int64)].contiguous()
+    NT = -(-L // bn)
+    max_ovf = max(1, topk // kt)
+    KP = _pow2(topk)
+    per_row = 8 * (NT * kt + NT + max_ovf * bn + KP) + 4 * (max_ovf + 1)
+    chunk = max(1, min(T, WORKSPACE_BYTES // per_row))
+    dot_dt = tl.float32 if _interpreting() else tl.bfloat16
+    HP = max(16, _pow2(HI))
+    mt = int(cfg.get("MERGE_TILE", 1024))
+    for r0 in range(0, T, chunk):
+        r1 = min(T, r0 + chunk)
+        n = r1 - r0
+        cand = torch.empty(n, NT * kt, dtype=torch.int64, device=dev)
+        tmin = torch.empty(n, NT, dtype=torch.int64, device=dev)
+        ext = torch.empty(n, max_ovf * bn, dtype=torch.int64, device=dev)
+        work = torch.empty(n, KP, dtype=torch.int64, device=dev)
+        ovf = torch.empty(n, max_ovf, dtype=torch.int32, device=dev)
+        novf = torch.zeros(n, dtype=torch.int32, device=dev)
+        qc, wc, bc, pc, oc = q8[r0:r1], wq[r0:r1], base[r0:r1], pos[r0:r1], out[r0:r1]
+        common = dict(HI=HI, DI=DI, HP=HP, BLOCK_N=bn, KT=kt, KEY_FMT=fmt, DOT_DT=dot_dt)
+        _score_kernel[(n, int(cfg["SPLITS"]))](qc, wc, k8, ks, bc, pc, cand, tmin, NT, topk, SPLITS=int(cfg["SPLITS"]),
+                                               num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
+                                               **common)
+        merge = dict(BLOCK_N=bn, KT=kt, KP=KP, ROWS_OUT=output == "rows", TILE=mt, num_warps=8 if mt >= 1024 else 4)
+        _merge_kernel[(n,)](cand, tmin, ext, ovf, novf, work, oc, bc, pc, NT, topk, max_ovf, PHASE=1, **merge)
+        if kt < bn and L > topk:
+            _rescore_kernel[(n, max_ovf)](qc, wc, k8, ks, bc, pc, cand, ovf, novf, ext, NT, max_ovf,
+                                          num_warps=int(cfg["num_warps"]), **common)
+            _merge_kernel[(n,)](cand, tmin, ext, ovf, novf, work, oc, bc, pc, NT, topk, max_ovf, PHASE=2, **merge)
+    return out
+
+
+# ------------------------------------------------------------------------------------ template
+def _launch(a, attrs, config):
+    return indexer_topk(a.q, a.q_scale, a.w, a.keys, a.key_scale, a.token_pos, a.token_req, a.req_base,
+                        int(attrs["topk"]), key_format=attrs.get("key_format", "fp8"), config=config)
+
+
+def _key(a, attrs) -> dict:
+    tp = a.token_pos
+    L = int(tp.max()) + 1 if isinstance(tp, torch.Tensor) and tp.numel() else 0
+    T, HI, DI = (int(x) if isinstance(x, int) or hasattr(x, "__index__") else 0 for x in a.q.shape)
+    return {"T": T, "HI": HI, "DI": DI, "L": L, "K": int(attrs["topk"])}
+
+
+def _bucket(key: dict) -> dict:
+    b = dict(key)
+    b["T"], b["L"] = pow2_bucket(key["T"]), pow2_bucket(key["L"], 1024)
+    return b
+
+
+def _constraints(config: dict, key: dict, target: str) -> list[str]:
+    out = []
+    bn, kt = config["BLOCK_N"], config["KT"]
+    if kt > bn:
+        out.append(f"KT {kt} > BLOCK_N {bn}")
+    if target != "cpu" and bn * key.get("DI", 128) * config["num_stages"] > 200 * 1024:
+        out.append(f"key tiles BLOCK_N*DI*num_stages = {bn * key.get('DI', 128) * config['num_stages']} B of shared memory")
+    return out
+
+
+def _supports(a, attrs, target) -> str | None:
+    di = a.q.shape[2]
+    try:
+        di = int(di)
+    except TypeError:
+        return f"index_head_dim {di} is not a concrete integer"
+    if di % 32 or di & (di - 1):
+        return f"index_head_dim {di} is not a power of two >= 32"
+    return None
+
+
+TUNABLES = (
+    Tunable("BLOCK_N", (64, 128, 256)),
+    Tunable("KT", (4, 8, 16, 32, 64)),
+    Tunable("SPLITS", (1, 2, 4, 8, 16, 32, 64)),
+    Tunable("num_warps", (4, 8)),
+    Tunable("num_stages", (1, 2, 3, 4)),
+    Tunable("MERGE_TILE", (512, 1024, 2048)),
+)
+
+TEMPLATES = [
+    KernelTemplate(family="indexer_topk", backend="triton", ops=("indexer_topk",), launch=_launch, key_dims=_key,
+                   heuristic=heuristic, tunables=TUNABLES, bucket=_bucket, constraints=_constraints,
+                   supports=_supports, batch_invariant=True,
+                   doc="fused FP8/MXFP4 indexer scorer + exact top-k (per-tile candidates, radix merge), positions"),
+]

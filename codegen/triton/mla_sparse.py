@@ -1,0 +1,404 @@
+"""Sparse (and dense) MLA decode in absorbed form over a latent cache pool (IR op `mla_attention`, SPEC §4).
+
+Math, per token t (request r, position p) and head h, over its context rows c(s) = [c_KV(s); k_pe(s)]
+(the selected positions Sel(t), or every s <= p without a selection):
+    q~ = [W_UK^h^T q_nope ; q_pe]                          (batched matmul before the kernel)
+    z(s) = scale * q~ . c(s),   lse = log sum_s e^z(s),   o~ = sum_s e^(z(s)-lse) c_KV(s)
+    o^h = W_UV^h o~                                         (batched matmul after the kernel)
+The kernel does the attention over latent rows: one program per (token, block of BLOCK_H heads,
+chunk of CHUNK context entries), all heads of the block sharing every latent row it loads (the
+row is read once per token, not once per head), online softmax in fp32 (exp2), tensor-core dots.
+Chunks of the same token are merged by `_combine_kernel` with their log-sum-exps, in a fixed order;
+chunk boundaries depend only on the token's own context, so results are batch invariant.
+
+Latent pool formats (dequantised in registers):
+  "bf16" / "fp32"  rows [kv + dr] as stored (the IR's pool);
+  "fp8"            e4m3 rows [kv + dr], value = code * latent_scale (one fp32 scale per layer);
+  "nvfp4"          uint8 rows [kv/2 + kv/16 + dr] (SPEC §7, 352 B for kv=512, dr=64):
+                   bytes [0, kv/2) E2M1 codes of c_KV (low nibble = even element),
+                   [kv/2, kv/2 + kv/16) E4M3 block scales (16 values each),
+                   [kv/2 + kv/16, +dr) k_pe in e4m3;
+                   c_KV = e2m1 * block_scale * latent_scale (the fp32 per-tensor scale),
+                   k_pe = code * pe_scale.
+`quantize_latent_fp8` / `quantize_latent_nvfp4` write those pools, `dequantize_latent` reads them back.
+
+Selections are positions (the IR op; row = req_base[r] + position) or physical rows
+(`selection_rows=True`, what `indexer_topk(..., output="rows")` returns); -1 entries are skipped.
+Tunables: BLOCK_H, BLOCK_N (rows per step), CHUNK (rows per program), SUB (column blocks per row:
+1 = one pass, 4 = two passes), num_warps, num_stages.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ir import formats
+
+from ..kernel import KernelTemplate, Tunable, pow2_bucket
+from .indexer_topk import e2m1_to_f32
+
+LOG2E = 1.4426950408889634
+_LN2 = tl.constexpr(0.6931471805599453)
+LATENT_FORMATS = ("bf16", "fp32", "fp8", "nvfp4")
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _fp8_to(x, DT: tl.constexpr):
+    """e4m3 values (loaded through an fp8 pointer, or raw uint8 bytes) -> DT."""
+    if x.dtype == tl.uint8:
+        x = x.to(tl.float8e4nv, bitcast=True)
+    return x.to(DT)
+
+
+@triton.jit
+def _load_idx(idx_ptr, t, KSEL, j, end, BLOCK_N: tl.constexpr, SPARSE: tl.constexpr):
+    """Context entries j .. j+BLOCK_N-1 of token t: selected positions/rows (-1 = skip) or positions."""
+    jj = j + tl.arange(0, BLOCK_N)
+    jm = jj < end
+    if SPARSE:
+        return tl.load(idx_ptr + t.to(tl.int64) * KSEL + jj, mask=jm, other=-1)
+    else:
+        return tl.where(jm, jj, -1).to(tl.int64)
+
+
+@triton.jit
+def _sub_tile(lat_ptr, rows, valid, lat_stride, kb: tl.constexpr, KV: tl.constexpr, KB: tl.constexpr,
+              FMT: tl.constexpr, DOT_DT: tl.constexpr, EVICT: tl.constexpr):
+    """c_KV values kb*KB .. (kb+1)*KB-1 of the rows, dequantised (natural order, without the per-layer
+    scale) to DOT_DT: [BLOCK_N, KB]. Invalid rows read as zeros."""
+    rp = lat_ptr + rows[:, None] * lat_stride
+    m = valid[:, None]
+    if FMT == 0:
+        x = tl.load(rp + kb * KB + tl.arange(0, KB)[None, :], mask=m, other=0.0, eviction_policy=EVICT).to(DOT_DT)
+    elif FMT == 1:
+        x = _fp8_to(tl.load(rp + kb * KB + tl.arange(0, KB)[None, :], mask=m, other=0, eviction_policy=EVICT), DOT_DT)
+    else:
+        by = tl.load(rp + kb * (KB // 2) + tl.arange(0, KB // 2)[None, :], mask=m, other=0, eviction_policy=EVICT)
+        sc = tl.load(rp + KV // 2 + kb * (KB // 16) + tl.arange(0, KB // 16)[None, :], mask=m, other=0,
+                     eviction_policy=EVICT)
+        BN: tl.constexpr = by.shape[0]
+        v = tl.reshape(tl.join(e2m1_to_f32(by & 15), e2m1_to_f32(by >> 4)), [BN, KB // 16, 16])
+        x = tl.reshape(v * _fp8_to(sc, tl.float32)[:, :, None], [BN, KB]).to(DOT_DT)
+    return x
+
+
+@triton.jit
+def _k_pe(lat_ptr, rows, valid, lat_stride, KV: tl.constexpr, DR: tl.constexpr, FMT: tl.constexpr,
+          DOT_DT: tl.constexpr):
+    r = tl.arange(0, DR)
+    rp = lat_ptr + rows[:, None] * lat_stride
+    if FMT == 0:
+        return tl.load(rp + KV + r[None, :], mask=valid[:, None], other=0.0).to(DOT_DT)
+    elif FMT == 1:
+        return _fp8_to(tl.load(rp + KV + r[None, :], mask=valid[:, None], other=0), DOT_DT)
+    else:
+        return _fp8_to(tl.load(rp + KV // 2 + KV // 16 + r[None, :], mask=valid[:, None], other=0), DOT_DT)
+
+
+@triton.jit
+def _q_sub(qa_ptr, th, hm, kb: tl.constexpr, KB: tl.constexpr, KV: tl.constexpr, DOT_DT: tl.constexpr):
+    """q~^T rows kb*KB .. (kb+1)*KB-1: [KB, BLOCK_H]."""
+    d = kb * KB + tl.arange(0, KB)
+    return tl.load(qa_ptr + th[None, :] * KV + d[:, None], mask=hm[None, :], other=0.0).to(DOT_DT)
+
+
+@triton.jit
+def _mla_sparse_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, base_ptr, pos_ptr, o_ptr, lse_ptr,
+                       H, KSEL, NSPLIT, lat_stride, qk_scale, v_scale, pe_scale,
+                       KV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                       CHUNK: tl.constexpr, FMT: tl.constexpr, SPARSE: tl.constexpr, DOT_DT: tl.constexpr,
+                       PREC: tl.constexpr, SUB: tl.constexpr):
+    """FMT 0: float pool, 1: fp8 pool, 2: nvfp4 pool; qk_scale = softmax scale * log2(e);
+    logits = (q~.c) v_scale + (q_pe.k_pe) pe_scale, values c v_scale.
+    Orientation: context rows are the M dimension of both dots (wgmma-sized), the few heads are N,
+    so q~ sits in shared memory (an M = heads operand would be copied into every warp's registers).
+    SUB = 1: whole rows per step (Triton pipelines the loads; bf16 pools). SUB = 4: the row is taken
+    in four column blocks and read twice (logits pass, then a value pass that re-reads the bytes from
+    L1/L2): a dequantised tile never has to live in registers whole."""
+    h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    t = tl.program_id(1)
+    sp = tl.program_id(2)
+    hm = h < H
+    pos = tl.load(pos_ptr + t)
+    base = tl.load(base_ptr + t)
+    n_ctx = KSEL if SPARSE else pos + 1
+    start = sp * CHUNK
+    end = tl.minimum(start + CHUNK, n_ctx)
+    th = t.to(tl.int64) * H + h                                    # [BLOCK_H] row of q / o
+    r = tl.arange(0, DR)
+    qpT = tl.load(qp_ptr + th[None, :] * DR + r[:, None], mask=hm[None, :], other=0.0).to(DOT_DT)
+    KB: tl.constexpr = KV // SUB
+    acc0 = tl.zeros([KB, BLOCK_H], dtype=tl.float32)
+    if SUB == 1:
+        qaT = _q_sub(qa_ptr, th, hm, 0, KV, KV, DOT_DT)
+    else:
+        acc1 = tl.zeros([KB, BLOCK_H], dtype=tl.float32)
+        acc2 = tl.zeros([KB, BLOCK_H], dtype=tl.float32)
+        acc3 = tl.zeros([KB, BLOCK_H], dtype=tl.float32)
+    m_i = tl.full([BLOCK_H], -1e30, tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in range(start, end, BLOCK_N):
+        idx = _load_idx(idx_ptr, t, KSEL, j, end, BLOCK_N, SPARSE)
+        valid = idx >= 0
+        rows = (base + idx).to(tl.int64)
+        kp = _k_pe(lat_ptr, rows, valid, lat_stride, KV, DR, FMT, DOT_DT)
+        s = tl.dot(kp, qpT, input_precision=PREC) * pe_scale              # [BLOCK_N, BLOCK_H]
+        if SUB == 1:
+            c0 = _sub_tile(lat_ptr, rows, valid, lat_stride, 0, KV, KB, FMT, DOT_DT, "")
+            sc = tl.dot(c0, qaT, input_precision=PREC)
+        else:
+            sc = tl.dot(_sub_tile(lat_ptr, rows, valid, lat_stride, 0, KV, KB, FMT, DOT_DT, "evict_last"),
+                        _q_sub(qa_ptr, th, hm, 0, KB, KV, DOT_DT), input_precision=PREC)
+            sc += tl.dot(_sub_tile(lat_ptr, rows, valid, lat_stride, 1, KV, KB, FMT, DOT_DT, "evict_last"),
+                         _q_sub(qa_ptr, th, hm, 1, KB, KV, DOT_DT), input_precision=PREC)
+            sc += tl.dot(_sub_tile(lat_ptr, rows, valid, lat_stride, 2, KV, KB, FMT, DOT_DT, "evict_last"),
+                         _q_sub(qa_ptr, th, hm, 2, KB, KV, DOT_DT), input_precision=PREC)
+            sc += tl.dot(_sub_tile(lat_ptr, rows, valid, lat_stride, 3, KV, KB, FMT, DOT_DT, "evict_last"),
+                         _q_sub(qa_ptr, th, hm, 3, KB, KV, DOT_DT), input_precision=PREC)
+        s = tl.where(valid[:, None], (s + sc * v_scale) * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(p, 0)
+        pd = p.to(DOT_DT)
+        if SUB == 1:
+            acc0 = acc0 * alpha[None, :] + tl.dot(tl.trans(c0), pd, input_precision=PREC)
+        else:
+            c = _sub_tile(lat_ptr, rows, valid, lat_stride, 0, KV, KB, FMT, DOT_DT, "evict_first")
+            acc0 = acc0 * alpha[None, :] + tl.dot(tl.trans(c), pd, input_precision=PREC)
+            c = _sub_tile(lat_ptr, rows, valid, lat_stride, 1, KV, KB, FMT, DOT_DT, "evict_first")
+            acc1 = acc1 * alpha[None, :] + tl.dot(tl.trans(c), pd, input_precision=PREC)
+            c = _sub_tile(lat_ptr, rows, valid, lat_stride, 2, KV, KB, FMT, DOT_DT, "evict_first")
+            acc2 = acc2 * alpha[None, :] + tl.dot(tl.trans(c), pd, input_precision=PREC)
+            c = _sub_tile(lat_ptr, rows, valid, lat_stride, 3, KV, KB, FMT, DOT_DT, "evict_first")
+            acc3 = acc3 * alpha[None, :] + tl.dot(tl.trans(c), pd, input_precision=PREC)
+        m_i = m_new
+    has = l_i > 0.0
+    inv = tl.where(has, v_scale / tl.where(has, l_i, 1.0), 0.0)
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * _LN2, float("-inf"))
+    ob = o_ptr + (th * NSPLIT + sp)[None, :] * KV
+    kk = tl.arange(0, KB)[:, None]
+    tl.store(ob + kk, acc0 * inv[None, :], mask=hm[None, :])
+    if SUB != 1:
+        tl.store(ob + KB + kk, acc1 * inv[None, :], mask=hm[None, :])
+        tl.store(ob + 2 * KB + kk, acc2 * inv[None, :], mask=hm[None, :])
+        tl.store(ob + 3 * KB + kk, acc3 * inv[None, :], mask=hm[None, :])
+    tl.store(lse_ptr + th * NSPLIT + sp, lse, mask=hm)
+
+
+@triton.jit
+def _combine_kernel(po_ptr, plse_ptr, o_ptr, lse_ptr, NSPLIT, KV: tl.constexpr, NSP2: tl.constexpr):
+    """o = sum_i e^(lse_i - lse) o_i, lse = log sum_i e^lse_i over one (token, head)'s chunks."""
+    i = tl.program_id(0).to(tl.int64)
+    sp = tl.arange(0, NSP2)
+    ls = tl.load(plse_ptr + i * NSPLIT + sp, mask=sp < NSPLIT, other=float("-inf"))
+    mx = tl.max(ls, 0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    k = tl.arange(0, KV)
+    acc = tl.zeros([KV], dtype=tl.float32)
+    den = tl.zeros([], dtype=tl.float32)
+    for s in range(0, NSPLIT):
+        w = tl.exp(tl.load(plse_ptr + i * NSPLIT + s) - mx)
+        acc += w * tl.load(po_ptr + (i * NSPLIT + s) * KV + k)
+        den += w
+    tl.store(o_ptr + i * KV + k, acc / tl.where(den > 0.0, den, 1.0))
+    tl.store(lse_ptr + i, tl.where(den > 0.0, mx + tl.log(den), float("-inf")))
+
+
+# ------------------------------------------------------------------------------- pool formats
+def quantize_latent_fp8(latent: torch.Tensor):
+    """fp32/bf16 rows -> (e4m3 rows, per-layer scale amax/448 as a float)."""
+    amax = float(latent.float().abs().max()) if latent.numel() else 0.0
+    scale = amax / formats.FP8_E4M3_MAX if amax > 0 else 1.0
+    return formats.encode_fp8_e4m3(latent.float() / scale), scale
+
+
+def quantize_latent_nvfp4(latent: torch.Tensor, kv: int):
+    """rows [N, kv + dr] -> (uint8 rows [N, kv/2 + kv/16 + dr], latent_scale, pe_scale), SPEC §7."""
+    c, kpe = latent[:, :kv].float(), latent[:, kv:].float()
+    packed, bs, ts = formats.quantize_nvfp4(c)
+    kpe8, pe_scale = quantize_latent_fp8(kpe)
+    rows = torch.cat([packed, bs.view(torch.uint8), kpe8.view(torch.uint8)], dim=1).contiguous()
+    return rows, float(ts), pe_scale
+
+
+def dequantize_latent(pool: torch.Tensor, latent_format: str, kv: int, latent_scale: float = 1.0,
+                      pe_scale: float = 1.0) -> torch.Tensor:
+    """Any pool format -> fp32 rows [N, kv + dr] (exactly what the kernels compute with)."""
+    if latent_format in ("bf16", "fp32"):
+        return pool.float()
+    if latent_format == "fp8":
+        return pool.view(torch.float8_e4m3fn).float() * latent_scale
+    if latent_format == "nvfp4":
+        h, s = kv // 2, kv // 16
+        c = formats.dequantize_nvfp4(pool[:, :h].contiguous(), pool[:, h:h + s].contiguous().view(torch.float8_e4m3fn),
+                                     torch.tensor(latent_scale, dtype=torch.float32))
+        kpe = pool[:, h + s:].contiguous().view(torch.float8_e4m3fn).float() * pe_scale
+        return torch.cat([c, kpe], dim=1)
+    raise ValueError(f"latent_format must be one of {LATENT_FORMATS}, found {latent_format!r}")
+
+
+# ------------------------------------------------------------------------------------ host API
+def _pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, n))))
+
+
+def heuristic(key: dict, target: str) -> dict:
+    """Heads share latent rows: BLOCK_H = all heads up to 32 (min 16 for the MMA; larger accumulators
+    spill); the head blocks of a token are adjacent in the grid, so their row reads hit L2. CHUNK
+    depends on the context length only (batch invariant): 4 programs per token for top-2048, <= 64
+    for dense contexts. BLOCK_N 64 = one wgmma M tile (4 warps); quantised pools use SUB = 4."""
+    bh = min(32, max(16, _pow2(key["H"])))
+    L = max(1, key["L"])
+    if target == "cpu":
+        return dict(BLOCK_H=bh, BLOCK_N=32, CHUNK=max(32, _pow2(L)), num_warps=4, num_stages=1)
+    chunk = 512 if L <= 4096 else min(16384, max(512, _pow2(-(-L // 64))))
+    quant = key.get("fmt", 0) > 0   # Triton pipelines bf16 loads itself; dequantised tiles go by columns
+    return dict(BLOCK_H=bh, BLOCK_N=64, CHUNK=chunk, num_warps=4, num_stages=1 if quant else 2, SUB=4 if quant else 1)
+
+
+def sparse_latent_attention(q_abs, q_pe, latent, token_pos, base, scale: float, selection=None, *,
+                            latent_format: str = "bf16", latent_scale: float = 1.0, pe_scale: float = 1.0,
+                            config: dict | None = None, max_context: int | None = None):
+    """(o~ fp32 [T, H, kv], lse fp32 [T, H]) of softmax(scale * q~ . c) over each token's rows.
+    q_abs [T, H, kv], q_pe [T, H, dr]; base [T] int64 is added to selection entries (pool rows of
+    position 0 of the token's request, or 0 when the selection already holds rows); without a
+    selection the token reads rows base + 0 .. base + token_pos."""
+    if latent_format not in LATENT_FORMATS:
+        raise ValueError(f"latent_format must be one of {LATENT_FORMATS}, found {latent_format!r}")
+    T, H, KV = q_abs.shape
+    DR = q_pe.shape[2]
+    fmt = {"bf16": 0, "fp32": 0, "fp8": 1, "nvfp4": 2}[latent_format]
+    width = KV + DR if fmt < 2 else KV // 2 + KV // 16 + DR
+    if latent.dim() != 2 or latent.shape[1] != width:
+        raise ValueError(f"mla: {latent_format} latent pool {tuple(latent.shape)} must be [N, {width}] "
+                         f"for kv={KV}, dr={DR}")
+    if KV & (KV - 1) or DR & (DR - 1) or KV < 32 or DR < 16:
+        raise ValueError(f"mla: kv {KV} and dr {DR} must be powers of two (kv >= 32, dr >= 16)")
+    dev = q_abs.device
+    pos = token_pos.to(device=dev, dtype=torch.int64).contiguous()
+    if selection is not None:
+        sel = selection.to(device=dev, dtype=torch.int64).contiguous()
+        L = sel.shape[1]
+    else:
+        sel = pos  # unused
+        L = int(max_context) if max_context is not None else (int(pos.max()) + 1 if T else 1)
+    cfg = dict(config or heuristic({"H": H, "L": L, "fmt": fmt}, "cpu" if dev.type == "cpu" else "gpu"))
+    bh, bn, chunk = int(cfg["BLOCK_H"]), int(cfg["BLOCK_N"]), int(cfg["CHUNK"])
+    nsplit = max(1, -(-L // chunk))
+    o = torch.empty(T, H, KV, dtype=torch.float32, device=dev)
+    lse = torch.empty(T, H, dtype=torch.float32, device=dev)
+    if T == 0:
+        return o, lse
+    po, plse = (o, lse) if nsplit == 1 else (torch.empty(T, H, nsplit, KV, dtype=torch.float32, device=dev),
+                                             torch.empty(T, H, nsplit, dtype=torch.float32, device=dev))
+    lat = latent.view(torch.uint8) if fmt > 0 and latent.dtype != torch.uint8 else latent
+    f32 = _interpreting() or (fmt == 0 and latent.dtype == torch.float32)
+    vs = 1.0 if fmt == 0 else float(latent_scale)                     # scale of c_KV values
+    ps = {0: 1.0, 1: float(latent_scale), 2: float(pe_scale)}[fmt]       # scale of k_pe values
+    dot_dt = tl.float32 if f32 else tl.bfloat16
+    _mla_sparse_kernel[(-(-H // bh), T, nsplit)](
+        q_abs.contiguous(), q_pe.contiguous(), lat, sel, base.to(device=dev, dtype=torch.int64).contiguous(), pos,
+        po, plse, H, sel.shape[1] if selection is not None else 0, nsplit, lat.stride(0), scale * LOG2E,
+        vs, ps, KV=KV, DR=DR, BLOCK_H=bh, BLOCK_N=bn, CHUNK=chunk, FMT=fmt,
+        SPARSE=selection is not None, DOT_DT=dot_dt, PREC="ieee" if f32 else "tf32", SUB=int(cfg.get("SUB", 1)),
+        num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
+    if nsplit > 1:
+        _combine_kernel[(T * H,)](po, plse, o, lse, nsplit, KV=KV, NSP2=_pow2(nsplit), num_warps=4)
+    return o, lse
+
+
+def split_kv_b(kv_b: torch.Tensor, H: int, dn: int):
+    """kv_b_proj [H*(dn+dv), kv] -> (W_UK [H, dn, kv], W_UV [H, dv, kv])."""
+    if kv_b.shape[0] % H:
+        raise ValueError(f"mla: kv_b {tuple(kv_b.shape)} rows are not a multiple of H={H}")
+    w = kv_b.view(H, kv_b.shape[0] // H, kv_b.shape[1])
+    return w[:, :dn], w[:, dn:]
+
+
+def mla_sparse_decode(q_nope, q_pe, latent, kv_b, token_pos, token_req, req_base, scale: float, selection=None, *,
+                      latent_format: str = "bf16", latent_scale: float = 1.0, pe_scale: float = 1.0,
+                      selection_rows: bool = False, return_lse: bool = False, config: dict | None = None):
+    """Absorbed MLA attention: o [T, H, dv] (and lse [T, H], natural log, when return_lse).
+    q~ = W_UK^T q_nope and o = W_UV o~ are batched matmuls in q_nope's dtype around the kernel."""
+    T, H, dn = q_nope.shape
+    W_UK, W_UV = split_kv_b(kv_b, H, dn)
+    dt = q_nope.dtype
+    q_abs = torch.einsum("thn,hnk->thk", q_nope, W_UK.to(dt))
+    rb = req_base.to(device=q_nope.device, dtype=torch.int64)
+    base = rb[token_req.to(device=q_nope.device, dtype=torch.int64)]
+    if selection is not None and selection_rows:
+        base = torch.zeros_like(base)
+    o_lat, lse = sparse_latent_attention(q_abs, q_pe.to(dt), latent, token_pos, base, scale, selection,
+                                         latent_format=latent_format, latent_scale=latent_scale,
+                                         pe_scale=pe_scale, config=config)
+    o = torch.einsum("thk,hvk->thv", o_lat.to(dt), W_UV.to(dt))
+    return (o, lse) if return_lse else o
+
+
+# ------------------------------------------------------------------------------------ template
+def _launch(a, attrs, config):
+    fmt = "fp32" if a.latent.dtype == torch.float32 else "bf16"
+    return mla_sparse_decode(a.q_nope, a.q_pe, a.latent, a.kv_b, a.token_pos, a.token_req, a.req_base,
+                             float(attrs["scale"]), a.selection, latent_format=fmt, config=config)
+
+
+def _key(a, attrs) -> dict:
+    H = int(a.q_nope.shape[1])
+    if a.selection is not None:
+        L = int(a.selection.shape[1])
+    else:
+        tp = a.token_pos
+        L = int(tp.max()) + 1 if isinstance(tp, torch.Tensor) and tp.numel() else 0
+    return {"H": H, "L": L, "KV": int(a.kv_b.shape[1]), "sparse": int(a.selection is not None), "fmt": 0}
+
+
+def _bucket(key: dict) -> dict:
+    return dict(key, L=pow2_bucket(key["L"], 256))
+
+
+def _constraints(config: dict, key: dict, target: str) -> list[str]:
+    out = []
+    if config["CHUNK"] % config["BLOCK_N"]:
+        out.append(f"CHUNK {config['CHUNK']} is not a multiple of BLOCK_N {config['BLOCK_N']}")
+    if target != "cpu" and config["BLOCK_H"] * key.get("KV", 512) > 32 * 512:
+        out.append("accumulator BLOCK_H*kv > 16384 fp32 values spills")
+    return out
+
+
+def _supports(a, attrs, target) -> str | None:
+    try:
+        kv, dr = int(a.kv_b.shape[1]), int(a.q_pe.shape[2])
+    except TypeError:
+        return "kv_lora_rank / qk_rope_head_dim are not concrete integers"
+    if kv & (kv - 1) or dr & (dr - 1) or kv < 32 or dr < 16:
+        return f"kv {kv} / dr {dr} are not powers of two (kv >= 32, dr >= 16)"
+    if getattr(a.latent.dtype, "name", "") not in ("bf16", "f32"):
+        return f"latent pool dtype {getattr(a.latent.dtype, 'name', a.latent.dtype)} (IR pools are bf16/f32)"
+    return None
+
+
+TUNABLES = (
+    Tunable("BLOCK_H", (16, 32)),
+    Tunable("BLOCK_N", (16, 32, 64, 128)),
+    Tunable("CHUNK", (256, 512, 1024, 2048, 4096, 8192, 16384)),
+    Tunable("num_warps", (4, 8)),
+    Tunable("num_stages", (1, 2, 3)),
+    Tunable("SUB", (1, 4)),
+)
+
+TEMPLATES = [
+    KernelTemplate(family="mla_sparse", backend="triton", ops=("mla_attention",), launch=_launch, key_dims=_key,
+                   heuristic=heuristic, tunables=TUNABLES, bucket=_bucket, constraints=_constraints,
+                   supports=_supports, batch_invariant=True,
+                   doc="absorbed MLA over selected (or all causal) latent rows, chunked + LSE combine"),
+]

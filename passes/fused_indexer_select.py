@@ -1,0 +1,86 @@
+"""Fused indexer: scorer + exact top-k emitting the physical cache rows that attention reads.
+
+Pattern:
+    %sel = indexer_topk(%q8, %qs, %w, %keys, %scales, %pos, %req, %base) {topk}     (request positions)
+    %o = mla_attention(..., %req, %base, %sel) {selection_kind="positions" (default)}
+Rewrite:
+    %rows = fused.indexer_select(%q8, %qs, %w, %keys, %scales, %pos, %req, %base) {topk, emits="rows"}
+        body: %sel = indexer_topk(...); %rows = selection_to_rows(%sel, %req, %base)
+    %o = mla_attention(..., %req, %base, %rows) {selection_kind="rows"}
+
+The fused op (`a.operands` in this order, exactly indexer_topk's):
+    q8 f8e4m3[T, HI, DI], q_scale f32[T, HI], w [T, HI], keys f8e4m3[N, DI], key_scale f32[N],
+    token_pos [T], token_req [T], req_base [R]
+  attrs: topk (int), emits="rows"
+  result: rows i64[T, topk] — for token t of request r = token_req[t], the top-k positions s <= token_pos[t]
+    of I(t, s) = sum_j w_j relu(deq(q8_j) . deq(keys[req_base[r] + s])) (ties to the lower position),
+    emitted as the pool rows req_base[r] + s, ascending, -1 padded when the context is shorter than topk.
+A kernel scores straight off the pool rows and writes rows; attention then gathers those rows without
+any position arithmetic (and, once the block-cache pass translates rows to pages, without a table
+lookup per selected token).
+
+Preconditions (PassError otherwise, naming the node): every reader of the selection is an
+mla_attention that reads it as positions, and addresses the latent pool with the same token_req and
+req_base values as the indexer (so a row means the same token to both).
+Postconditions: indexer_topk appears only inside fused.indexer_select bodies; mla_attention reads
+rows; numerics unchanged (rows map back to the same positions).
+"""
+
+from __future__ import annotations
+
+from ir.core import Function, Module, Node, Value
+
+from .base import PassContext, PassError
+from .fused_indexer_front import fresh_name
+from .rewrite import fuse, uses
+
+NAME = "fused_indexer_select"
+FUSED_OP = "fused.indexer_select"
+
+_MLA_REQ, _MLA_BASE, _MLA_SEL = 5, 6, 7  # mla_attention operand positions: token_req, req_base, selection
+_TOPK_REQ, _TOPK_BASE = 6, 7             # indexer_topk operand positions: token_req, req_base
+
+
+def _check_readers(fn: Function, topk: Node, sel: Value) -> list[Node]:
+    readers = uses(fn).get(id(sel), [])
+    if any(v is sel for v in fn.outputs):
+        raise PassError(f"{NAME}: in @{fn.name}, the selection {sel.ref} is returned: its positions cannot be "
+                        f"replaced by pool rows")
+    for r in readers:
+        where = f"{NAME}: in @{fn.name}, node ({', '.join(o.ref for o in r.outputs)} = {r.op})"
+        if r.op != "mla_attention" or len(r.inputs) <= _MLA_SEL or r.inputs[_MLA_SEL] is not sel \
+                or sel in r.inputs[:_MLA_SEL]:
+            raise PassError(f"{where} reads the selection {sel.ref} other than as mla_attention's selection; "
+                            f"it expects positions, the fused indexer emits pool rows")
+        if r.attrs.get("selection_kind", "positions") != "positions":
+            raise PassError(f"{where} already reads its selection as {r.attrs['selection_kind']!r}")
+        if r.inputs[_MLA_REQ] is not topk.inputs[_TOPK_REQ] or r.inputs[_MLA_BASE] is not topk.inputs[_TOPK_BASE]:
+            raise PassError(f"{where} addresses its pool with ({r.inputs[_MLA_REQ].ref}, {r.inputs[_MLA_BASE].ref}) "
+                            f"but the indexer with ({topk.inputs[_TOPK_REQ].ref}, {topk.inputs[_TOPK_BASE].ref}): "
+                            f"rows would not mean the same tokens")
+    return readers
+
+
+def _rewrite(fn: Function, topk: Node) -> bool:
+    sel = topk.output
+    readers = _check_readers(fn, topk, sel)
+    if not readers:
+        return False
+    rows = Value(fresh_name(fn, sel.name + ".rows"), sel.type)
+    convert = Node("selection_to_rows", [sel, topk.inputs[_TOPK_REQ], topk.inputs[_TOPK_BASE]], {}, [rows])
+    rows.producer = convert
+    fn.nodes.insert(fn.nodes.index(topk) + 1, convert)
+    for r in readers:
+        r.inputs[_MLA_SEL] = rows
+        r.attrs["selection_kind"] = "rows"
+    fuse(fn, [topk, convert], FUSED_OP, {"topk": topk.attrs["topk"], "emits": "rows"})
+    return True
+
+
+def run(module: Module, ctx: PassContext) -> int:
+    rewrites = 0
+    for fn in module.functions.values():
+        for topk in [n for n in fn.nodes if n.op == "indexer_topk"]:
+            rewrites += _rewrite(fn, topk)
+    ctx.count(NAME, rewrites)
+    return rewrites

@@ -1,0 +1,87 @@
+"""Value projection + sigmoid output gate in one kernel (MLA layer, absorbed form).
+
+Pattern (SPEC §4: absorbed decode o^h = W_UV^h o~^h, then step 5 o <- o * sigmoid(W_g x)):
+    %o3 = mla_attention(%q_nope, %q_pe, %pool, @kv_b, ...) {form="absorbed"}     [T, H, dv]
+    %o = reshape(%o3) {shape=[-1, H*dv]}
+    %s = sigmoid(%g)
+    %y = mul(%o, %s)                                                           (either operand order)
+Rewrite (mla_attention is split at the value up-projection, which is then fused with the gate):
+    %o3.latent = mla_attention(...) {form="latent"}                             o~ [T, H, kv]
+    %y = fused.value_gate(%o3.latent, @kv_b, %g) {heads=H, nope_dim=dn, v_head_dim=dv}
+        body: %o3 = mla_value_proj(%o3.latent, @kv_b) {nope_dim=dn}; reshape; sigmoid; mul
+
+The fused op (`a.operands` in this order):
+    o_latent [T, H, kv]      the absorbed attention's output before W_UV (o~ = sum_s p(s) c(s))
+    kv_b [H*(dn+dv), kv]     DeepSeek kv_b_proj layout: view(H, dn+dv, kv), rows dn.. of head h are W_UV^h
+    gate [T, H*dv]           the output-gate projection W_g x (from the packed input projection)
+  attrs: heads=H, nope_dim=dn, v_head_dim=dv
+  result: y [T, H*dv] (o_latent's dtype), y[t, h*dv + v] = (sum_k W_UV^h[v, k] o~[t, h, k]) * sigmoid(gate[t, h*dv + v])
+One GEMM per head with the gate applied in its epilogue: o (H*dv per token) never goes to memory.
+
+Decompressed form (prefill): left unfused — there W_UV is applied per context token inside the
+attention (v = W_UV c), so there is no value projection after it to fuse; the gate stays a sigmoid and a
+mul. Layers without an output gate (Kimi-Linear) are left unchanged (mla_attention stays absorbed).
+
+Preconditions: none beyond the pattern; a layer whose graph differs (the attention output, its reshape
+or the sigmoid read elsewhere, a reshape that is not [-1, H*dv]) is left unfused.
+Postconditions: per rewritten layer one mla_attention {form="latent"} followed by one fused.value_gate;
+numerics unchanged (W_UV o~ is computed by the same formula, now in its own op).
+"""
+
+from __future__ import annotations
+
+from ir.core import Function, Module, Node, Value
+
+from .base import PassContext
+from .fused_indexer_front import fresh_name, order_signature, producers
+from .rewrite import fuse, single_user
+
+NAME = "value_gate"
+FUSED_OP = "fused.value_gate"
+
+
+def _match(fn: Function, mla: Node):
+    """(reshape, sigmoid, mul) after an absorbed mla_attention, or None."""
+    if mla.attrs.get("form", "absorbed") != "absorbed":
+        return None
+    out = mla.output
+    t, h, dv = out.type.shape
+    rs = single_user(fn, out)
+    if rs is None or rs.op != "reshape" or list(rs.attrs["shape"]) != [-1, int(h) * int(dv)]:
+        return None
+    mul = single_user(fn, rs.output)
+    if mul is None or mul.op != "mul":
+        return None
+    other = mul.inputs[1] if mul.inputs[0] is rs.output else mul.inputs[0]
+    sig = producers(fn).get(id(other))
+    if sig is None or sig.op != "sigmoid" or single_user(fn, other) is not mul or other is rs.output:
+        return None
+    return rs, sig, mul
+
+
+def _rewrite(fn: Function, mla: Node) -> bool:
+    m = _match(fn, mla)
+    if m is None:
+        return False
+    rs, sig, mul = m
+    out, kv_b = mla.output, mla.inputs[3]
+    heads, dn = (int(d) for d in mla.inputs[0].type.shape[1:])
+    dv, kv = int(out.type.shape[2]), int(kv_b.type.shape[1])
+    latent = Value(fresh_name(fn, out.name + ".latent"), out.type.with_shape((out.type.shape[0], heads, kv)), mla)
+    mla.attrs["form"] = "latent"
+    mla.outputs = [latent]
+    proj = Node("mla_value_proj", [latent, kv_b], {"nope_dim": dn}, [out])
+    out.producer = proj
+    fn.nodes.insert(fn.nodes.index(mla) + 1, proj)
+    fused = fuse(fn, [proj, rs, sig, mul], FUSED_OP, {"heads": heads, "nope_dim": dn, "v_head_dim": dv})
+    order_signature(fused, [latent, kv_b, sig.inputs[0]])
+    return True
+
+
+def run(module: Module, ctx: PassContext) -> int:
+    rewrites = 0
+    for fn in module.functions.values():
+        for mla in [n for n in fn.nodes if n.op == "mla_attention"]:
+            rewrites += _rewrite(fn, mla)
+    ctx.count(NAME, rewrites)
+    return rewrites

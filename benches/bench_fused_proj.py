@@ -17,7 +17,6 @@ import platform
 import sys
 import time
 import traceback
-
 from types import SimpleNamespace as NS
 
 import torch
@@ -33,7 +32,7 @@ DEV = "cpu" if DRY else "cuda"
 D = 64 if DRY else 7168
 MODELS = {"mla_packed": [64, 32, 96, 16, 16], "kda_packed": [96, 96, 96, 16, 16, 96]} if DRY else \
     {"mla_packed": [1536, 576, 12288, 128, 32], "kda_packed": [12288, 12288, 12288, 128, 96, 12288]}
-MS = [1, 8, 64] if DRY else [1, 8, 64, 4096]
+MS = [1, 8, 64]  # decode sizes; BIG is the prefill size
 BIG = 64 if DRY else 4096  # prefill tokens
 VOCAB = 512 if DRY else 163840
 MLA = dict(H=4, KV=64, DN=32, DV=32, QL=96, HI=4, DI=32) if DRY else \
@@ -69,7 +68,7 @@ def section(fn):
 
 
 def rel(a, b) -> float:
-    a, b = a.double(), b.double()
+    a, b = a.double(), b.double()  # NaN in the kernel's output never passes
     return float((a - b).norm() / b.norm()) if torch.isfinite(a).all() else float("nan")
 
 
@@ -229,8 +228,7 @@ def attn_res_correctness():
 
 
 def vg_inputs():
-    H, KV, DN, DV = MLA["H"], MLA["KV"], MLA["DN"], MLA["DV"]
-    return H, KV, DN, DV, rnd(H * (DN + DV), KV, scale=0.04)
+    return MLA["H"], MLA["KV"], MLA["DN"], MLA["DV"], rnd(MLA["H"] * (MLA["DN"] + MLA["DV"]), MLA["KV"], scale=0.04)
 
 
 @section
@@ -348,6 +346,28 @@ def other_timings():
            4 * BIG * D, 0)
     rms = compiled(lambda x, w: ref.rms_norm(x, w, 1e-5))
     timeit("rms_norm", "torch_compile_reference", {"T": BIG}, lambda: rms(x, w), 4 * BIG * D, 0)
+    di, hi, ql = MLA["DI"], MLA["HI"], MLA["QL"]
+    wq_b, g, b = rnd(hi * di, ql, scale=0.03), rnd(di), rnd(di)
+    for T in (8, BIG):
+        c_q, ik, iw, pool, spool = rnd(T, ql), rnd(T, di), rnd(T, hi), torch.zeros(2 * T, di, device=DEV).to(
+            torch.float8_e4m3fn), torch.zeros(2 * T, device=DEV)
+        meta = [torch.zeros(T, dtype=torch.long, device=DEV), torch.arange(T, device=DEV), torch.tensor([T], device=DEV)]
+        attrs = {"heads": hi, "head_dim": di, "eps": 1e-6, "weight_scale": 0.01, "quant": "fp8_pow2",
+                 "batch_invariant": False}
+        a = NS(operands=[c_q, wq_b, ik, g, b, iw, pool, spool, *meta])
+        c = cfg_of(FRONT, a, attrs)
+
+        def unfused(c_q=c_q, ik=ik, iw=iw, pool=pool, spool=spool, T=T):
+            q8 = formats.quantize_fp8_pow2(ref.hadamard_rotate((c_q @ wq_b.t()).reshape(T, hi, di)))
+            k8, ks = formats.quantize_fp8_pow2(ref.hadamard_rotate(ref.layer_norm(ik, g, b, 1e-6)))
+            pool[T:] = k8
+            spool[T:] = ks
+            return q8, iw * 0.01
+
+        nbytes = 2 * (hi * di * ql + T * ql + T * di + 2 * T * hi) + T * (hi * di + 4 * hi + di + 4)
+        timeit("indexer_front", "fused_triton", {"T": T, "config": c}, lambda: FRONT.launch(a, attrs, c), nbytes,
+               2 * T * hi * di * ql)
+        timeit("indexer_front", "torch_eager_reference_ops", {"T": T}, unfused, nbytes, 2 * T * hi * di * ql)
     R = 8 if DRY else 64
     logits = torch.randn(R, VOCAB, device=DEV) * 3
     temp, top_p, u = torch.full((R,), 0.8, device=DEV), torch.full((R,), 0.9, device=DEV), torch.rand(R, device=DEV)

@@ -39,7 +39,8 @@ class UsageError(ValueError):
 def _add_model_args(p: argparse.ArgumentParser, required: bool = True):
     p.add_argument("--model", required=required, help="checkpoint directory or preset name (random weights)")
     p.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights (default 0)")
-    p.add_argument("--dtype", choices=("fp32", "fp64"), default="fp32", help="reference compute dtype")
+    p.add_argument("--dtype", choices=("fp32", "fp64", "bf16"), default="fp32",
+                   help="compute dtype (fp32/fp64 on CPU; bf16 on a GPU runs kernels on bf16 weights)")
     p.add_argument("--device", default="cpu", help="torch device for the reference interpreter (cpu, cuda)")
 
 
@@ -135,7 +136,7 @@ def check_out_path(path: str, problems: list[str]):
 def _torch_dtype(name: str):
     import torch
 
-    return {"fp32": torch.float32, "fp64": torch.float64}[name]
+    return {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16}[name]
 
 
 @dataclass

@@ -75,7 +75,7 @@ def compile_model(config: ModelConfig, weights: dict | None, out_dir: str, opts:
     from .plan import make_plan, plan_json
 
     if os.path.exists(out_dir) and os.listdir(out_dir) and not os.path.isfile(os.path.join(out_dir, "manifest.json")):
-        raise ArtifactError([f"exists, is not empty and is not a k31c artifact; choose another folder"], f"-o {out_dir}")
+        raise ArtifactError(["exists, is not empty and is not a k31c artifact; choose another folder"], f"-o {out_dir}")
     if os.path.isdir(out_dir):
         shutil.rmtree(out_dir)
     os.makedirs(out_dir)

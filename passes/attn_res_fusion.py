@@ -34,42 +34,48 @@ from __future__ import annotations
 from ir.core import Function, Module, Node
 
 from .base import PassContext
-from .fused_indexer_front import order_signature, producers, value_key
+from .rewrite import order_signature, producers, value_key
 from .rewrite import fuse, single_user, uses
 
 NAME = "attn_res_fusion"
 FUSED_OP = "fused.attn_res_mix_norm"
 
 
-def _prefix_add(fn: Function, mix: Node, norm: Node) -> Node | None:
+def _prefix_add(mix: Node, norm: Node, prod: dict, use_map: dict, index: dict, returned: set) -> Node | None:
     """The add producing the mix's last source, when it can join the fused node."""
-    add = producers(fn).get(id(mix.inputs[-1]))
+    add = prod.get(id(mix.inputs[-1]))
     if add is None or add.op != "add":
         return None
-    i, j = fn.nodes.index(add), fn.nodes.index(norm)
-    later = [r for r in uses(fn).get(id(add.output), []) if r is not mix]
-    if any(i < fn.nodes.index(r) < j for r in later) or not (later or any(v is add.output for v in fn.outputs)):
+    i, j = index[id(add)], index[id(norm)]
+    later = [r for r in use_map.get(id(add.output), []) if r is not mix]
+    if any(i < index[id(r)] < j for r in later) or not (later or id(add.output) in returned):
         return None  # read between the add and the norm, or only by the mix (then it would not be a result)
-    operands = [*mix.inputs[:-1], *add.inputs]
-    if len({value_key(v) for v in operands}) != len(operands):
-        return None  # a value in two roles would collapse into one operand
     return add
 
 
-def _rewrite(fn: Function, mix: Node) -> bool:
-    norm = single_user(fn, mix.output)
+def _plan(fn: Function, mix: Node, prod: dict, use_map: dict, index: dict, returned: set):
+    """(add or None, mix, norm) when `mix` is followed by its RMSNorm, else None."""
+    norm = single_user(fn, mix.output, use_map)
     if norm is None or norm.op != "rms_norm" or len(norm.inputs) != 2:
-        return False
+        return None
+    return _prefix_add(mix, norm, prod, use_map, index, returned), mix, norm
+
+
+def _signature(add: Node | None, mix: Node, norm: Node) -> list:
     proj, mnorm, *bank, last = mix.inputs
-    add = _prefix_add(fn, mix, norm)
-    tail = list(add.inputs) if add else [last]
-    operands = [proj, mnorm, norm.inputs[1], *bank, *tail]
+    return [proj, mnorm, norm.inputs[1], *bank, *(add.inputs if add else [last])]
+
+
+def _apply(fn: Function, add: Node | None, mix: Node, norm: Node) -> bool:
+    operands = _signature(add, mix, norm)
+    if add is not None and len({value_key(v) for v in operands}) != len(operands):
+        add, operands = None, _signature(None, mix, norm)  # a value in two roles would collapse into one operand
     if len({value_key(v) for v in operands}) != len(operands):
         return False
-    group = [add, mix, norm] if add else [mix, norm]
-    attrs = {"bank": len(bank), "prefix_add": add is not None, "eps": mix.attrs["eps"], "norm_eps": norm.attrs["eps"]}
+    attrs = {"bank": len(mix.inputs) - 3, "prefix_add": add is not None, "eps": mix.attrs["eps"],
+             "norm_eps": norm.attrs["eps"]}
     results = [add.output.name, norm.output.name] if add else [norm.output.name]
-    fused = fuse(fn, group, FUSED_OP, attrs)
+    fused = fuse(fn, [add, mix, norm] if add else [mix, norm], FUSED_OP, attrs)
     order_signature(fused, operands, results)
     return True
 
@@ -77,7 +83,17 @@ def _rewrite(fn: Function, mix: Node) -> bool:
 def run(module: Module, ctx: PassContext) -> int:
     rewrites = 0
     for fn in module.functions.values():
-        for mix in [n for n in fn.nodes if n.op == "attn_res_mix"]:
-            rewrites += _rewrite(fn, mix)
+        # Plan every mix on one use map (the groups are disjoint and local), then fuse; operands are
+        # read from the nodes when each group is fused, after the values earlier fusions renamed.
+        prod, use_map = producers(fn), uses(fn)
+        index, returned = {id(n): i for i, n in enumerate(fn.nodes)}, {id(v) for v in fn.outputs}
+        plans = [_plan(fn, mix, prod, use_map, index, returned) for mix in fn.nodes if mix.op == "attn_res_mix"]
+        claimed: set[int] = set()
+        for plan in filter(None, plans):
+            add, mix, norm = plan
+            if add is not None and id(add) in claimed:
+                add = None  # the last source of two mixes: its add joins the first one only
+            claimed.add(id(add))
+            rewrites += _apply(fn, add, mix, norm)
     ctx.count(NAME, rewrites)
     return rewrites

@@ -29,12 +29,16 @@ The fused op (what a kernel's `launch` receives, `a.operands` in this order):
     key_pool, scale_pool  with row req_base[token_req[t]] + token_pos[t] = fp8(H_DI LayerNorm(ik_t)), its scale.
 (H_DI: Hadamard rotation / sqrt(DI).)
 
-Head weights folded in (SPEC §5): the scorer needs w_j * s_q,j * (q8_j . k). Because s_q is a power of
-two, w_j * s_q,j is exact (an exponent shift, no rounding), so the kernel may emit the folded product
-instead of separate q_scale and w; the IR keeps indexer_topk's operands (q8, q_scale, w) unchanged so
-the reference and the scorer kernel stay interchangeable.  The query norm (c_Q = RMSNorm(W_qa x)) is
-not fused here: c_Q is shared with the MLA query path, which runs beside the indexer
-(`overlapped_mla_query`).
+Head weights folded in (SPEC §5): the score needs, per token and head j, w_j * s_q,j * (q8_j . k) * s_k.
+(the scales are positive, so they commute with the ReLU). Because s_q,j is a power of two, w_j * s_q,j
+is exact (an exponent shift, no rounding), so the kernels
+fold it into one per-(token, head) weight (the scorer multiplies once instead of dequantising q); the IR
+keeps indexer_topk's operands (q8, q_scale, w) separate and unchanged, so the reference, this node and
+the scorer kernel stay interchangeable.  The query norm (c_Q = RMSNorm(W_qa x)) is not fused here: c_Q is
+shared with the MLA query path, which runs beside the indexer (`overlapped_mla_query`).
+
+This module also holds the small rewrite helpers the other fusion passes share (`order_signature`,
+`take_from_pack`, `group_escapes`, ...).
 
 Preconditions (PassError otherwise): the key and the key-scale cache writes address the same rows
 (same token_req, token_pos, req_base values), since the kernel writes both at one row.  Layers whose
@@ -44,100 +48,13 @@ Postconditions: one fused.indexer_front per indexer; numerics unchanged (the bod
 
 from __future__ import annotations
 
-from ir.core import Function, Module, Node, Value
+from ir.core import Function, Module, Node
 
 from .base import PassContext, PassError
-from .rewrite import fuse, single_user
+from .rewrite import fuse, group_escapes, linear_source, order_signature, producers, single_user, take_from_pack
 
 NAME = "fused_indexer_front"
 FUSED_OP = "fused.indexer_front"
-PACKED_OP = "fused.packed_linear"
-
-
-# ---- helpers shared by the fusion passes ----------------------------------------------------------
-def value_key(v: Value):
-    """Operand identity as `fuse` sees it: a parameter by name, any other value by object."""
-    return ("@", v.name) if v.is_param else ("%", id(v))
-
-
-def order_signature(node: Node, operands: list[Value], results: list[str] | None = None):
-    """Put a node made by `fuse` into its documented signature: permute its operands (and body inputs,
-    renamed %in0..) into the order of `operands`, and its results (and body outputs) into the order of
-    the result names `results`.  Raises PassError when the sets differ (the pattern assumed wrongly)."""
-    pos = {value_key(v): i for i, v in enumerate(node.inputs)}
-    order = [pos.get(value_key(v), -1) for v in operands]
-    if sorted(order) != list(range(len(node.inputs))):
-        raise PassError(f"{node.op}: operands ({', '.join(v.ref for v in node.inputs)}) do not match the documented "
-                        f"signature ({', '.join(v.ref for v in operands)})")
-    node.inputs = [node.inputs[i] for i in order]
-    node.body.inputs = [node.body.inputs[i] for i in order]
-    for i, v in enumerate(node.body.inputs):
-        v.name = f"in{i}"
-    if results is not None:
-        names = [o.name for o in node.outputs]
-        if sorted(names) != sorted(results):
-            raise PassError(f"{node.op}: results ({', '.join(names)}) are not the documented ({', '.join(results)})")
-        rorder = [names.index(r) for r in results]
-        node.outputs = [node.outputs[i] for i in rorder]
-        node.body.outputs = [node.body.outputs[i] for i in rorder]
-
-
-def producers(fn: Function) -> dict[int, Node]:
-    return {id(o): n for n in fn.nodes for o in n.outputs}
-
-
-def fresh_name(fn: Function, base: str) -> str:
-    """`base`, or `base.1`, `base.2`, ... : a value name not yet used in `fn`."""
-    taken = {v.name for v in fn.inputs} | {o.name for n in fn.nodes for o in n.outputs}
-    name, k = base, 1
-    while name in taken:
-        name, k = f"{base}.{k}", k + 1
-    return name
-
-
-def linear_source(fn: Function, value: Value) -> bool:
-    """Whether `value` is the result of a plain `linear`, or one linear of a fused.packed_linear, with
-    a parameter weight (what `take_from_pack` accepts)."""
-    node = producers(fn).get(id(value))
-    if node is not None and node.op == "linear":
-        return node.inputs[1].is_param
-    if node is None or node.op != PACKED_OP or node.body is None:
-        return False
-    return all(n.op == "linear" and n.inputs[0] is node.body.inputs[0] for n in node.body.nodes) and \
-        all(v.is_param for v in node.inputs[1:])
-
-
-def take_from_pack(fn: Function, value: Value) -> Node:
-    """The plain `linear` producing `value`. When `value` is one result of a fused.packed_linear, that
-    pack is split: `value` gets its own linear at the pack's place and the other members stay packed
-    (a single remaining member becomes a plain linear). Precondition: `linear_source(fn, value)`."""
-    node = producers(fn)[id(value)]
-    if node.op == "linear":
-        return node
-    body_in = {id(v): i for i, v in enumerate(node.body.inputs)}
-    returned = {id(v): i for i, v in enumerate(node.body.outputs)}
-    members = []
-    for inner in node.body.nodes:
-        j = returned.get(id(inner.output))
-        if j is not None:
-            out = node.outputs[j]
-            members.append(Node("linear", [node.inputs[0], node.inputs[body_in[id(inner.inputs[1])]]], {}, [out]))
-            out.producer = members[-1]
-    at = fn.nodes.index(node)
-    fn.nodes[at:at + 1] = members
-    mine = next(m for m in members if m.output is value)
-    rest = [m for m in members if m is not mine]
-    if len(rest) >= 2:
-        fuse(fn, rest, PACKED_OP, {"splits": [int(m.inputs[1].type.shape[0]) for m in rest]})
-    return mine
-
-
-def group_escapes(fn: Function, group: list[Node]) -> set[int]:
-    """ids of the group's values read outside the group or returned."""
-    members = {id(n) for n in group}
-    defined = {id(o) for n in group for o in n.outputs}
-    read = {id(v) for n in fn.nodes if id(n) not in members for v in n.inputs} | {id(v) for v in fn.outputs}
-    return defined & read
 
 
 # ---- the pattern ----------------------------------------------------------------------------------
@@ -146,7 +63,7 @@ def _match(fn: Function, topk: Node):
     prod = producers(fn)
     src = [prod.get(id(v)) for v in topk.inputs[:5]]
     qq, _, sw, cwk, cws = src
-    if not (qq and qq.op == "quantize_fp8_pow2" and src[1] is qq and sw and sw.op == "scale"
+    if not (qq and qq.op == "quantize_fp8_pow2" and topk.inputs[:2] == qq.outputs and sw and sw.op == "scale"
             and cwk and cwk.op == "cache_write" and cws and cws.op == "cache_write"):
         return None
     hq = prod.get(id(qq.inputs[0]))

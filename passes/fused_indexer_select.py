@@ -31,7 +31,7 @@ from __future__ import annotations
 from ir.core import Function, Module, Node, Value
 
 from .base import PassContext, PassError
-from .fused_indexer_front import fresh_name
+from .rewrite import fresh_name
 from .rewrite import fuse, uses
 
 NAME = "fused_indexer_select"

@@ -45,7 +45,7 @@ from __future__ import annotations
 from ir.core import Function, Module, Node
 
 from .base import PassContext, PassError
-from .fused_indexer_front import group_escapes, order_signature, producers
+from .rewrite import group_escapes, order_signature, producers
 from .rewrite import fuse
 
 NAME = "kda_decode_fusion"
@@ -77,7 +77,8 @@ def _match(fn: Function, kda: Node):
     heads = [_head(prod, kda.inputs[i], l2) for i, l2 in ((0, True), (1, True), (2, False))]
     g, beta = _op(prod, kda.inputs[3], "kda_gate"), _op(prod, kda.inputs[4], "sigmoid")
     f = _op(prod, g.inputs[0], "linear") if g else None
-    if any(s is None for _, s in heads) or not (f and beta and f.inputs[1].is_param):
+    if any(s is None for _, s in heads) or not (f and beta and f.inputs[1].is_param) \
+            or heads[0][0][0].attrs["eps"] != heads[1][0][0].attrs["eps"]:
         return None
     conv = _op(prod, heads[0][1].inputs[0], "causal_conv1d")
     if conv is None or any(s.inputs[0] is not conv.outputs[0] for _, s in heads):

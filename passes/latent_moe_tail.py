@@ -35,43 +35,41 @@ from __future__ import annotations
 from ir.core import Function, Module, Node
 
 from .base import PassContext
-from .fused_indexer_front import order_signature
-from .rewrite import fuse, single_user
+from .rewrite import order_signature
+from .rewrite import fuse, single_user, uses
 
 NAME = "latent_moe_tail"
 FUSED_OP = "fused.latent_moe_tail"
 
 
-def _match(fn: Function, experts: Node):
+def _match(fn: Function, experts: Node, use_map: dict):
     """(rms_norm, cast, linear, add) after `experts`, or None."""
-    norm = single_user(fn, experts.output)
+    norm = single_user(fn, experts.output, use_map)
     if norm is None or norm.op != "rms_norm" or len(norm.inputs) != 2:
         return None
-    cast = single_user(fn, norm.output)
-    up = single_user(fn, cast.output) if cast is not None and cast.op == "cast" else None
+    cast = single_user(fn, norm.output, use_map)
+    up = single_user(fn, cast.output, use_map) if cast is not None and cast.op == "cast" else None
     if up is None or up.op != "linear" or up.inputs[0] is not cast.output or not up.inputs[1].is_param:
         return None
-    add = single_user(fn, up.output)
+    add = single_user(fn, up.output, use_map)
     if add is None or add.op != "add" or add.inputs[0] is add.inputs[1]:
         return None
     return norm, cast, up, add
 
 
-def _rewrite(fn: Function, experts: Node) -> bool:
-    m = _match(fn, experts)
-    if m is None:
-        return False
-    norm, cast, up, add = m
+def _apply(fn: Function, norm: Node, cast: Node, up: Node, add: Node):
     shared = add.inputs[1] if add.inputs[0] is up.output else add.inputs[0]
-    fused = fuse(fn, list(m), FUSED_OP, {"eps": norm.attrs["eps"], "dtype": cast.attrs["dtype"]})
-    order_signature(fused, [experts.output, norm.inputs[1], up.inputs[1], shared])
-    return True
+    fused = fuse(fn, [norm, cast, up, add], FUSED_OP, {"eps": norm.attrs["eps"], "dtype": cast.attrs["dtype"]})
+    order_signature(fused, [norm.inputs[0], norm.inputs[1], up.inputs[1], shared])
 
 
 def run(module: Module, ctx: PassContext) -> int:
     rewrites = 0
     for fn in module.functions.values():
-        for experts in [n for n in fn.nodes if n.op == "moe_experts"]:
-            rewrites += _rewrite(fn, experts)
+        use_map = uses(fn)  # one use map for every layer: the groups are disjoint chains
+        plans = [m for n in fn.nodes if n.op == "moe_experts" and (m := _match(fn, n, use_map)) is not None]
+        for plan in plans:
+            _apply(fn, *plan)
+        rewrites += len(plans)
     ctx.count(NAME, rewrites)
     return rewrites

@@ -21,8 +21,8 @@ The fused op (`a.operands` in this order):
     with the indexer nodes, joined before mla_attention), heads, nope_dim, rope_dim, kv_lora_rank, eps
   results: q_nope [T, H, dn], q_pe [T, H, dr] (= per-head split of q_b c_q), latent_pool with row
     req_base[token_req[t]] + token_pos[t] = [RMSNorm(kv_a[t, :kv]); kv_a[t, kv:]] (cast to the pool dtype).
-The absorbed key projection q~ = W_UK^T q_nope is computed inside `mla_attention` in this IR; a kernel may
-compute it in this node's epilogue on the same stream.
+The absorbed key projection q~ = W_UK^T q_nope stays inside `mla_attention` in this IR (the attention
+kernel computes it from q_nope and kv_b).
 
 Preconditions (PassError otherwise, naming the nodes): the query path is independent of the indexer —
 no path between them. The indexer nodes are the ancestors of the selection that the query path's entry
@@ -39,7 +39,7 @@ from ir.core import Function, Module, Node, Value
 from ir.verifier import consumed_operands
 
 from .base import PassContext, PassError
-from .fused_indexer_front import group_escapes, linear_source, order_signature, producers, take_from_pack
+from .rewrite import group_escapes, linear_source, order_signature, producers, take_from_pack
 from .rewrite import fuse, single_user
 
 NAME = "overlapped_mla_query"
@@ -64,13 +64,25 @@ def _describe(n: Node) -> str:
 
 
 # ---- the pattern ----------------------------------------------------------------------------------
+def _splits(first: Node, second: Node, axis: int) -> bool:
+    """`first` and `second` cut their common input along `axis` into [0:a] and [a:end]."""
+    x = first.inputs[0]
+    axes = {n.attrs["axis"] % x.type.rank for n in (first, second)}
+    return second.inputs[0] is x and axes == {axis} and first.attrs["start"] == 0 and \
+        first.attrs["stop"] == second.attrs["start"] and second.attrs["stop"] == int(x.type.shape[axis])
+
+
 def _match(fn: Function, mla: Node):
     """The query-path nodes feeding `mla` (without the q projection), or None when the graph differs."""
     prod = producers(fn)
-    get = lambda v, op: prod.get(id(v)) if prod.get(id(v)) is not None and prod[id(v)].op == op else None  # noqa: E731
+
+    def get(v: Value, op: str) -> Node | None:
+        n = prod.get(id(v))
+        return n if n is not None and n.op == op else None
+
     sn, sp, cw = get(mla.inputs[0], "slice"), get(mla.inputs[1], "slice"), get(mla.inputs[2], "cache_write")
-    if not (sn and sp and cw and sn.inputs[0] is sp.inputs[0]):
-        return None
+    if not (sn and sp and cw and _splits(sn, sp, 2)):
+        return None  # q_nope, q_pe: the two parts of each head's query
     rs = get(sn.inputs[0], "reshape")
     lat = cw.inputs[1]
     cast = get(lat, "cast")
@@ -78,8 +90,8 @@ def _match(fn: Function, mla: Node):
     if not (rs and cat and len(cat.inputs) == 2):
         return None
     norm, sk = get(cat.inputs[0], "rms_norm"), get(cat.inputs[1], "slice")
-    sc = get(norm.inputs[0], "slice") if norm else None
-    if not (sk and sc and sc.inputs[0] is sk.inputs[0] and linear_source(fn, rs.inputs[0])
+    sc = get(norm.inputs[0], "slice") if norm and len(norm.inputs) == 2 else None
+    if not (sk and sc and _splits(sc, sk, 1) and linear_source(fn, rs.inputs[0])
             and single_user(fn, rs.inputs[0]) is rs):
         return None
     nodes = [rs, sn, sp, sc, norm, sk, cat, *([cast] if cast else []), cw]
@@ -99,8 +111,9 @@ def _check_independent(fn: Function, group: list[Node], entry: list[Value], sele
             for v in n.inputs:
                 if id(v) in defined:
                     raise PassError(f"{NAME}: in @{fn.name}, the MLA query path feeds the indexer: node "
-                                    f"({_describe(n)}) reads {v.ref} from the query path's ({_describe(defined[id(v)])}) "
-                                    f"and leads to the selection {selection.ref}; the two cannot overlap")
+                                    f"({_describe(n)}) reads {v.ref} from the query path's "
+                                    f"({_describe(defined[id(v)])}) and leads to the selection {selection.ref}; "
+                                    f"the two cannot overlap")
     entry_ids = {id(v) for v in entry}
     for g in group:
         for v in g.inputs:
@@ -109,8 +122,9 @@ def _check_independent(fn: Function, group: list[Node], entry: list[Value], sele
             hit = ancestors(fn, [v]) & indexer
             if hit:
                 src = [n for n in fn.nodes if id(n) in hit][-1]
-                raise PassError(f"{NAME}: in @{fn.name}, the indexer feeds the MLA query path: node ({_describe(g)}) "
-                                f"reads {v.ref}, computed from the indexer node ({_describe(src)}); the two cannot overlap")
+                raise PassError(f"{NAME}: in @{fn.name}, the indexer feeds the MLA query path: node "
+                                f"({_describe(g)}) reads {v.ref}, computed from the indexer node ({_describe(src)}); "
+                                f"the two cannot overlap")
     return indexer
 
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 from ir.core import Function, Module
 
 from .base import PassContext
-from .rewrite import fuse, move_after
+from .rewrite import PACKED_OP, fuse, move_after
 
 NAME = "packed_projection"
-FUSED_OP = "fused.packed_linear"
+FUSED_OP = PACKED_OP
 
 
 def _groups(fn: Function) -> list[list]:

@@ -14,6 +14,10 @@ from __future__ import annotations
 
 from ir.core import Function, Node, Value
 
+from .base import PassError
+
+PACKED_OP = "fused.packed_linear"  # created by packed_projection; split again by take_from_pack
+
 
 class RewriteError(ValueError):
     pass
@@ -38,7 +42,8 @@ def single_user(fn: Function, v: Value, use_map=None) -> Node | None:
     return users[0] if len(users) == 1 and not returned else None
 
 
-def _param_key(v: Value):
+def value_key(v: Value):
+    """Operand identity as `fuse` sees it: a parameter by name, any other value by object."""
     return ("@", v.name) if v.is_param else ("%", id(v))
 
 
@@ -60,8 +65,8 @@ def fuse(fn: Function, group: list[Node], op: str, attrs: dict | None = None) ->
     seen: dict = {}
     for n in group:
         for v in n.inputs:
-            if id(v) not in defined and _param_key(v) not in seen:
-                seen[_param_key(v)] = len(operands)
+            if id(v) not in defined and value_key(v) not in seen:
+                seen[value_key(v)] = len(operands)
                 operands.append(v)
     # results: group values read after the group or returned
     later_reads = {id(v) for n in fn.nodes[last + 1:] for v in n.inputs} | {id(v) for v in fn.outputs}
@@ -70,7 +75,7 @@ def fuse(fn: Function, group: list[Node], op: str, attrs: dict | None = None) ->
     body_inputs = [Value(f"in{i}", v.type) for i, v in enumerate(operands)]
     body_nodes = []
     for n in group:
-        new_inputs = [body_inputs[seen[_param_key(v)]] if id(v) not in defined else v for v in n.inputs]
+        new_inputs = [body_inputs[seen[value_key(v)]] if id(v) not in defined else v for v in n.inputs]
         body_nodes.append(Node(n.op, new_inputs, dict(n.attrs), list(n.outputs), n.body))
     body = Function(f"{op}.body", body_inputs, body_nodes, list(escaping))
     fused = Node(op, list(operands), dict(attrs or {}), body=body)
@@ -87,3 +92,84 @@ def move_after(fn: Function, node: Node, anchor: Node):
     """Move `node` to just after `anchor` (the caller guarantees its operands are defined before)."""
     fn.nodes.remove(node)
     fn.nodes.insert(fn.nodes.index(anchor) + 1, node)
+
+
+# ---- helpers shared by the fusion passes -----------------------------------------------------
+def order_signature(node: Node, operands: list[Value], results: list[str] | None = None):
+    """Put a node made by `fuse` into its documented signature: permute its operands (and body inputs,
+    renamed %in0..) into the order of `operands`, and its results (and body outputs) into the order of
+    the result names `results`.  Raises PassError when the sets differ (the pattern assumed wrongly)."""
+    pos = {value_key(v): i for i, v in enumerate(node.inputs)}
+    order = [pos.get(value_key(v), -1) for v in operands]
+    if sorted(order) != list(range(len(node.inputs))):
+        raise PassError(f"{node.op}: operands ({', '.join(v.ref for v in node.inputs)}) do not match the documented "
+                        f"signature ({', '.join(v.ref for v in operands)})")
+    node.inputs = [node.inputs[i] for i in order]
+    node.body.inputs = [node.body.inputs[i] for i in order]
+    for i, v in enumerate(node.body.inputs):
+        v.name = f"in{i}"
+    if results is not None:
+        names = [o.name for o in node.outputs]
+        if sorted(names) != sorted(results):
+            raise PassError(f"{node.op}: results ({', '.join(names)}) are not the documented ({', '.join(results)})")
+        rorder = [names.index(r) for r in results]
+        node.outputs = [node.outputs[i] for i in rorder]
+        node.body.outputs = [node.body.outputs[i] for i in rorder]
+
+
+def producers(fn: Function) -> dict[int, Node]:
+    return {id(o): n for n in fn.nodes for o in n.outputs}
+
+
+def fresh_name(fn: Function, base: str) -> str:
+    """`base`, or `base.1`, `base.2`, ... : a value name not yet used in `fn`."""
+    taken = {v.name for v in fn.inputs} | {o.name for n in fn.nodes for o in n.outputs}
+    name, k = base, 1
+    while name in taken:
+        name, k = f"{base}.{k}", k + 1
+    return name
+
+
+def linear_source(fn: Function, value: Value) -> bool:
+    """Whether `value` is the result of a plain `linear`, or one linear of a fused.packed_linear, with
+    a parameter weight (what `take_from_pack` accepts)."""
+    node = producers(fn).get(id(value))
+    if node is not None and node.op == "linear":
+        return node.inputs[1].is_param
+    if node is None or node.op != PACKED_OP or node.body is None:
+        return False
+    return all(n.op == "linear" and n.inputs[0] is node.body.inputs[0] for n in node.body.nodes) and \
+        all(v.is_param for v in node.inputs[1:])
+
+
+def take_from_pack(fn: Function, value: Value) -> Node:
+    """The plain `linear` producing `value`. When `value` is one result of a fused.packed_linear, that
+    pack is split: `value` gets its own linear at the pack's place and the other members stay packed
+    (a single remaining member becomes a plain linear). Precondition: `linear_source(fn, value)`."""
+    node = producers(fn)[id(value)]
+    if node.op == "linear":
+        return node
+    body_in = {id(v): i for i, v in enumerate(node.body.inputs)}
+    returned = {id(v): i for i, v in enumerate(node.body.outputs)}
+    members = []
+    for inner in node.body.nodes:
+        j = returned.get(id(inner.output))
+        if j is not None:
+            out = node.outputs[j]
+            members.append(Node("linear", [node.inputs[0], node.inputs[body_in[id(inner.inputs[1])]]], {}, [out]))
+            out.producer = members[-1]
+    at = fn.nodes.index(node)
+    fn.nodes[at:at + 1] = members
+    mine = next(m for m in members if m.output is value)
+    rest = [m for m in members if m is not mine]
+    if len(rest) >= 2:
+        fuse(fn, rest, PACKED_OP, {"splits": [int(m.inputs[1].type.shape[0]) for m in rest]})
+    return mine
+
+
+def group_escapes(fn: Function, group: list[Node]) -> set[int]:
+    """ids of the group's values read outside the group or returned."""
+    members = {id(n) for n in group}
+    defined = {id(o) for n in group for o in n.outputs}
+    read = {id(v) for n in fn.nodes if id(n) not in members for v in n.inputs} | {id(v) for v in fn.outputs}
+    return defined & read

@@ -33,7 +33,7 @@ from __future__ import annotations
 from ir.core import Function, Module, Node, Value
 
 from .base import PassContext
-from .fused_indexer_front import fresh_name, order_signature, producers
+from .rewrite import fresh_name, order_signature, producers
 from .rewrite import fuse, single_user
 
 NAME = "value_gate"

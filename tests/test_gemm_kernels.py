@@ -85,6 +85,13 @@ def test_packed_weights_are_concatenated_once():
     fp8 = [gemm.FP8Weight.quantize(w) for w in ws]
     pf = gemm.packed_weight(fp8)
     assert pf.q.shape == (72, 64) and pf.scale.shape == (72,)
+    blocked = gemm.packed_weight([gemm.FP8Weight.quantize(w, (16, 32)) for w in ws])  # 24 rows: a partial block
+    assert blocked.block == (1, 32) and torch.equal(blocked.dequantize(),
+                                                    torch.cat([gemm.FP8Weight.quantize(w, (16, 32)).dequantize()
+                                                               for w in ws]))
+    x = torch.randn(3, 64, generator=g)
+    y = gemm.gemm(x, blocked, gemm.heuristic(dict(M=3, N=72, K=64, x="f32", w="f8e4m3", gk=32, bi=0), "cpu"))
+    assert_close_rel(y, x.double() @ blocked.dequantize(torch.float64).t(), 2e-2, "fp8 per-row block scales")
     with pytest.raises(ValueError, match="mix FP8 and plain"):
         gemm.packed_weight([ws[0], fp8[1]])
 

@@ -57,7 +57,8 @@ def test_before_expected_and_equal_results():
     assert ctx.counters[NAME] == 2
     assert_ir(m, EXPECTED)
     g = torch.Generator().manual_seed(0)
-    weights = {n: torch.randn(*((1, 4) if n[0] == "p" else (4,)), generator=g) for n in ("p1", "n1", "w1", "p2", "n2", "w2")}
+    weights = {n: torch.randn(*((1, 4) if n[0] == "p" else (4,)), generator=g)
+               for n in ("p1", "n1", "w1", "p2", "n2", "w2")}
     inputs = {n: torch.randn(3, 4, generator=g) for n in ("embed", "b1", "prev", "part")}
     before = Interpreter(parse_module(BEFORE), weights).run("decode", inputs)
     after = Interpreter(m, weights).run("decode", inputs)

@@ -23,8 +23,9 @@ NAME = "fused_indexer_select"
 
 HEAD = """module @sel {
   param @kv_b : bf16[16,4] {shard="rep"}
-  func @decode(%q8: f8e4m3[T,2,4], %qs: f32[T,2], %w: bf16[T,2], %keys: f8e4m3[N,4], %scales: f32[N], %q_nope: bf16[T,2,4],
-               %q_pe: bf16[T,2,2], %latent: bf16[N,6], %req: i64[T], %req2: i64[T], %pos: i64[T], %base: i64[R])
+  func @decode(%q8: f8e4m3[T,2,4], %qs: f32[T,2], %w: bf16[T,2], %keys: f8e4m3[N,4], %scales: f32[N],
+               %q_nope: bf16[T,2,4], %q_pe: bf16[T,2,2], %latent: bf16[N,6], %req: i64[T], %req2: i64[T],
+               %pos: i64[T], %base: i64[R])
       -> (bf16[T,2,4]) attrs {kind="decode"} {
 """
 BEFORE = HEAD + """

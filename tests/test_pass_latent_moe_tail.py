@@ -21,7 +21,8 @@ HEAD = """module @moe {
   param @w3 : bf16[3,5,4] {shard="rep"}
   param @norm : bf16[4] {shard="rep"}
   param @up : bf16[6,4] {shard="rep"}
-  func @decode(%z: bf16[T,4], %weights: f32[T,2], %ids: i64[T,2], %shared: bf16[T,6]) -> (bf16[T,6]) attrs {kind="decode"} {
+  func @decode(%z: bf16[T,4], %weights: f32[T,2], %ids: i64[T,2], %shared: bf16[T,6]) -> (bf16[T,6])
+      attrs {kind="decode"} {
     %y = moe_experts(%z, %weights, %ids, @w1, @w2, @w3) {act="situ", beta1=4.0, beta2=25.0} : f32[T,4]"""
 BEFORE = HEAD + """
     %yn = rms_norm(%y, @norm) {eps=1e-05} : f32[T,4]

@@ -51,7 +51,8 @@ TAIL = """
 
 EXPECTED = HEAD + """
     %q_nope, %q_pe, %latent2 = fused.mla_query(%c_q, @q_b, %kv_a, @kv_norm, %latent, %req, %pos, %base)
-        {overlap="indexer", heads=2, nope_dim=4, rope_dim=2, kv_lora_rank=4, eps=1e-06} : bf16[T,2,4], bf16[T,2,2], f32[N,6]
+        {overlap="indexer", heads=2, nope_dim=4, rope_dim=2, kv_lora_rank=4, eps=1e-06}
+        : bf16[T,2,4], bf16[T,2,2], f32[N,6]
         body (%in0: bf16[T,6], %in1: bf16[12,6], %in2: bf16[T,6], %in3: bf16[4], %in4: f32[N,6], %in5: i64[T],
               %in6: i64[T], %in7: i64[R]) {
       %q = linear(%in0, %in1) : bf16[T,12]
@@ -83,7 +84,8 @@ def test_query_path_feeding_the_indexer_is_an_error():
 
 
 def test_indexer_feeding_the_query_path_is_an_error():
-    query = QUERY.replace("cache_write(%latent, %lat32, %req, %pos, %base)", "cache_write(%latent, %lat32, %req, %p2, %base)")
+    query = QUERY.replace("cache_write(%latent, %lat32, %req, %pos, %base)",
+                          "cache_write(%latent, %lat32, %req, %p2, %base)")
     derived = """
     %s1 = slice(%sel) {axis=1, start=0, stop=1} : i64[T,1]
     %p2 = reshape(%s1) {shape=[-1]} : i64[T]"""

@@ -23,7 +23,8 @@ SIG = """(%q_nope: bf16[T,2,4], %q_pe: bf16[T,2,2], %latent: bf16[N,8], %g: bf16
           %base: i64[R]) -> (bf16[T,8])"""
 PREFILL = """
   func @prefill""" + SIG + """ attrs {kind="prefill"} {
-    %o3 = mla_attention(%q_nope, %q_pe, %latent, @kv_b, %pos, %req, %base) {scale=0.4, form="decompressed"} : bf16[T,2,4]
+    %o3 = mla_attention(%q_nope, %q_pe, %latent, @kv_b, %pos, %req, %base) {scale=0.4, form="decompressed"}
+        : bf16[T,2,4]
     %o = reshape(%o3) {shape=[-1, 8]} : bf16[T,8]
     %s = sigmoid(%g) : bf16[T,8]
     %y = mul(%s, %o) : bf16[T,8]
@@ -42,7 +43,8 @@ BEFORE = """module @vg {
 EXPECTED = """module @vg {
   param @kv_b : bf16[16,6] {shard="rep"}
   func @decode""" + SIG + """ attrs {kind="decode"} {
-    %o3.latent = mla_attention(%q_nope, %q_pe, %latent, @kv_b, %pos, %req, %base) {scale=0.4, form="latent"} : bf16[T,2,6]
+    %o3.latent = mla_attention(%q_nope, %q_pe, %latent, @kv_b, %pos, %req, %base) {scale=0.4, form="latent"}
+        : bf16[T,2,6]
     %y = fused.value_gate(%o3.latent, @kv_b, %g) {heads=2, nope_dim=4, v_head_dim=4} : bf16[T,8]
         body (%in0: bf16[T,2,6], %in1: bf16[16,6], %in2: bf16[T,8]) {
       %o3 = mla_value_proj(%in0, %in1) {nope_dim=4} : bf16[T,2,4]

@@ -246,9 +246,12 @@ def packed_weight(ws: list):
         if len(blocks) != 1:
             raise ValueError(f"packed_linear: FP8 weights have different scale blocks {sorted(map(str, blocks))}")
         block = blocks.pop()
+        scales = [w.scale for w in ws]
         if block is not None and any(w.q.shape[0] % block[0] for w in ws[:-1]):
-            raise ValueError(f"packed_linear: FP8 block rows {block[0]} must divide every split but the last")
-        packed = FP8Weight(torch.cat([w.q for w in ws]), torch.cat([w.scale for w in ws]), block)
+            # a split that ends inside a scale block: give every row its own copy of its block's scales
+            scales = [sc.repeat_interleave(block[0], 0)[: w.q.shape[0]] for sc, w in zip(scales, ws)]
+            block = (1, block[1])
+        packed = FP8Weight(torch.cat([w.q for w in ws]), torch.cat(scales), block)
     elif any(isinstance(w, FP8Weight) for w in ws):
         raise ValueError("packed_linear: weights mix FP8 and plain dtypes")
     else:
@@ -318,6 +321,8 @@ def heuristic(key: dict, target: str) -> dict:
                    num_warps=4, num_stages=4)
     else:
         cfg = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+        if key["x"] == "f32":  # 3-term split / tf32x3: 128 x 128 keeps ptxas free of spills
+            cfg.update(BLOCK_N=128, BLOCK_K=32 if key["w"] == "f32" else 64)
     if key.get("gk"):
         cfg["BLOCK_K"] = min(cfg["BLOCK_K"], key["gk"])
     while constraints(cfg, key, target):
@@ -360,9 +365,7 @@ def _supports_types(x, ws, target) -> str | None:
             return f"weight dtype {name} (packed formats run in the MoE kernels)"
         if len(w.shape) != 2:
             return f"weight of rank {len(w.shape)} (needs [out, in])"
-    if len({_dtype_name(w) for w in ws}) != 1:
-        return "packed weights of different dtypes"
-    return None
+    return "packed weights of different dtypes" if len({_dtype_name(w) for w in ws}) != 1 else None
 
 
 def _launch_linear(a, attrs, config):

@@ -1,80 +1,51 @@
 """DSA indexer scorer + exact top-k (IR op `indexer_topk`, SPEC §5 steps 6-7), decode and prefill.
 
-Math. Token i (request r = token_req[i], position p_i = token_pos[i]) scores the causal positions
-s <= p_i of its request, whose keys sit at pool row req_base[r] + s:
-    I(i, s) = sum_j w_j ReLU(deq(q_j) . deq(k_s)).
-FP8 keys: q and keys carry power-of-two fp32 scales (q per (token, head), keys per row), so
-    I(i, s) = ks_s * sum_j (w_j qs_j) ReLU(q8_j . k8_s),
-where the fp8 values are exact in bf16 and the dot accumulates in fp32 (tensor cores). MXFP4 keys
-(E2M1 codes, one E8M0 scale per 32 values, SPEC §7): the key tile is dequantised in registers (exact in
-bf16) and dotted with the even/odd halves of q. Sel(i) = top-k by (score desc, position asc) over the
-causal context, written in ascending position order and -1 padded; a context of <= topk positions
-selects all of it (no scoring at all).
+Math. Token i (request r, position p_i) scores the positions s <= p_i at pool rows req_base[r] + s:
+    I(i, s) = sum_j w_j ReLU(deq(q_j) . deq(k_s)) = ks_s * sum_j (w_j qs_j) ReLU(q8_j . k8_s)
+(FP8: power-of-two fp32 scales per (token, head) and per key row; fp8 values are exact in bf16, the
+tensor-core dot accumulates in fp32). MXFP4 keys (E2M1, one E8M0 scale per 32 values, SPEC §7) are
+dequantised in registers (exact in bf16) and dotted with the even/odd halves of q. Sel(i) = top-k by
+(score desc, position asc), ascending, -1 padded; a context of <= topk positions selects all of it.
 
 The [rows x context] score matrix never exists in memory. Each score becomes a unique 64-bit key
     key = (orderable(score) << 32) | (2^32 - 1 - position)            (signed int64 order)
 whose order is exactly the selection order; four kernels:
- 1. score    grid (rows, SPLITS): per tile of BLOCK_N positions, keys in registers, the tile's KT best
-             (tl.topk) re-sorted by position go to `cand[row, tile]`, their minimum to `tmin[row, tile]`.
- 2. merge 1  grid (rows): theta = topk-th largest candidate by an 8-bit radix select (tl.histogram; stops
-             once the boundary bucket is taken whole). A tile whose KT-th candidate is selected may
-             hold more winners: it "overflowed". At most topk/KT tiles can (each gives KT winners).
-             Without overflow the selected candidates ARE the exact top-k: an unsent element ranks
-             below its tile's KT-th candidate, which ranks below theta, which has topk elements above.
-             Candidates are in position order, so compaction writes the ascending output directly.
- 3. rescore  grid (rows, topk/KT): each overflowed tile is rescored whole into `ext`, its candidates
-             are dropped (graph-safe: programs without an overflowed tile do nothing).
+ 1. score    grid (rows, SPLITS): per tile of BLOCK_N positions, keys in registers; the tile's KT best
+             (tl.topk), re-sorted by position, go to `cand[row, tile]`, their minimum to `tmin[row, tile]`.
+ 2. merge 1  grid (rows): theta = topk-th largest candidate, 8-bit radix select (tl.histogram, stops once
+             the boundary bucket is taken whole). A tile whose KT-th candidate is selected "overflowed"
+             (<= topk/KT tiles can). Without overflow the selected candidates ARE the exact top-k (an
+             unsent element ranks below its tile's KT-th candidate < theta, with topk elements above
+             theta); they are in position order, so compaction writes the ascending output directly.
+ 3. rescore  grid (rows, topk/KT): overflowed tiles are rescored whole into `ext`, their candidates dropped.
  4. merge 2  rows that overflowed: radix select over candidates + ext, then one tl.sort.
-Per-row workspace: 8 B x (NT*KT + NT + (topk/KT)*BLOCK_N + KP), NT = ceil(context/BLOCK_N),
-KP = pow2 >= topk; large prefill batches run in row chunks under WORKSPACE_BYTES.
+Workspace per row 8 B x (NT*(KT+1) + (topk/KT)*BLOCK_N + pow2(topk)); prefill runs in row chunks.
 
-Public API: `indexer_topk(...)` (positions, the IR op), `indexer_topk(..., output="rows")` (physical
-pool rows req_base + position, -1 padded: what attention kernels read), `key_format="mxfp4"`.
-Tunables: BLOCK_N (positions per tile), KT (candidates per tile), SPLITS (programs per row),
-num_warps / num_stages (score kernel), MERGE_TILE (keys per merge step). Batch invariant: every
-row's result depends only on that row (exact selection).
+API: `indexer_topk(...)` (positions: the IR op), `output="rows"` (pool rows req_base + position, -1
+padded: what attention kernels read), `key_format="mxfp4"`. Tunables: BLOCK_N, KT, SPLITS (programs
+per row), num_warps / num_stages (score kernel), MERGE_TILE. Batch invariant (each row on its own).
 """
 
 from __future__ import annotations
 
 import math
 import os
+from types import SimpleNamespace
 
 import torch
 import triton
 import triton.language as tl
 
 from ..kernel import KernelTemplate, Tunable, pow2_bucket
+from .mla_sparse import e2m1_to_f32, e8m0_to_f32
 
 INVALID = tl.constexpr(-(2 ** 63))
 WORKSPACE_BYTES = 1 << 28
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-# ------------------------------------------------------------------------------ device helpers
 @triton.jit
-def _low32():
+def _low32():  # an int64 constant (a bare 0xFFFFFFFF literal would be uint32)
     return tl.full([], 0xFFFFFFFF, tl.int64)
-
-
-@triton.jit
-def e2m1_to_f32(code):
-    """E2M1 codes (low 4 bits) -> fp32: 0, .5, 1, 1.5, 2, 3, 4, 6, bit 3 = sign."""
-    c = code.to(tl.int32)
-    e = (c >> 1) & 3
-    m = (c & 1).to(tl.float32)
-    mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * (1 << e).to(tl.float32) * 0.5)
-    return tl.where((c & 8) != 0, -mag, mag)
-
-
-@triton.jit
-def e8m0_to_f32(b):
-    """E8M0 bytes -> 2^(b-127) in fp32 (b = 0 is the subnormal 2^-127)."""
-    bi = b.to(tl.int32)
-    return tl.where(bi == 0, tl.full(bi.shape, 0x00400000, tl.int32), bi << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -88,10 +59,8 @@ def _score_keys(s, p, valid):
 
 
 @triton.jit
-def _rot32(k):
-    """Swap the 32-bit halves (an involution): orders candidates by position, keeps INVALID last."""
-    r = (k << 32) | ((k >> 32) & _low32())
-    return tl.where(k == INVALID, INVALID, r)
+def _rot32(k):  # swap the 32-bit halves (an involution): orders by position, INVALID stays smallest
+    return tl.where(k == INVALID, INVALID, (k << 32) | ((k >> 32) & _low32()))
 
 
 @triton.jit
@@ -141,11 +110,10 @@ def _tile_keys(qa, qb, wq, k_ptr, ks_ptr, base, ctx, start, DI: tl.constexpr, BL
     return _score_keys(s, p, valid)
 
 
-# ------------------------------------------------------------------------------------- kernels
 @triton.jit
-def _score_kernel(q_ptr, wq_ptr, k_ptr, ks_ptr, base_ptr, pos_ptr, cand_ptr, tmin_ptr, NT, TOPK,
+def _score_kernel(q_ptr, wq_ptr, k_ptr, ks_ptr, base_ptr, pos_ptr, cand_ptr, tmin_ptr, NT, TOPK, SPLITS,
                   HI: tl.constexpr, DI: tl.constexpr, HP: tl.constexpr, BLOCK_N: tl.constexpr,
-                  KT: tl.constexpr, SPLITS: tl.constexpr, KEY_FMT: tl.constexpr, DOT_DT: tl.constexpr):
+                  KT: tl.constexpr, KEY_FMT: tl.constexpr, DOT_DT: tl.constexpr):
     row = tl.program_id(0)
     split = tl.program_id(1)
     ctx = tl.load(pos_ptr + row) + 1
@@ -217,10 +185,7 @@ def _merge_kernel(cand_ptr, tmin_ptr, ext_ptr, ovf_ptr, novf_ptr, work_ptr, out_
                   PHASE: tl.constexpr, ROWS_OUT: tl.constexpr, TILE: tl.constexpr):
     row = tl.program_id(0)
     ctx = tl.load(pos_ptr + row) + 1
-    if ROWS_OUT:
-        add = tl.load(base_ptr + row)
-    else:
-        add = tl.zeros([], tl.int64)
+    add = tl.load(base_ptr + row) if ROWS_OUT else tl.zeros([], tl.int64)
     orow = out_ptr + row.to(tl.int64) * TOPK
     if PHASE == 1:
         n_ovf = tl.zeros([], tl.int32)
@@ -294,46 +259,44 @@ def _pow2(n: int) -> int:
 
 
 def default_kt(block_n: int, topk: int, context: int) -> int:
-    """Candidates per tile: the expected winners per tile mu = BLOCK_N*topk/context plus 4 sigma + 4,
-    rounded up to a power of two (overflow past that is exact but rescored)."""
+    """Candidates per tile: the expected winners per tile mu = BLOCK_N*topk/context plus 2 sigma + 2,
+    a power of two (a tile with more winners is exact but rescored; H200: KT 8 at mu 2 was fastest)."""
     mu = block_n * topk / max(1, context)
-    return int(min(block_n, max(4, _pow2(math.ceil(mu + 4 * math.sqrt(mu) + 4)))))
+    return int(min(block_n, max(4, _pow2(math.ceil(mu + 2 * math.sqrt(mu) + 2)))))
 
 
 def heuristic(key: dict, target: str) -> dict:
-    """cpu: few, big programs. GPU: BLOCK_N 256 (8 warps) for wgmma-sized M; SPLITS gives ~4 programs
-    per SM (132 SMs) but at least 8 tiles per program; KT from `default_kt`."""
+    """cpu: few, big programs. GPU (measured on H200, context 128K x 32 rows): BLOCK_N 128 with 4 warps
+    (167 registers: 3 programs per SM) beat BLOCK_N 256 / 8 warps by 1.25x; SPLITS fills one wave of
+    3 x 132 programs (12 for 32 rows beat 16 and 32), at least 4 tiles per program."""
     L, K, T = max(1, key["L"]), key["K"], max(1, key["T"])
     if target == "cpu":
         bn = 32 if L <= 256 else 128
         return dict(BLOCK_N=bn, KT=default_kt(bn, K, L), SPLITS=1, num_warps=4, num_stages=1, MERGE_TILE=256)
-    bn = 256
-    nt = max(1, -(-L // bn))
-    splits = max(1, min(max(1, nt // 8), -(-528 // T)))
-    return dict(BLOCK_N=bn, KT=default_kt(bn, K, L), SPLITS=_pow2(splits) if splits > 1 else 1,
-                num_warps=8, num_stages=3, MERGE_TILE=2048)
+    bn = 128
+    splits = max(1, min(max(1, -(-L // bn) // 4), round(396 / T)))
+    return dict(BLOCK_N=bn, KT=default_kt(bn, K, L), SPLITS=splits, num_warps=4, num_stages=3, MERGE_TILE=2048)
 
 
 def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, req_base, topk: int, *,
                  key_format: str = "fp8", output: str = "positions", config: dict | None = None,
-                 max_context: int | None = None) -> torch.Tensor:
+                 max_context: int | None = None, stats: dict | None = None) -> torch.Tensor:
     """Exact DSA top-k. q f8e4m3 [T, HI, DI], q_scale fp32 [T, HI], w [T, HI];
     key_format "fp8": keys f8e4m3 (or its uint8 view) [N, DI], key_scale fp32 [N];
     key_format "mxfp4": keys uint8 [N, DI/2] (low nibble = even element), key_scale uint8 E8M0 [N, DI/32].
     Returns int64 [T, topk]: ascending positions (output="positions") or pool rows req_base[r] +
-    position (output="rows"), -1 padded. `max_context` (>= every token_pos + 1) avoids a host sync."""
-    if key_format not in ("fp8", "mxfp4"):
-        raise ValueError(f"indexer_topk: key_format must be 'fp8' or 'mxfp4', found {key_format!r}")
-    if output not in ("positions", "rows"):
-        raise ValueError(f"indexer_topk: output must be 'positions' or 'rows', found {output!r}")
-    if topk < 1:
-        raise ValueError(f"indexer_topk: topk must be positive, found {topk}")
+    position (output="rows"), -1 padded. `max_context` (>= every token_pos + 1) avoids a host sync;
+    `stats` (a dict) receives overflowed_rows / overflowed_tiles (a host sync; tests and benches)."""
     T, HI, DI = q.shape
-    fmt = 0 if key_format == "fp8" else 1
-    want_k = (keys.shape[0], DI if fmt == 0 else DI // 2)
-    if tuple(keys.shape) != want_k or DI % 32 or DI & (DI - 1):
-        raise ValueError(f"indexer_topk: keys {tuple(keys.shape)} do not match q {tuple(q.shape)} for "
-                         f"{key_format} (need [N, {want_k[1]}], DI a power of two >= 32)")
+    fmt = {"fp8": 0, "mxfp4": 1}.get(key_format)
+    width = DI if fmt == 0 else DI // 2
+    problems = [f"key_format must be 'fp8' or 'mxfp4', found {key_format!r}"] * (fmt is None) + \
+        [f"output must be 'positions' or 'rows', found {output!r}"] * (output not in ("positions", "rows")) + \
+        [f"topk must be positive, found {topk}"] * (topk < 1) + \
+        [f"keys {tuple(keys.shape)} do not match q {tuple(q.shape)} (need [N, {width}], DI a power of two "
+         f">= 32)"] * (fmt is not None and (keys.dim() != 2 or keys.shape[1] != width or DI % 32 or DI & (DI - 1)))
+    if problems:
+        raise ValueError("indexer_topk: " + "; ".join(problems))
     dev = q.device
     out = torch.empty(T, topk, dtype=torch.int64, device=dev)
     if T == 0:
@@ -344,8 +307,7 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, req_base,
     bn, kt = int(cfg["BLOCK_N"]), int(cfg["KT"])
     if kt > bn or kt & (kt - 1) or bn & (bn - 1) or bn < 16:
         raise ValueError(f"indexer_topk: config {cfg} needs powers of two KT <= BLOCK_N, BLOCK_N >= 16")
-    q8 = q.view(torch.uint8) if q.dtype != torch.uint8 else q
-    k8 = keys.view(torch.uint8) if keys.dtype != torch.uint8 else keys
+    q8, k8 = (x if x.dtype == torch.uint8 else x.view(torch.uint8) for x in (q, keys))
     ks = key_scale.to(torch.float32) if fmt == 0 else key_scale.view(torch.uint8)
     wq = (w.to(torch.float32) * q_scale.to(torch.float32)).contiguous()
     pos = token_pos.to(device=dev, dtype=torch.int64).contiguous()
@@ -355,84 +317,84 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, req_base,
     KP = _pow2(topk)
     per_row = 8 * (NT * kt + NT + max_ovf * bn + KP) + 4 * (max_ovf + 1)
     chunk = max(1, min(T, WORKSPACE_BYTES // per_row))
-    dot_dt = tl.float32 if _interpreting() else tl.bfloat16
+    dot_dt = tl.float32 if os.environ.get("TRITON_INTERPRET") == "1" else tl.bfloat16
     HP = max(16, _pow2(HI))
     mt = int(cfg.get("MERGE_TILE", 1024))
     for r0 in range(0, T, chunk):
         r1 = min(T, r0 + chunk)
         n = r1 - r0
-        cand = torch.empty(n, NT * kt, dtype=torch.int64, device=dev)
-        tmin = torch.empty(n, NT, dtype=torch.int64, device=dev)
-        ext = torch.empty(n, max_ovf * bn, dtype=torch.int64, device=dev)
-        work = torch.empty(n, KP, dtype=torch.int64, device=dev)
-        ovf = torch.empty(n, max_ovf, dtype=torch.int32, device=dev)
-        novf = torch.zeros(n, dtype=torch.int32, device=dev)
+        cand, tmin, ext, work = (torch.empty(n, m, dtype=torch.int64, device=dev) for m in (NT * kt, NT, max_ovf * bn, KP))
+        ovf, novf = torch.empty(n, max_ovf, dtype=torch.int32, device=dev), torch.zeros(n, dtype=torch.int32, device=dev)
         qc, wc, bc, pc, oc = q8[r0:r1], wq[r0:r1], base[r0:r1], pos[r0:r1], out[r0:r1]
         common = dict(HI=HI, DI=DI, HP=HP, BLOCK_N=bn, KT=kt, KEY_FMT=fmt, DOT_DT=dot_dt)
-        _score_kernel[(n, int(cfg["SPLITS"]))](qc, wc, k8, ks, bc, pc, cand, tmin, NT, topk, SPLITS=int(cfg["SPLITS"]),
-                                               num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
-                                               **common)
+        splits = max(1, min(int(cfg["SPLITS"]), NT))
+        _score_kernel[(n, splits)](qc, wc, k8, ks, bc, pc, cand, tmin, NT, topk, splits,
+                                   num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]), **common)
         merge = dict(BLOCK_N=bn, KT=kt, KP=KP, ROWS_OUT=output == "rows", TILE=mt, num_warps=8 if mt >= 1024 else 4)
         _merge_kernel[(n,)](cand, tmin, ext, ovf, novf, work, oc, bc, pc, NT, topk, max_ovf, PHASE=1, **merge)
         if kt < bn and L > topk:
             _rescore_kernel[(n, max_ovf)](qc, wc, k8, ks, bc, pc, cand, ovf, novf, ext, NT, max_ovf,
                                           num_warps=int(cfg["num_warps"]), **common)
             _merge_kernel[(n,)](cand, tmin, ext, ovf, novf, work, oc, bc, pc, NT, topk, max_ovf, PHASE=2, **merge)
+        if stats is not None:
+            stats["overflowed_rows"] = stats.get("overflowed_rows", 0) + int((novf > 0).sum())
+            stats["overflowed_tiles"] = stats.get("overflowed_tiles", 0) + int(novf.sum())
     return out
 
 
 # ------------------------------------------------------------------------------------ template
+_NAMES = ("q", "q_scale", "w", "keys", "key_scale", "token_pos", "token_req", "req_base")
+
+
+def _fused(a):
+    """fused.indexer_select binds `a.operands` in indexer_topk's order: give them indexer_topk's names."""
+    return SimpleNamespace(**dict(zip(_NAMES, a.operands))) if hasattr(a, "operands") else a
+
+
 def _launch(a, attrs, config):
-    return indexer_topk(a.q, a.q_scale, a.w, a.keys, a.key_scale, a.token_pos, a.token_req, a.req_base,
-                        int(attrs["topk"]), key_format=attrs.get("key_format", "fp8"), config=config)
+    """indexer_topk -> positions; fused.indexer_select (passes/fused_indexer_select.py) -> pool rows."""
+    rows, a = hasattr(a, "operands"), _fused(a)
+    if rows and attrs.get("emits", "rows") != "rows":
+        raise ValueError(f"fused.indexer_select: emits={attrs.get('emits')!r}, this kernel writes 'rows'")
+    return indexer_topk(*(getattr(a, n) for n in _NAMES), int(attrs["topk"]), key_format=attrs.get("key_format", "fp8"),
+                        output="rows" if rows else "positions", config=config)
 
 
 def _key(a, attrs) -> dict:
-    tp = a.token_pos
-    L = int(tp.max()) + 1 if isinstance(tp, torch.Tensor) and tp.numel() else 0
-    T, HI, DI = (int(x) if isinstance(x, int) or hasattr(x, "__index__") else 0 for x in a.q.shape)
+    a = _fused(a)
+    tp = a.token_pos   # compile time binds meta tensors: context unknown (0)
+    L = int(tp.max()) + 1 if isinstance(tp, torch.Tensor) and tp.numel() and tp.device.type != "meta" else 0
+    T, HI, DI = (int(x) if hasattr(x, "__index__") else 0 for x in a.q.shape)
     return {"T": T, "HI": HI, "DI": DI, "L": L, "K": int(attrs["topk"])}
 
 
 def _bucket(key: dict) -> dict:
-    b = dict(key)
-    b["T"], b["L"] = pow2_bucket(key["T"]), pow2_bucket(key["L"], 1024)
-    return b
+    return dict(key, T=pow2_bucket(key["T"]), L=pow2_bucket(key["L"], 1024))
 
 
 def _constraints(config: dict, key: dict, target: str) -> list[str]:
-    out = []
-    bn, kt = config["BLOCK_N"], config["KT"]
-    if kt > bn:
-        out.append(f"KT {kt} > BLOCK_N {bn}")
-    if target != "cpu" and bn * key.get("DI", 128) * config["num_stages"] > 200 * 1024:
-        out.append(f"key tiles BLOCK_N*DI*num_stages = {bn * key.get('DI', 128) * config['num_stages']} B of shared memory")
-    return out
+    bn, kt, smem = config["BLOCK_N"], config["KT"], config["BLOCK_N"] * key.get("DI", 128) * config["num_stages"]
+    return [f"KT {kt} > BLOCK_N {bn}"] * (kt > bn) + \
+        [f"key tiles BLOCK_N*DI*num_stages = {smem} B of shared memory"] * (target != "cpu" and smem > 200 * 1024)
 
 
 def _supports(a, attrs, target) -> str | None:
-    di = a.q.shape[2]
-    try:
-        di = int(di)
-    except TypeError:
-        return f"index_head_dim {di} is not a concrete integer"
-    if di % 32 or di & (di - 1):
-        return f"index_head_dim {di} is not a power of two >= 32"
-    return None
+    di = _fused(a).q.shape[2]
+    ok = getattr(di, "is_Integer", isinstance(di, int)) and int(di) % 32 == 0 and int(di) & (int(di) - 1) == 0
+    return None if ok else f"index_head_dim {di} is not a power of two >= 32"
 
 
-TUNABLES = (
-    Tunable("BLOCK_N", (64, 128, 256)),
-    Tunable("KT", (4, 8, 16, 32, 64)),
-    Tunable("SPLITS", (1, 2, 4, 8, 16, 32, 64)),
-    Tunable("num_warps", (4, 8)),
-    Tunable("num_stages", (1, 2, 3, 4)),
-    Tunable("MERGE_TILE", (512, 1024, 2048)),
-)
+TUNABLES = (Tunable("BLOCK_N", (64, 128, 256)), Tunable("KT", (4, 8, 16, 32, 64)),
+            Tunable("SPLITS", (1, 2, 4, 8, 12, 16, 24, 32, 64)), Tunable("num_warps", (4, 8)),
+            Tunable("num_stages", (1, 2, 3, 4)), Tunable("MERGE_TILE", (512, 1024, 2048)))
 
 TEMPLATES = [
     KernelTemplate(family="indexer_topk", backend="triton", ops=("indexer_topk",), launch=_launch, key_dims=_key,
                    heuristic=heuristic, tunables=TUNABLES, bucket=_bucket, constraints=_constraints,
                    supports=_supports, batch_invariant=True,
                    doc="fused FP8/MXFP4 indexer scorer + exact top-k (per-tile candidates, radix merge), positions"),
+    KernelTemplate(family="indexer_select_rows", backend="triton", ops=("fused.indexer_select",), launch=_launch,
+                   key_dims=_key, heuristic=heuristic, tunables=TUNABLES, bucket=_bucket, constraints=_constraints,
+                   supports=_supports, batch_invariant=True,
+                   doc="the same kernels emitting physical pool rows req_base + position (what attention reads)"),
 ]

@@ -16,25 +16,61 @@ Sparse (a selection is given): every token attends to its own selected rows, so 
 between the tokens of a prompt; decompressing each token's 2048 rows would cost (dn+dv)/1 more
 FLOPs than attending in the latent space, so the absorbed sparse kernel of `mla_sparse` runs with
 the prompt's tokens as its rows (same math, SPEC §4 says both forms must agree).
-Tunables: BLOCK_M, BLOCK_N, num_warps, num_stages.
+Tunables: BLOCK_M, BLOCK_N, num_warps, num_stages. Also here (torch, shared with tests and benches): the
+quantised latent pool writers `quantize_latent_fp8` / `quantize_latent_nvfp4` and the reader
+`dequantize_latent` (layouts: mla_sparse's docstring).
 """
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
 import triton
 import triton.language as tl
 
+from ir import formats
+
 from ..kernel import KernelTemplate, Tunable, pow2_bucket
-from .mla_sparse import _LN2, LOG2E, dequantize_latent, mla_sparse_decode, split_kv_b
+from .mla_sparse import _LN2, LATENT_FORMATS, LOG2E, mla_sparse_decode, split_kv_b
 from .mla_sparse import heuristic as sparse_heuristic
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ---------------------------------------------- latent pool formats (layouts: see mla_sparse)
+def quantize_latent_fp8(latent: torch.Tensor):
+    """fp32/bf16 rows -> (e4m3 rows, per-layer scale amax/448 as a float)."""
+    amax = float(latent.float().abs().max()) if latent.numel() else 0.0
+    scale = amax / formats.FP8_E4M3_MAX if amax > 0 else 1.0
+    return formats.encode_fp8_e4m3(latent.float() / scale), scale
+
+
+def quantize_latent_nvfp4(latent: torch.Tensor, kv: int):
+    """rows [N, kv + dr] -> (uint8 rows [N, kv/2 + kv/16 + dr], latent_scale, pe_scale), SPEC §7."""
+    c, kpe = latent[:, :kv].float(), latent[:, kv:].float()
+    packed, bs, ts = formats.quantize_nvfp4(c)
+    kpe8, pe_scale = quantize_latent_fp8(kpe)
+    rows = torch.cat([packed, bs.view(torch.uint8), kpe8.view(torch.uint8)], dim=1).contiguous()
+    return rows, float(ts), pe_scale
+
+
+def dequantize_latent(pool: torch.Tensor, latent_format: str, kv: int, latent_scale: float = 1.0,
+                      pe_scale: float = 1.0) -> torch.Tensor:
+    """Any pool format -> fp32 rows [N, kv + dr] (exactly what the kernels compute with)."""
+    if latent_format in ("bf16", "fp32"):
+        return pool.float()
+    if latent_format == "fp8":
+        return pool.view(torch.float8_e4m3fn).float() * latent_scale
+    if latent_format == "nvfp4":
+        h, s = kv // 2, kv // 16
+        c = formats.dequantize_nvfp4(pool[:, :h].contiguous(), pool[:, h:h + s].contiguous().view(torch.float8_e4m3fn),
+                                     torch.tensor(latent_scale, dtype=torch.float32))
+        kpe = pool[:, h + s:].contiguous().view(torch.float8_e4m3fn).float() * pe_scale
+        return torch.cat([c, kpe], dim=1)
+    raise ValueError(f"latent_format must be one of {LATENT_FORMATS}, found {latent_format!r}")
 
 
 @triton.jit
@@ -162,7 +198,8 @@ def mla_prefill(q_nope, q_pe, latent, kv_b, token_pos, token_req, req_base, scal
 def _launch(a, attrs, config):
     fmt = "fp32" if a.latent.dtype == torch.float32 else "bf16"
     return mla_prefill(a.q_nope, a.q_pe, a.latent, a.kv_b, a.token_pos, a.token_req, a.req_base,
-                       float(attrs["scale"]), a.selection, latent_format=fmt, config=config)
+                       float(attrs["scale"]), a.selection, latent_format=fmt, config=config,
+                       selection_rows=attrs.get("selection_kind", "positions") == "rows")
 
 
 def _key(a, attrs) -> dict:
@@ -187,6 +224,8 @@ def _supports(a, attrs, target) -> str | None:
         return f"head dims {dims} (dn, dr, kv) are not powers of two >= 16"
     if getattr(a.latent.dtype, "name", "") not in ("bf16", "f32"):
         return f"latent pool dtype {getattr(a.latent.dtype, 'name', a.latent.dtype)} (IR pools are bf16/f32)"
+    if attrs.get("selection_kind", "positions") not in ("positions", "rows"):
+        return f"selection_kind {attrs['selection_kind']!r} (reads positions or rows)"
     return None
 
 

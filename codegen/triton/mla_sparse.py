@@ -20,7 +20,8 @@ Latent pool formats (dequantised in registers):
                    [kv/2 + kv/16, +dr) k_pe in e4m3;
                    c_KV = e2m1 * block_scale * latent_scale (the fp32 per-tensor scale),
                    k_pe = code * pe_scale.
-`quantize_latent_fp8` / `quantize_latent_nvfp4` write those pools, `dequantize_latent` reads them back.
+`mla_prefill.quantize_latent_fp8` / `quantize_latent_nvfp4` write those pools, `dequantize_latent` reads
+them back (in torch; prefill decompresses from it).
 
 Selections are positions (the IR op; row = req_base[r] + position) or physical rows
 (`selection_rows=True`, what `indexer_topk(..., output="rows")` returns); -1 entries are skipped.
@@ -37,10 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ir import formats
-
 from ..kernel import KernelTemplate, Tunable, pow2_bucket
-from .indexer_topk import e2m1_to_f32
 
 LOG2E = 1.4426950408889634
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -49,6 +47,23 @@ LATENT_FORMATS = ("bf16", "fp32", "fp8", "nvfp4")
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def e2m1_to_f32(code):
+    """E2M1 codes (low 4 bits) -> fp32: 0, .5, 1, 1.5, 2, 3, 4, 6, bit 3 = sign."""
+    c = code.to(tl.int32)
+    e = (c >> 1) & 3
+    m = (c & 1).to(tl.float32)
+    mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * (1 << e).to(tl.float32) * 0.5)
+    return tl.where((c & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def e8m0_to_f32(b):
+    """E8M0 bytes -> 2^(b-127) in fp32 (b = 0 is the subnormal 2^-127)."""
+    bi = b.to(tl.int32)
+    return tl.where(bi == 0, tl.full(bi.shape, 0x00400000, tl.int32), bi << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -113,9 +128,9 @@ def _q_sub(qa_ptr, th, hm, kb: tl.constexpr, KB: tl.constexpr, KV: tl.constexpr,
 
 @triton.jit
 def _mla_sparse_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, base_ptr, pos_ptr, o_ptr, lse_ptr,
-                       H, KSEL, NSPLIT, lat_stride, qk_scale, v_scale, pe_scale,
+                       H, KSEL, NSPLIT, CHUNK, lat_stride, qk_scale, v_scale, pe_scale,
                        KV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                       CHUNK: tl.constexpr, FMT: tl.constexpr, SPARSE: tl.constexpr, DOT_DT: tl.constexpr,
+                       FMT: tl.constexpr, SPARSE: tl.constexpr, DOT_DT: tl.constexpr,
                        PREC: tl.constexpr, SUB: tl.constexpr):
     """FMT 0: float pool, 1: fp8 pool, 2: nvfp4 pool; qk_scale = softmax scale * log2(e);
     logits = (q~.c) v_scale + (q_pe.k_pe) pe_scale, values c v_scale.
@@ -214,39 +229,6 @@ def _combine_kernel(po_ptr, plse_ptr, o_ptr, lse_ptr, NSPLIT, KV: tl.constexpr, 
     tl.store(lse_ptr + i, tl.where(den > 0.0, mx + tl.log(den), float("-inf")))
 
 
-# ------------------------------------------------------------------------------- pool formats
-def quantize_latent_fp8(latent: torch.Tensor):
-    """fp32/bf16 rows -> (e4m3 rows, per-layer scale amax/448 as a float)."""
-    amax = float(latent.float().abs().max()) if latent.numel() else 0.0
-    scale = amax / formats.FP8_E4M3_MAX if amax > 0 else 1.0
-    return formats.encode_fp8_e4m3(latent.float() / scale), scale
-
-
-def quantize_latent_nvfp4(latent: torch.Tensor, kv: int):
-    """rows [N, kv + dr] -> (uint8 rows [N, kv/2 + kv/16 + dr], latent_scale, pe_scale), SPEC §7."""
-    c, kpe = latent[:, :kv].float(), latent[:, kv:].float()
-    packed, bs, ts = formats.quantize_nvfp4(c)
-    kpe8, pe_scale = quantize_latent_fp8(kpe)
-    rows = torch.cat([packed, bs.view(torch.uint8), kpe8.view(torch.uint8)], dim=1).contiguous()
-    return rows, float(ts), pe_scale
-
-
-def dequantize_latent(pool: torch.Tensor, latent_format: str, kv: int, latent_scale: float = 1.0,
-                      pe_scale: float = 1.0) -> torch.Tensor:
-    """Any pool format -> fp32 rows [N, kv + dr] (exactly what the kernels compute with)."""
-    if latent_format in ("bf16", "fp32"):
-        return pool.float()
-    if latent_format == "fp8":
-        return pool.view(torch.float8_e4m3fn).float() * latent_scale
-    if latent_format == "nvfp4":
-        h, s = kv // 2, kv // 16
-        c = formats.dequantize_nvfp4(pool[:, :h].contiguous(), pool[:, h:h + s].contiguous().view(torch.float8_e4m3fn),
-                                     torch.tensor(latent_scale, dtype=torch.float32))
-        kpe = pool[:, h + s:].contiguous().view(torch.float8_e4m3fn).float() * pe_scale
-        return torch.cat([c, kpe], dim=1)
-    raise ValueError(f"latent_format must be one of {LATENT_FORMATS}, found {latent_format!r}")
-
-
 # ------------------------------------------------------------------------------------ host API
 def _pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1, n))))
@@ -308,8 +290,8 @@ def sparse_latent_attention(q_abs, q_pe, latent, token_pos, base, scale: float, 
     dot_dt = tl.float32 if f32 else tl.bfloat16
     _mla_sparse_kernel[(-(-H // bh), T, nsplit)](
         q_abs.contiguous(), q_pe.contiguous(), lat, sel, base.to(device=dev, dtype=torch.int64).contiguous(), pos,
-        po, plse, H, sel.shape[1] if selection is not None else 0, nsplit, lat.stride(0), scale * LOG2E,
-        vs, ps, KV=KV, DR=DR, BLOCK_H=bh, BLOCK_N=bn, CHUNK=chunk, FMT=fmt,
+        po, plse, H, sel.shape[1] if selection is not None else 0, nsplit, chunk, lat.stride(0), scale * LOG2E,
+        vs, ps, KV=KV, DR=DR, BLOCK_H=bh, BLOCK_N=bn, FMT=fmt,
         SPARSE=selection is not None, DOT_DT=dot_dt, PREC="ieee" if f32 else "tf32", SUB=int(cfg.get("SUB", 1)),
         num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
     if nsplit > 1:
@@ -327,9 +309,11 @@ def split_kv_b(kv_b: torch.Tensor, H: int, dn: int):
 
 def mla_sparse_decode(q_nope, q_pe, latent, kv_b, token_pos, token_req, req_base, scale: float, selection=None, *,
                       latent_format: str = "bf16", latent_scale: float = 1.0, pe_scale: float = 1.0,
-                      selection_rows: bool = False, return_lse: bool = False, config: dict | None = None):
-    """Absorbed MLA attention: o [T, H, dv] (and lse [T, H], natural log, when return_lse).
-    q~ = W_UK^T q_nope and o = W_UV o~ are batched matmuls in q_nope's dtype around the kernel."""
+                      selection_rows: bool = False, return_lse: bool = False, latent_out: bool = False,
+                      config: dict | None = None):
+    """Absorbed MLA attention: o [T, H, dv] (latent_out: o~ [T, H, kv], the IR's form="latent", W_UV left
+    to mla_value_proj), and lse [T, H] (natural log) when return_lse. q~ = W_UK^T q_nope and
+    o = W_UV o~ are batched matmuls in q_nope's dtype around the kernel."""
     T, H, dn = q_nope.shape
     W_UK, W_UV = split_kv_b(kv_b, H, dn)
     dt = q_nope.dtype
@@ -341,7 +325,7 @@ def mla_sparse_decode(q_nope, q_pe, latent, kv_b, token_pos, token_req, req_base
     o_lat, lse = sparse_latent_attention(q_abs, q_pe.to(dt), latent, token_pos, base, scale, selection,
                                          latent_format=latent_format, latent_scale=latent_scale,
                                          pe_scale=pe_scale, config=config)
-    o = torch.einsum("thk,hvk->thv", o_lat.to(dt), W_UV.to(dt))
+    o = o_lat.to(dt) if latent_out else torch.einsum("thk,hvk->thv", o_lat.to(dt), W_UV.to(dt))
     return (o, lse) if return_lse else o
 
 
@@ -349,7 +333,9 @@ def mla_sparse_decode(q_nope, q_pe, latent, kv_b, token_pos, token_req, req_base
 def _launch(a, attrs, config):
     fmt = "fp32" if a.latent.dtype == torch.float32 else "bf16"
     return mla_sparse_decode(a.q_nope, a.q_pe, a.latent, a.kv_b, a.token_pos, a.token_req, a.req_base,
-                             float(attrs["scale"]), a.selection, latent_format=fmt, config=config)
+                             float(attrs["scale"]), a.selection, latent_format=fmt, config=config,
+                             selection_rows=attrs.get("selection_kind", "positions") == "rows",
+                             latent_out=attrs.get("form") == "latent")
 
 
 def _key(a, attrs) -> dict:
@@ -357,8 +343,8 @@ def _key(a, attrs) -> dict:
     if a.selection is not None:
         L = int(a.selection.shape[1])
     else:
-        tp = a.token_pos
-        L = int(tp.max()) + 1 if isinstance(tp, torch.Tensor) and tp.numel() else 0
+        tp = a.token_pos   # compile time binds meta tensors: context unknown (0)
+        L = int(tp.max()) + 1 if isinstance(tp, torch.Tensor) and tp.numel() and tp.device.type != "meta" else 0
     return {"H": H, "L": L, "KV": int(a.kv_b.shape[1]), "sparse": int(a.selection is not None), "fmt": 0}
 
 
@@ -370,8 +356,15 @@ def _constraints(config: dict, key: dict, target: str) -> list[str]:
     out = []
     if config["CHUNK"] % config["BLOCK_N"]:
         out.append(f"CHUNK {config['CHUNK']} is not a multiple of BLOCK_N {config['BLOCK_N']}")
-    if target != "cpu" and config["BLOCK_H"] * key.get("KV", 512) > 32 * 512:
-        out.append("accumulator BLOCK_H*kv > 16384 fp32 values spills")
+    if target != "cpu":
+        kv, width = key.get("KV", 512), key.get("KV", 512) + 64
+        if config["BLOCK_H"] * kv > 32 * 512:
+            out.append("accumulator BLOCK_H*kv > 16384 fp32 values spills")
+        elem = 1 if key.get("fmt", 0) else 2
+        smem = config["BLOCK_N"] * width * 2 * max(1, config["num_stages"]) * (1 if config.get("SUB", 1) == 1 else 0.25) \
+            + config["BLOCK_N"] * width * elem * (config["num_stages"] - 1) + config["BLOCK_H"] * width * 2
+        if smem > 227 * 1024:
+            out.append(f"shared memory ~{int(smem)} B for BLOCK_N={config['BLOCK_N']}, num_stages={config['num_stages']}")
     return out
 
 
@@ -384,6 +377,8 @@ def _supports(a, attrs, target) -> str | None:
         return f"kv {kv} / dr {dr} are not powers of two (kv >= 32, dr >= 16)"
     if getattr(a.latent.dtype, "name", "") not in ("bf16", "f32"):
         return f"latent pool dtype {getattr(a.latent.dtype, 'name', a.latent.dtype)} (IR pools are bf16/f32)"
+    if attrs.get("selection_kind", "positions") not in ("positions", "rows"):
+        return f"selection_kind {attrs['selection_kind']!r} (reads positions or rows)"
     return None
 
 

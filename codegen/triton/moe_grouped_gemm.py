@@ -9,8 +9,8 @@ Pipeline (no host sync, deterministic, no atomics):
      read in the same K loop (two accumulators) and act(a, u) is applied in the epilogue;
      h [T·k, I] is written in expert-sorted row order.
   3. down kernel: the same tiling over h and W2_e; per-pair outputs o [T·k, ℓ] stored at row p.
-  4. combine kernel: y[t] = Σ_j w[t,j]·o[t·k+j] in slot order, fp32 (pairs whose id is outside
-     [0, E), i.e. held by another EP rank, contribute 0).
+  4. combine kernel (moe_tail.py): y[t] = Σ_j w[t,j]·o[t·k+j] in slot order, fp32 (pairs whose id
+     is outside [0, E), i.e. held by another EP rank, contribute 0).
 Tiles exist only for experts with tokens: program `tid` finds its expert from the per-expert tile
 counts ceil(count_e / BM) (a cumsum over E in registers); programs past the last tile exit at once,
 so experts with no tokens launch no work. No split-K: every output element's reduction runs over
@@ -19,14 +19,24 @@ token's result does not depend on the batch.
 
 Weights (w1, w3 [E, I, ℓ]; w2 [E, ℓ, I]) are either float tensors (bf16/fp16/fp32, cast to z's
 dtype per tile) or `PackedMXFP4` (packed u8 [E, N, K/2], low nibble = even element; scales u8
-E8M0 [E, N, K/32]). MXFP4 is dequantised in registers:
-  - DEQ "arith" (any target, the interpreter too): byte b -> the E2M1 code's sign and 3 magnitude bits
-    placed as fp16 bits (sign -> bit 15, magnitude -> bits 9..11: fp16 value = E2M1 value · 2^-14, exact,
-    subnormal for code 1), then · 2^(s-127+14) with the factor built from the scale's bits (exact for
-    s ≤ 240), then cast to z's dtype (exact in bf16) and fed to tl.dot;
-  - DEQ "dot_scaled": `tl.dot_scaled(z, None, "bf16", packed, scales, "e2m1")` — Triton lowers it to its
-    own fp4->bf16 upcast on sm_90 and sm_100 with bf16 activations (native block-scaled MMA would need
-    fp8/fp4 activations, which would change the numerics). Not executable by the interpreter.
+E8M0 [E, N, K/32]), read as stored and dequantised in registers (config DEQ):
+  - "bytes": each byte's two codes become the even and odd K columns of the tile, dotted against z's
+    even and odd columns (no interleave). A code lands in the bits of a float by shifts and a mask:
+    bf16 activations: sign -> bit 15, magnitude e e m -> bits 8..6, i.e. the E2M1 value · 2^-126, then
+    one bf16 multiply by 2^(s-1) (two, 2^126 then 2^(s-127), when a scale byte exceeds 128: WIDE);
+    fp32 activations (the interpreter): magnitude -> bits 11..9 of an fp16 (value · 2^-14, exact),
+    then fp32 · 2^(s-113). Exact for scale bytes 0..240 (fp32), 0..254 (bf16; 1..254 when WIDE); the
+    NaN byte 255 is not propagated.
+  - "dot_scaled": `tl.dot_scaled(z, None, "bf16", packed, scales, "e2m1", fast_math=True)`. Triton
+    lowers it on sm_90 and on sm_100 (bf16 activations) to its own fp4->bf16 upcast and a bf16 MMA
+    (tcgen05 kind::f16 on sm_100; the block-scaled kind::mxf4 MMA needs fp8/fp4 activations, which
+    would change the numerics). The interpreter has no dot_scaled: tests compile it for sm_90/sm_100.
+    Measured on H200 (Triton 3.6) it beats "bytes" (decode 1.40 vs 1.52 ms, prefill 32.4 vs 37.2 ms),
+    so the heuristic takes it for bf16 activations from compute capability 9.0 on.
+H200, bf16, E=112, top-16, ℓ=3584, I=3072 (benches/bench_moe.py): decode T=64 reads 1.9 GB of MXFP4
+weights in 1.40 ms (1.34 TB/s, 29% of the 4.6 TB/s read ceiling: the in-register dequantisation,
+~5 instructions per weight element, bounds it; the same kernel on bf16 weights streams 7.6 GB at
+4.33 TB/s, 94%); prefill T=8192: 267 TFLOP/s MXFP4, 522 TFLOP/s bf16 weights (bf16 matmul 701).
 """
 
 from __future__ import annotations
@@ -39,7 +49,8 @@ from codegen.kernel import KernelTemplate, Tunable, pow2_bucket
 from codegen.triton.moe_router import ExpertSegments, permute_tokens
 from ir.packed import PackedMXFP4
 
-DENSE, MX_ARITH, MX_DOT_SCALED = 0, 1, 2
+DENSE, MX_BYTES, MX_DOT_SCALED = 0, 1, 2
+DEQ_MODES = {"bytes": MX_BYTES, "dot_scaled": MX_DOT_SCALED}
 
 
 # ------------------------------------------------------------------------------------ jit helpers
@@ -68,8 +79,37 @@ def _swizzle(pid, n_m, n_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _scale_factor(s, DT: tl.constexpr, WIDE: tl.constexpr):
+    """E8M0 bytes (int32) -> the factor `_decode` multiplies by, built from bits (exact).
+    bf16: 2^(s-1) (s <= 128), or 2^(s-127) when WIDE (1 <= s <= 254); else fp32 2^(s-113) (s <= 240)."""
+    if DT == tl.bfloat16:
+        if WIDE:
+            return (s << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        else:
+            return ((s + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return ((s + 14) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _decode(t, f, DT: tl.constexpr, WIDE: tl.constexpr):
+    """E2M1 code in bits 31..28 of int32 t (sign = bit 31) times the block factor f, in DT.
+    bf16: sign -> bit 15 and magnitude e e m -> bits 8..6 (an arithmetic shift fills the gap, the mask
+    clears it): the bf16 value is the E2M1 value · 2^-126 (code 1 subnormal), scaled by f = 2^(s-1).
+    Otherwise: magnitude -> bits 11..9 of an fp16 (E2M1 value · 2^-14, exact), then fp32 · 2^(s-113)."""
+    if DT == tl.bfloat16:
+        v = ((t >> 22) & 0x81C0).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        if WIDE:
+            v = v * 8.507059e37
+        return v * f
+    else:
+        v = ((t >> 19) & 0x8E00).to(tl.int16).to(tl.float16, bitcast=True)
+        return (v.to(tl.float32) * f).to(DT)
+
+
+@triton.jit
 def _mxfp4_halves_t(q_ptr, s_ptr, qbase, sbase, rn, n_ok, k0, K, stride_qn, stride_sn,
-                    BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr):
+                    BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, WIDE: tl.constexpr):
     """Dequantised even and odd K columns ([BK/2, BN] each) of an MXFP4 matrix stored [N, K/2] (+ scales
     [N, K/32]) for K columns k0 .. k0+BK: byte j holds column 2j (low nibble) and 2j+1 (high nibble).
     Splitting by parity spares the interleave: the caller dots them with z's even and odd columns."""
@@ -78,30 +118,40 @@ def _mxfp4_halves_t(q_ptr, s_ptr, qbase, sbase, rn, n_ok, k0, K, stride_qn, stri
     g_ok = n_ok[:, None] & (gi < K // 32)[None, :]
     q = tl.load(q_ptr + qbase + rn[:, None, None].to(tl.int64) * stride_qn + gi[None, :, None] * 16
                 + tl.arange(0, 16)[None, None, :], mask=g_ok[:, :, None], other=0).to(tl.int32)   # [BN, G, 16]
-    s = tl.load(s_ptr + sbase + rn[:, None].to(tl.int64) * stride_sn + gi[None, :], mask=g_ok, other=0).to(tl.int32)
-    if DT == tl.bfloat16:
-        # sign -> bit 15, magnitude e e m -> bits 8..6: bf16 value = E2M1 value · 2^-126 (code 1 subnormal);
-        # times 2^126, then times 2^(s-127) built from the scale's bits (exact for 1 <= s <= 254)
-        f = (s << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)[:, :, None]
-        lo = (((q << 28) >> 22) & 0x81C0).to(tl.int16).to(tl.bfloat16, bitcast=True) * 8.507059e37 * f
-        hi = (((q << 24) >> 22) & 0x81C0).to(tl.int16).to(tl.bfloat16, bitcast=True) * 8.507059e37 * f
-    else:
-        # sign -> bit 15, magnitude -> bits 11..9 of an fp16: value · 2^-14 (exact), times 2^(s-127+14)
-        f = ((s + 14) << 23).to(tl.float32, bitcast=True)[:, :, None]
-        lo = ((((q << 28) >> 19) & 0x8E00).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * f).to(DT)
-        hi = ((((q << 24) >> 19) & 0x8E00).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * f).to(DT)
+    s = tl.load(s_ptr + sbase + rn[:, None].to(tl.int64) * stride_sn + gi[None, :], mask=g_ok, other=0)
+    f = _scale_factor(s.to(tl.int32), DT, WIDE)[:, :, None]
+    lo = _decode(q << 28, f, DT, WIDE)
+    hi = _decode(q << 24, f, DT, WIDE)
     return tl.trans(tl.reshape(lo, (BN, BK // 2))), tl.trans(tl.reshape(hi, (BN, BK // 2)))
 
 
 @triton.jit
-def _weight_tile_t(w_ptr, s_ptr, wbase, sbase, rn, n_ok, k0, K, stride_wn, stride_sn,
-                   BN: tl.constexpr, BK: tl.constexpr, W_FMT: tl.constexpr, DT: tl.constexpr):
+def _load_a(rows_ptr, row_ok, k0, K, W_FMT: tl.constexpr, DT: tl.constexpr, BK: tl.constexpr):
+    """Activation tile for K columns k0 .. k0+BK: ([BM, BK], same) | DEQ bytes: (even, odd) [BM, BK/2]."""
+    rk = k0 + tl.arange(0, BK)
+    a = tl.load(rows_ptr + rk[None, :], mask=row_ok[:, None] & (rk < K)[None, :], other=0.0).to(DT)
+    if W_FMT == 1:
+        return tl.split(tl.reshape(a, (a.shape[0], BK // 2, 2)))
+    else:
+        return a, a
+
+
+@triton.jit
+def _mma_step(acc, a, a_odd, w_ptr, s_ptr, wbase, sbase, rn, n_ok, k0, K, stride_wn, stride_sn,
+              BN: tl.constexpr, BK: tl.constexpr, W_FMT: tl.constexpr, IEEE: tl.constexpr, DT: tl.constexpr,
+              WIDE: tl.constexpr):
+    """acc += a @ W[rn, k0:k0+BK]^T for a dense (0) or MXFP4 weight: DEQ bytes (1) or dot_scaled (2)."""
     if W_FMT == 0:
         rk = k0 + tl.arange(0, BK)
-        return tl.load(w_ptr + wbase + rn[None, :].to(tl.int64) * stride_wn + rk[:, None],
-                       mask=n_ok[None, :] & (rk < K)[:, None], other=0.0).to(DT)
+        b = tl.load(w_ptr + wbase + rn[None, :].to(tl.int64) * stride_wn + rk[:, None],
+                    mask=n_ok[None, :] & (rk < K)[:, None], other=0.0).to(DT)
+        return _dot(a, b, acc, IEEE)
+    elif W_FMT == 1:
+        w_even, w_odd = _mxfp4_halves_t(w_ptr, s_ptr, wbase, sbase, rn, n_ok, k0, K, stride_wn, stride_sn, BN, BK,
+                                        DT, WIDE)
+        return _dot(a_odd, w_odd, _dot(a, w_even, acc, IEEE), IEEE)
     else:
-        return _mxfp4_tile_t(w_ptr, s_ptr, wbase, sbase, rn, n_ok, k0, K, stride_wn, stride_sn, BN, BK, DT)
+        return _scaled_dot(a, w_ptr, s_ptr, wbase, sbase, rn, n_ok, k0, K, stride_wn, stride_sn, acc, BK)
 
 
 @triton.jit
@@ -149,7 +199,8 @@ def _moe_gate_up_kernel(z_ptr, pair_ptr, counts_ptr, offsets_ptr, w1_ptr, w3_ptr
                         E, ELL, INTER, stride_z, stride_we, stride_wn, stride_se, stride_sn, stride_h,
                         beta1, beta2, N_TILES, TOPK: tl.constexpr, E_PAD: tl.constexpr, W_FMT: tl.constexpr,
                         ACT: tl.constexpr, HAS_BETA2: tl.constexpr, IEEE: tl.constexpr, DT: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+                        WIDE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        GROUP_M: tl.constexpr):
     tid, nb = _swizzle(tl.program_id(0), N_TILES, tl.cdiv(INTER, BN), GROUP_M)
     total, e, row0, m0, rows = _locate_tile(counts_ptr, offsets_ptr, tid, E, E_PAD, BM)
     if tid >= total:
@@ -160,22 +211,17 @@ def _moe_gate_up_kernel(z_ptr, pair_ptr, counts_ptr, offsets_ptr, w1_ptr, w3_ptr
     tok = tl.load(pair_ptr + pos, mask=row_ok, other=0) // TOPK
     rn = nb * BN + tl.arange(0, BN)
     n_ok = rn < INTER
-    rk = tl.arange(0, BK)
-    a_ptrs = z_ptr + tok.to(tl.int64)[:, None] * stride_z + rk[None, :]
+    rows_ptr = z_ptr + tok.to(tl.int64)[:, None] * stride_z
     wbase = e.to(tl.int64) * stride_we
     sbase = e.to(tl.int64) * stride_se
     acc1 = tl.zeros([BM, BN], dtype=tl.float32)
     acc3 = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, ELL, BK):
-        a = tl.load(a_ptrs + k0, mask=row_ok[:, None] & (k0 + rk < ELL)[None, :], other=0.0).to(DT)
-        if W_FMT == 2:
-            acc1 = _scaled_dot(a, w1_ptr, s1_ptr, wbase, sbase, rn, n_ok, k0, ELL, stride_wn, stride_sn, acc1, BK)
-            acc3 = _scaled_dot(a, w3_ptr, s3_ptr, wbase, sbase, rn, n_ok, k0, ELL, stride_wn, stride_sn, acc3, BK)
-        else:
-            b1 = _weight_tile_t(w1_ptr, s1_ptr, wbase, sbase, rn, n_ok, k0, ELL, stride_wn, stride_sn, BN, BK, W_FMT, DT)
-            acc1 = _dot(a, b1, acc1, IEEE)
-            b3 = _weight_tile_t(w3_ptr, s3_ptr, wbase, sbase, rn, n_ok, k0, ELL, stride_wn, stride_sn, BN, BK, W_FMT, DT)
-            acc3 = _dot(a, b3, acc3, IEEE)
+        a, a_odd = _load_a(rows_ptr, row_ok, k0, ELL, W_FMT, DT, BK)
+        acc1 = _mma_step(acc1, a, a_odd, w1_ptr, s1_ptr, wbase, sbase, rn, n_ok, k0, ELL, stride_wn, stride_sn,
+                         BN, BK, W_FMT, IEEE, DT, WIDE)
+        acc3 = _mma_step(acc3, a, a_odd, w3_ptr, s3_ptr, wbase, sbase, rn, n_ok, k0, ELL, stride_wn, stride_sn,
+                         BN, BK, W_FMT, IEEE, DT, WIDE)
     h = _glu(acc1, acc3, beta1, beta2, ACT, HAS_BETA2)
     tl.store(h_ptr + pos.to(tl.int64)[:, None] * stride_h + rn[None, :], h.to(DT),
              mask=row_ok[:, None] & n_ok[None, :])
@@ -185,7 +231,8 @@ def _moe_gate_up_kernel(z_ptr, pair_ptr, counts_ptr, offsets_ptr, w1_ptr, w3_ptr
 def _moe_down_kernel(h_ptr, pair_ptr, counts_ptr, offsets_ptr, w2_ptr, s2_ptr, o_ptr,
                      E, ELL, INTER, stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o, N_TILES,
                      E_PAD: tl.constexpr, W_FMT: tl.constexpr, IEEE: tl.constexpr, DT: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+                     WIDE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     GROUP_M: tl.constexpr):
     tid, nb = _swizzle(tl.program_id(0), N_TILES, tl.cdiv(ELL, BN), GROUP_M)
     total, e, row0, m0, rows = _locate_tile(counts_ptr, offsets_ptr, tid, E, E_PAD, BM)
     if tid >= total:
@@ -196,45 +243,16 @@ def _moe_down_kernel(h_ptr, pair_ptr, counts_ptr, offsets_ptr, w2_ptr, s2_ptr, o
     pair = tl.load(pair_ptr + pos, mask=row_ok, other=0)
     rn = nb * BN + tl.arange(0, BN)
     n_ok = rn < ELL
-    rk = tl.arange(0, BK)
-    a_ptrs = h_ptr + pos.to(tl.int64)[:, None] * stride_h + rk[None, :]
+    rows_ptr = h_ptr + pos.to(tl.int64)[:, None] * stride_h
     wbase = e.to(tl.int64) * stride_we
     sbase = e.to(tl.int64) * stride_se
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, INTER, BK):
-        a = tl.load(a_ptrs + k0, mask=row_ok[:, None] & (k0 + rk < INTER)[None, :], other=0.0).to(DT)
-        if W_FMT == 2:
-            acc = _scaled_dot(a, w2_ptr, s2_ptr, wbase, sbase, rn, n_ok, k0, INTER, stride_wn, stride_sn, acc, BK)
-        else:
-            b = _weight_tile_t(w2_ptr, s2_ptr, wbase, sbase, rn, n_ok, k0, INTER, stride_wn, stride_sn, BN, BK, W_FMT, DT)
-            acc = _dot(a, b, acc, IEEE)
+        a, a_odd = _load_a(rows_ptr, row_ok, k0, INTER, W_FMT, DT, BK)
+        acc = _mma_step(acc, a, a_odd, w2_ptr, s2_ptr, wbase, sbase, rn, n_ok, k0, INTER, stride_wn, stride_sn,
+                        BN, BK, W_FMT, IEEE, DT, WIDE)
     tl.store(o_ptr + pair.to(tl.int64)[:, None] * stride_o + rn[None, :], acc.to(o_ptr.dtype.element_ty),
              mask=row_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _moe_combine_kernel(o_ptr, w_ptr, ids_ptr, gain_ptr, y_ptr, T, E, ELL, stride_o, stride_y, eps,
-                        TOPK: tl.constexpr, BT: tl.constexpr, BL: tl.constexpr, NORM: tl.constexpr,
-                        HAS_GAIN: tl.constexpr):
-    """y = Σ_j w[t,j]·o[t·k+j] (fp32, slot order); NORM: y / sqrt(mean(y²) + eps) · gain (BL ≥ ℓ)."""
-    rt = tl.program_id(0) * BT + tl.arange(0, BT)
-    rl = tl.program_id(1) * BL + tl.arange(0, BL)
-    t_ok = rt < T
-    l_ok = rl < ELL
-    y = tl.zeros([BT, BL], dtype=tl.float32)
-    for j in tl.static_range(TOPK):
-        pj = rt.to(tl.int64) * TOPK + j
-        ej = tl.load(ids_ptr + pj, mask=t_ok, other=-1)
-        wj = tl.load(w_ptr + pj, mask=t_ok, other=0.0).to(tl.float32)
-        ok = t_ok & (ej >= 0) & (ej < E)
-        oj = tl.load(o_ptr + pj[:, None] * stride_o + rl[None, :], mask=ok[:, None] & l_ok[None, :], other=0.0)
-        y += wj[:, None] * oj.to(tl.float32)
-    if NORM:
-        y = y / tl.sqrt(tl.sum(y * y, 1) / ELL + eps)[:, None]
-        if HAS_GAIN:
-            y = y * tl.load(gain_ptr + rl, mask=l_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rt.to(tl.int64)[:, None] * stride_y + rl[None, :], y.to(y_ptr.dtype.element_ty),
-             mask=t_ok[:, None] & l_ok[None, :])
 
 
 # ------------------------------------------------------------------------------------------ host
@@ -257,16 +275,33 @@ def _weight(w, name: str, shape: tuple) -> tuple[str, torch.Tensor, torch.Tensor
     return fmt, q, s
 
 
-def _fmt_code(fmt: str, deq: str, act_dtype: torch.dtype) -> int:
+_WIDE_CACHE: dict = {}
+
+
+def _wide_scales(s: torch.Tensor) -> bool:
+    """True when some E8M0 byte exceeds 128 (a block scale above 2): the single-multiply bf16 decode
+    (factor 2^(s-1)) would overflow there, so the kernel multiplies twice. Checked once per tensor
+    version; while a CUDA graph is being captured an unchecked tensor is taken as wide."""
+    key = (s.data_ptr(), tuple(s.shape), s._version)
+    hit = _WIDE_CACHE.get(key)
+    if hit is None:
+        if s.is_cuda and torch.cuda.is_current_stream_capturing():
+            return True
+        hit = _WIDE_CACHE[key] = bool((s > 128).any())
+    return hit
+
+
+def _kernel_weight(fmt: str, q: torch.Tensor, s: torch.Tensor | None, deq: str, act_dtype):
+    """(W_FMT code, weight arg, scale arg, (stride_e, stride_n, scale stride_e, scale stride_n), WIDE)."""
     if fmt == "dense":
-        return DENSE
-    if deq == "dot_scaled":
-        if act_dtype != torch.bfloat16:
-            raise ValueError(f"DEQ=dot_scaled needs bf16 activations, found {act_dtype}")
-        return MX_DOT_SCALED
-    if deq != "arith":
-        raise ValueError(f"DEQ must be 'arith' or 'dot_scaled', found {deq!r}")
-    return MX_ARITH
+        return DENSE, q, q, (q.stride(0), q.stride(1), 0, 0), False
+    if deq not in DEQ_MODES:
+        raise ValueError(f"DEQ must be one of {sorted(DEQ_MODES)}, found {deq!r}")
+    code = DEQ_MODES[deq]
+    if code == MX_DOT_SCALED and act_dtype != torch.bfloat16:
+        raise ValueError(f"DEQ=dot_scaled needs bf16 activations, found {act_dtype}")
+    wide = act_dtype == torch.bfloat16 and code != MX_DOT_SCALED and _wide_scales(s)
+    return code, q, s, (q.stride(0), q.stride(1), s.stride(0), s.stride(1)), wide
 
 
 def expert_pair_outputs(z: torch.Tensor, ids: torch.Tensor, w1, w2, w3, act: str, beta1: float | None = None,
@@ -303,56 +338,45 @@ def expert_pair_outputs(z: torch.Tensor, ids: torch.Tensor, w1, w2, w3, act: str
     max_tiles = triton.cdiv(P, bm) + min(E, P)
     ieee = z.dtype == torch.float32
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    wf1 = _fmt_code(f1, cfg["DEQ"], z.dtype)
+    c1, a1, b1, st1, wide1 = _kernel_weight(f1, q1, s1, cfg["DEQ"], z.dtype)
+    _, a3, b3, _, wide3 = _kernel_weight(f3, q3, s3, cfg["DEQ"], z.dtype)
     _moe_gate_up_kernel[(max_tiles * triton.cdiv(inter, cfg["BN"]),)](
-        z, seg.pair_ids, seg.counts, seg.offsets, q1, q3, s1 if s1 is not None else q1, s3 if s3 is not None else q3, h,
-        E, ell, inter, z.stride(0), q1.stride(0), q1.stride(1), s1.stride(0) if s1 is not None else 0,
-        s1.stride(1) if s1 is not None else 0, h.stride(0),
+        z, seg.pair_ids, seg.counts, seg.offsets, a1, a3, b1, b3, h, E, ell, inter, z.stride(0), *st1, h.stride(0),
         1.0 if beta1 is None else float(beta1), 1.0 if beta2 is None else float(beta2), max_tiles,
-        TOPK=K, E_PAD=e_pad, W_FMT=wf1, ACT=0 if act == "situ" else 1, HAS_BETA2=act == "situ" and beta2 is not None,
-        IEEE=ieee, DT=dt, BM=bm, BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"], **launch)
+        TOPK=K, E_PAD=e_pad, W_FMT=c1, ACT=0 if act == "situ" else 1, HAS_BETA2=act == "situ" and beta2 is not None,
+        IEEE=ieee, DT=dt, WIDE=wide1 or wide3, BM=bm, BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"], **launch)
+    c2, a2, b2, st2, wide2 = _kernel_weight(f2, q2, s2, cfg["DEQ"], z.dtype)
     _moe_down_kernel[(max_tiles * triton.cdiv(ell, cfg["BN2"]),)](
-        h, seg.pair_ids, seg.counts, seg.offsets, q2, s2 if s2 is not None else q2, o,
-        E, ell, inter, h.stride(0), q2.stride(0), q2.stride(1), s2.stride(0) if s2 is not None else 0,
-        s2.stride(1) if s2 is not None else 0, o.stride(0), max_tiles,
-        E_PAD=e_pad, W_FMT=_fmt_code(f2, cfg["DEQ"], z.dtype), IEEE=ieee, DT=dt, BM=bm, BN=cfg["BN2"],
-        BK=cfg["BK2"], GROUP_M=cfg["GROUP_M"], **launch)
+        h, seg.pair_ids, seg.counts, seg.offsets, a2, b2, o, E, ell, inter, h.stride(0), *st2, o.stride(0), max_tiles,
+        E_PAD=e_pad, W_FMT=c2, IEEE=ieee, DT=dt, WIDE=wide2, BM=bm, BN=cfg["BN2"], BK=cfg["BK2"],
+        GROUP_M=cfg["GROUP_M"], **launch)
     return o, seg
-
-
-def combine(o: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int,
-            gain: torch.Tensor | None = None, eps: float | None = None, out_dtype=torch.float32,
-            block_t: int | None = None) -> torch.Tensor:
-    """Σ_j weights[t,j]·o[t·k+j] in fp32 (slot order); with eps: RMS-normalised over ℓ, times gain."""
-    T, K = weights.shape
-    ell = o.shape[1]
-    y = torch.empty(T, ell, dtype=out_dtype, device=o.device)
-    if T == 0:
-        return y
-    norm = eps is not None
-    bl = triton.next_power_of_2(ell) if norm else min(1024, triton.next_power_of_2(ell))
-    bt = block_t or max(1, min(16, 4096 // bl))
-    w = weights if weights.is_contiguous() else weights.contiguous()
-    i = ids if ids.is_contiguous() else ids.contiguous()
-    _moe_combine_kernel[(triton.cdiv(T, bt), triton.cdiv(ell, bl))](
-        o, w, i, gain if gain is not None else o, y, T, num_experts, ell, o.stride(0), y.stride(0),
-        float(eps) if norm else 0.0, TOPK=K, BT=bt, BL=bl, NORM=norm, HAS_GAIN=gain is not None, num_warps=4)
-    return y
 
 
 def moe_experts(z, weights, ids, w1, w2, w3, act: str, beta1=None, beta2=None, config: dict | None = None):
     """Drop-in for `ir.ref.moe.moe_experts`: y f32 [T, ℓ]."""
+    from codegen.triton.moe_tail import combine  # the weighted combine lives with the tail (no import cycle)
+
     o, seg = expert_pair_outputs(z, ids, w1, w2, w3, act, beta1, beta2, config)
     return combine(o, weights, ids, seg.num_experts)
 
 
 # --------------------------------------------------------------------------------------- template
 BATCH_INVARIANT_CONFIG = {"BM": 64, "BN": 64, "BK": 64, "BN2": 64, "BK2": 64, "num_warps": 4, "num_stages": 3,
-                          "GROUP_M": 8, "DEQ": "arith"}
+                          "GROUP_M": 8}
 
 
 def target_cc(target) -> int | None:
-    """Compute capability as major·10 + minor from a target (attr/dict `compute_capability`) or the live GPU."""
+    """Compute capability as major·10 + minor: from a target name ("h200": its triton-nvidia:sm_XX
+    backend), a dict/object with `compute_capability`, or (target None) the live GPU; None for CPU."""
+    if isinstance(target, str):
+        try:
+            from k31c.targets import get_target
+            backends = get_target(target).backends
+        except (ValueError, OSError):
+            return None
+        sms = [int(b.split("sm_")[1].rstrip("a")) for b in backends if b.startswith("triton-nvidia:sm_")]
+        return sms[0] if sms else None
     cc = target.get("compute_capability") if isinstance(target, dict) else getattr(target, "compute_capability", None)
     if cc is None:
         if target is None and torch.cuda.is_available():
@@ -364,6 +388,17 @@ def target_cc(target) -> int | None:
     return int(round(float(cc) * 10)) if float(cc) < 20 else int(cc)
 
 
+def storage(x) -> str:
+    """'mxfp4' | 'bf16' | 'f32' | 'f16' | other dtype name, for a tensor, a PackedMXFP4, a meta tensor
+    standing for a packed param (uint8 of the logical shape, as the compiler binds them) or a TensorType."""
+    if isinstance(x, PackedMXFP4):
+        return "mxfp4"
+    if isinstance(x, torch.Tensor):
+        return "mxfp4" if x.dtype == torch.uint8 else {torch.bfloat16: "bf16", torch.float32: "f32",
+                                                          torch.float16: "f16"}.get(x.dtype, str(x.dtype))
+    return getattr(getattr(x, "dtype", None), "name", type(x).__name__)
+
+
 def _key(T, E, K, ell, inter, mx: bool, dtype, attrs) -> dict:
     return {"T": int(T), "E": int(E), "K": int(K), "L": int(ell), "I": int(inter), "MX": int(mx),
             "BF16": int(dtype == torch.bfloat16), "BI": int(bool(attrs.get("batch_invariant", False)))}
@@ -372,7 +407,8 @@ def _key(T, E, K, ell, inter, mx: bool, dtype, attrs) -> dict:
 def key_dims(a, attrs) -> dict:
     T, ell = a.z.shape
     E, inter = a.w1.shape[0], a.w1.shape[1]
-    return _key(T, E, a.ids.shape[1], ell, inter, isinstance(a.w1, PackedMXFP4), a.z.dtype, attrs)
+    return _key(T, E, a.ids.shape[1], ell, inter, storage(a.w1) == "mxfp4",
+                torch.bfloat16 if storage(a.z) == "bf16" else torch.float32, attrs)
 
 
 def bucket(key: dict) -> dict:
@@ -387,6 +423,8 @@ def _fit_bk(bk: int, K: int, mx: bool) -> int:
 
 
 def heuristic(key: dict, target=None) -> dict:
+    """Tiles by tokens per expert (decode: one BM=16 tile per expert; prefill: 128×128 tiles), measured
+    best on H200; in batch-invariant mode one fixed tiling. DEQ depends on the target only."""
     if key.get("BI"):
         cfg = dict(BATCH_INVARIANT_CONFIG)
     else:
@@ -396,10 +434,10 @@ def heuristic(key: dict, target=None) -> dict:
         elif per_expert <= 96:
             cfg = {"BM": 64, "BN": 64, "BK": 64, "BN2": 128, "BK2": 64, "num_warps": 4, "num_stages": 3}
         else:                   # prefill: tensor-core bound
-            cfg = {"BM": 128, "BN": 64, "BK": 64, "BN2": 128, "BK2": 64, "num_warps": 8, "num_stages": 3}
+            cfg = {"BM": 128, "BN": 128, "BK": 64, "BN2": 128, "BK2": 64, "num_warps": 8, "num_stages": 3}
         cfg["GROUP_M"] = 8
-        cc = target_cc(target)
-        cfg["DEQ"] = "dot_scaled" if key["MX"] and key["BF16"] and cc is not None and cc >= 100 else "arith"
+    cc = target_cc(target)
+    cfg["DEQ"] = "dot_scaled" if key["MX"] and key["BF16"] and cc is not None and cc >= 90 else "bytes"
     cfg["BK"] = _fit_bk(cfg["BK"], key["L"], key["MX"])
     cfg["BK2"] = _fit_bk(cfg["BK2"], key["I"], key["MX"])
     return cfg
@@ -417,7 +455,7 @@ def constraints(config: dict, key: dict, target=None) -> list[str]:
             out.append("DEQ=dot_scaled needs MXFP4 weights and bf16 activations")
         if cc is None or cc < 90:
             out.append(f"DEQ=dot_scaled needs a CUDA target of compute capability >= 9.0, found {cc}")
-    if key.get("BI") and any(config[k] != v for k, v in BATCH_INVARIANT_CONFIG.items() if k != "DEQ"):
+    if key.get("BI") and any(config[k] != v for k, v in BATCH_INVARIANT_CONFIG.items()):
         out.append("batch_invariant: tiles are fixed to BATCH_INVARIANT_CONFIG")
     smem = config["num_stages"] * (config["BM"] * config["BK"] * 2 + 2 * config["BN"] * config["BK"] * 2)
     if smem > 220 * 1024:
@@ -426,13 +464,16 @@ def constraints(config: dict, key: dict, target=None) -> list[str]:
 
 
 def supports(a, attrs, target=None):
+    """Operands may be tensors / PackedMXFP4 (run time) or TensorTypes (compile time)."""
     if attrs.get("act") not in ("situ", "silu"):
         return f"activation {attrs.get('act')!r} is not situ|silu"
-    for n in ("w1", "w2", "w3"):
-        w = getattr(a, n)
-        if not isinstance(w, PackedMXFP4) and not (isinstance(w, torch.Tensor) and w.is_floating_point()):
-            return f"{n} is {type(w).__name__}, not a float tensor or PackedMXFP4"
-    if isinstance(a.w1, PackedMXFP4) != isinstance(a.w3, PackedMXFP4):
+    if storage(a.z) not in ("bf16", "f32", "f16"):
+        return f"z is {storage(a.z)}, not bf16/f16/f32"
+    kinds = {n: storage(getattr(a, n)) for n in ("w1", "w2", "w3")}
+    bad = {n: k for n, k in kinds.items() if k not in ("mxfp4", "bf16", "f32", "f16")}
+    if bad:
+        return f"expert weights {bad} are neither float nor mxfp4"
+    if (kinds["w1"] == "mxfp4") != (kinds["w3"] == "mxfp4"):
         return "w1 and w3 must share a storage format (they are read in one pass)"
     return None
 
@@ -451,6 +492,6 @@ TEMPLATES = [KernelTemplate(
     tunables=(Tunable("BM", (16, 32, 64, 128)), Tunable("BN", (32, 64, 128)), Tunable("BK", (32, 64, 128, 256)),
               Tunable("BN2", (32, 64, 128, 256)), Tunable("BK2", (32, 64, 128, 256)), Tunable("num_warps", (4, 8)),
               Tunable("num_stages", (2, 3, 4, 5)), Tunable("GROUP_M", (1, 4, 8, 16)),
-              Tunable("DEQ", ("arith", "dot_scaled"))),
+              Tunable("DEQ", ("bytes", "dot_scaled"))),
     doc="grouped expert GEMMs: permutation, gate+up with fused SiTU-GLU/SwiGLU, down, fp32 slot-order combine; "
         "MXFP4 dequantised in registers (or tl.dot_scaled)")]

@@ -1,52 +1,72 @@
-"""Fused LatentMoE tail: the fused op `fused.latent_moe_tail` (SPEC §6, DESIGN §5 T12).
+"""LatentMoE tail (SPEC §6, DESIGN §5 T12): the MoE weighted combine and `fused.latent_moe_tail`.
 
-The subgraph it replaces, as `k31c/model/build.py::_ModelWriter._ffn` writes it for a LatentMoE layer:
+Weighted combine (`combine`, used by `moe_experts`): y[t] = Σ_j w[t,j]·o[t·k+j] over the per-pair expert
+outputs o [T·k, ℓ], in slot order, fp32, no atomics (pairs whose expert is outside [0, E) add 0).
 
-    y   = moe_experts(z, weights, ids, w1, w2, w3; act, beta1, beta2)   # f32 [T, ℓ], weighted combine
-    y   = rms_norm(y, norm_weight; eps)                                 # only if latent_moe_use_norm
-    y   = cast(y; dtype)                                                # activation dtype
-    y   = linear(y, up_weight)                                          # ℓ -> d  (routed_expert_up_proj)
-    out = add(y, shared)                                                # shared = shared-expert MLP(x), [T, d]
+`fused.latent_moe_tail`, as passes/latent_moe_tail.py creates it from k31c/model/build.py::_ffn:
 
-Operands, in order (the fusion pass binds them like this; `bind_tail` maps a positional list):
-    z [T, ℓ], weights f32 [T, k], ids i64 [T, k], w1 [E, I, ℓ], w2 [E, ℓ, I], w3 [E, I, ℓ]  (moe_experts'
-    operands; w1/w2/w3 dense or PackedMXFP4), up_weight [d, ℓ], shared [T, d], norm_weight [ℓ] (optional,
-    last: present iff the rms_norm has a gain).
-Attributes: act, beta1, beta2 (moe_experts'), eps (float: the latent rms_norm's eps; absent/None when
-the layer has no latent norm), dtype (the cast's dtype; the kernel computes the normalised latent in
-`shared`'s dtype, which is that activation dtype at run time), batch_invariant (optional bool).
-Result: out [T, d] in `shared`'s dtype.
+    %yn  = rms_norm(%y, @routed_expert_norm.weight) {eps}     y = moe_experts(...)  f32 [T, ℓ]
+    %yc  = cast(%yn) {dtype}
+    %yu  = linear(%yc, @routed_expert_up_proj.weight)         ℓ -> d
+    %out = add(%yu, %shared)                                   shared = shared-expert MLP(x) [T, d]
+ -> %out = fused.latent_moe_tail(%y, @norm_w, @w_up, %shared) {eps, dtype}
 
-Kernels: the grouped expert GEMMs of moe_grouped_gemm.py write per-pair outputs o [T·k, ℓ]; then
-  1. combine + norm: y = Σ_j w[t,j]·o[t·k+j] (fp32, slot order), y / sqrt(mean(y²) + eps) ⊙ norm_weight,
-     one program holding whole rows of ℓ, stored in the activation dtype. Applying the gain to the
-     activation tile equals the folded up-projection (W_lu·diag(w)) y/rms without a pass over W_lu.
-  2. up-projection + shared add: out = y_n @ W_luᵀ + shared, fp32 accumulation, no split-K.
+Operands (`a.operands`, this order): y f32 [T, ℓ], norm_w [ℓ], w_up [d, ℓ], shared [T, d]; attrs eps,
+dtype (+ batch_invariant at run time). Result: out [T, d] in shared's dtype.
+Two kernels:
+  1. latent norm: yn = (y / sqrt(mean(y²) + eps) ⊙ norm_w) cast to the activation dtype, one program
+     per block of whole rows. Applying the gain to the activation equals the folded up-projection
+     W_up·diag(norm_w) without a pass over W_up, and rounds where the reference's cast rounds.
+  2. up-projection + shared add: out = yn @ W_upᵀ + shared, fp32 accumulation, one program per output
+     tile (no split-K), grouped raster order.
+The activation dtype is that of the tensors the executor passes (`shared`'s): the reference's `cast`
+is the identity in the fp32 interpreter, and bf16 on the GPU.
 """
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import torch
 import triton
 import triton.language as tl
 
-from codegen.kernel import KernelTemplate, Tunable
+from codegen.kernel import KernelTemplate, Tunable, pow2_bucket
 from codegen.triton import moe_grouped_gemm as gg
-from ir.packed import PackedMXFP4
 
 TAIL_OP = "fused.latent_moe_tail"
-TAIL_OPERANDS = ("z", "weights", "ids", "w1", "w2", "w3", "up_weight", "shared", "norm_weight?")
-TAIL_ATTRS = ("act", "beta1", "beta2", "eps", "dtype", "batch_invariant")
+TAIL_OPERANDS = ("y", "norm_w", "w_up", "shared")
 
 
-def bind_tail(operands) -> SimpleNamespace:
-    """Positional operands (order of TAIL_OPERANDS) -> namespace; a missing norm_weight is None."""
-    names = [n.rstrip("?") for n in TAIL_OPERANDS]
-    if not len(names) - 1 <= len(operands) <= len(names):
-        raise ValueError(f"{TAIL_OP} takes operands ({', '.join(TAIL_OPERANDS)}), got {len(operands)}")
-    return SimpleNamespace(**dict(zip(names, list(operands) + [None] * (len(names) - len(operands)))))
+# ---------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _moe_combine_kernel(o_ptr, w_ptr, ids_ptr, y_ptr, T, E, ELL, stride_o, stride_y,
+                        TOPK: tl.constexpr, BT: tl.constexpr, BL: tl.constexpr):
+    """y = Σ_j w[t,j]·o[t·k+j] (fp32, slot order; ids outside [0, E) add 0)."""
+    rt = tl.program_id(0) * BT + tl.arange(0, BT)
+    rl = tl.program_id(1) * BL + tl.arange(0, BL)
+    t_ok = rt < T
+    l_ok = rl < ELL
+    y = tl.zeros([BT, BL], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        pj = rt.to(tl.int64) * TOPK + j
+        ej = tl.load(ids_ptr + pj, mask=t_ok, other=-1)
+        wj = tl.load(w_ptr + pj, mask=t_ok, other=0.0).to(tl.float32)
+        ok = t_ok & (ej >= 0) & (ej < E)
+        oj = tl.load(o_ptr + pj[:, None] * stride_o + rl[None, :], mask=ok[:, None] & l_ok[None, :], other=0.0)
+        y += wj[:, None] * oj.to(tl.float32)
+    tl.store(y_ptr + rt.to(tl.int64)[:, None] * stride_y + rl[None, :], y, mask=t_ok[:, None] & l_ok[None, :])
+
+
+@triton.jit
+def _latent_norm_kernel(y_ptr, g_ptr, out_ptr, T, ELL, stride_y, stride_out, eps,
+                        BT: tl.constexpr, BL: tl.constexpr):
+    """out = y / sqrt(mean(y²) + eps) · g over whole rows (BL >= ℓ), stored in out's dtype."""
+    rt = tl.program_id(0) * BT + tl.arange(0, BT)
+    rl = tl.arange(0, BL)
+    ok = (rt < T)[:, None] & (rl < ELL)[None, :]
+    y = tl.load(y_ptr + rt.to(tl.int64)[:, None] * stride_y + rl[None, :], mask=ok, other=0.0).to(tl.float32)
+    y = y / tl.sqrt(tl.sum(y * y, 1) / ELL + eps)[:, None]
+    y = y * tl.load(g_ptr + rl, mask=rl < ELL, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rt.to(tl.int64)[:, None] * stride_out + rl[None, :], y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -74,73 +94,82 @@ def _up_proj_add_kernel(y_ptr, w_ptr, sh_ptr, out_ptr, T, D, ELL, stride_y, stri
     tl.store(out_ptr + off * stride_out + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def up_proj_add(y: torch.Tensor, up_weight: torch.Tensor, shared: torch.Tensor, config: dict) -> torch.Tensor:
-    """y [T, ℓ] @ up_weightᵀ [ℓ, d] + shared [T, d] -> [T, d] in shared's dtype."""
+# ------------------------------------------------------------------------------------------ host
+def combine(o: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Σ_j weights[t,j]·o[t·k+j] -> f32 [T, ℓ] (slot order)."""
+    T, K = weights.shape
+    ell = o.shape[1]
+    y = torch.empty(T, ell, dtype=torch.float32, device=o.device)
+    if T == 0:
+        return y
+    bl = min(1024, triton.next_power_of_2(ell))
+    bt = max(1, min(16, 4096 // bl))
+    w = weights if weights.is_contiguous() else weights.contiguous()
+    i = ids if ids.is_contiguous() else ids.contiguous()
+    _moe_combine_kernel[(triton.cdiv(T, bt), triton.cdiv(ell, bl))](
+        o, w, i, y, T, num_experts, ell, o.stride(0), y.stride(0), TOPK=K, BT=bt, BL=bl, num_warps=4)
+    return y
+
+
+def latent_tail(y: torch.Tensor, norm_w: torch.Tensor, w_up: torch.Tensor, shared: torch.Tensor, eps: float,
+                config: dict) -> torch.Tensor:
+    """(rms_norm(y)·norm_w, cast to shared's dtype) @ w_upᵀ + shared -> [T, d] in shared's dtype."""
+    if y.dim() != 2 or tuple(norm_w.shape) != (y.shape[1],) or w_up.dim() != 2 or w_up.shape[1] != y.shape[1] \
+            or tuple(shared.shape) != (y.shape[0], w_up.shape[0]):
+        raise ValueError(f"{TAIL_OP}: y {tuple(y.shape)}, norm_w {tuple(norm_w.shape)}, w_up {tuple(w_up.shape)}, "
+                         f"shared {tuple(shared.shape)} do not fit y [T, l], norm_w [l], w_up [d, l], shared [T, d]")
+    if shared.dtype not in gg._TL:
+        raise ValueError(f"{TAIL_OP}: shared dtype {shared.dtype} is not bf16/fp16/fp32")
     T, ell = y.shape
-    D = up_weight.shape[0]
-    if tuple(up_weight.shape) != (D, ell) or tuple(shared.shape) != (T, D):
-        raise ValueError(f"{TAIL_OP}: up_weight {tuple(up_weight.shape)} / shared {tuple(shared.shape)} "
-                         f"do not match latent [{T}, {ell}] -> [{T}, d]")
-    w = up_weight if up_weight.stride(-1) == 1 else up_weight.contiguous()
-    sh = shared if shared.stride(-1) == 1 else shared.contiguous()
+    D = w_up.shape[0]
     out = torch.empty(T, D, dtype=shared.dtype, device=y.device)
     if T == 0:
         return out
-    bm, bn, bk = config["U_BM"], config["U_BN"], config["U_BK"]
+    yn = torch.empty(T, ell, dtype=shared.dtype, device=y.device)
+    bl = triton.next_power_of_2(ell)
+    bt = max(1, min(16, 4096 // bl))
+    _latent_norm_kernel[(triton.cdiv(T, bt),)](y, norm_w, yn, T, ell, y.stride(0), yn.stride(0), float(eps),
+                                               BT=bt, BL=bl, num_warps=4 if bl <= 4096 else 8)
+    w = w_up if w_up.stride(-1) == 1 else w_up.contiguous()
+    sh = shared if shared.stride(-1) == 1 else shared.contiguous()
+    bm, bn = config["U_BM"], config["U_BN"]
     _up_proj_add_kernel[(triton.cdiv(T, bm) * triton.cdiv(D, bn),)](
-        y, w, sh, out, T, D, ell, y.stride(0), w.stride(0), sh.stride(0), out.stride(0),
-        IEEE=y.dtype == torch.float32, DT=gg._TL[y.dtype], BM=bm, BN=bn, BK=bk, GROUP_M=config["U_group"],
-        num_warps=config["U_warps"], num_stages=config["U_stages"])
+        yn, w, sh, out, T, D, ell, yn.stride(0), w.stride(0), sh.stride(0), out.stride(0),
+        IEEE=yn.dtype == torch.float32, DT=gg._TL[yn.dtype], BM=bm, BN=bn, BK=config["U_BK"],
+        GROUP_M=config["U_group"], num_warps=config["U_warps"], num_stages=config["U_stages"])
     return out
-
-
-def latent_moe_tail(z, weights, ids, w1, w2, w3, up_weight, shared, norm_weight=None, eps: float | None = None,
-                    act: str = "situ", beta1=None, beta2=None, config: dict | None = None) -> torch.Tensor:
-    """Experts + weighted combine + latent RMSNorm (eps given) + up-projection + shared add."""
-    if norm_weight is not None and eps is None:
-        raise ValueError(f"{TAIL_OP}: norm_weight given but no eps (the latent rms_norm's eps attribute)")
-    if shared.dtype not in gg._TL:
-        raise ValueError(f"{TAIL_OP}: shared dtype {shared.dtype} is not bf16/fp16/fp32")
-    key = _key_from(z, ids, w1, up_weight, config or {})
-    cfg = {**heuristic(key), **(config or {})}
-    o, seg = gg.expert_pair_outputs(z, ids, w1, w2, w3, act, beta1, beta2, cfg)
-    y = gg.combine(o, weights, ids, seg.num_experts, gain=norm_weight, eps=eps, out_dtype=shared.dtype)
-    return up_proj_add(y, up_weight, shared, cfg)
 
 
 # --------------------------------------------------------------------------------------- template
 U_BATCH_INVARIANT = {"U_BM": 64, "U_BN": 64, "U_BK": 64, "U_warps": 4, "U_stages": 3, "U_group": 8}
 
 
-def _key_from(z, ids, w1, up_weight, attrs) -> dict:
-    key = gg._key(z.shape[0], w1.shape[0], ids.shape[1], z.shape[1], w1.shape[1], isinstance(w1, PackedMXFP4),
-                  z.dtype, attrs)
-    return {**key, "D": int(up_weight.shape[0])}
-
-
 def key_dims(a, attrs) -> dict:
-    return _key_from(a.z, a.ids, a.w1, a.up_weight, attrs)
+    y, _, w_up, shared = a.operands
+    return {"T": int(y.shape[0]), "L": int(y.shape[1]), "D": int(w_up.shape[0]),
+            "BF16": int(gg.storage(shared) == "bf16"), "BI": int(bool(attrs.get("batch_invariant", False)))}
 
 
 def bucket(key: dict) -> dict:
-    return {**gg.bucket(key), "D": key["D"]}
+    """T to a power of two; in batch-invariant mode T is dropped: one config serves every batch."""
+    return {**key, "T": 0 if key.get("BI") else pow2_bucket(key["T"])}
 
 
 def heuristic(key: dict, target=None) -> dict:
-    cfg = gg.heuristic(key, target)
+    """Decode (T <= 64): BM covers the batch, narrow BN for > 1 wave over d; prefill: 128×128 tiles."""
     if key.get("BI"):
-        u = dict(U_BATCH_INVARIANT)
+        cfg = dict(U_BATCH_INVARIANT)
     elif key["T"] <= 64:
-        u = {"U_BM": max(16, triton.next_power_of_2(key["T"])), "U_BN": 32, "U_BK": 128, "U_warps": 4, "U_stages": 4,
-             "U_group": 8}
+        cfg = {"U_BM": max(16, pow2_bucket(key["T"])), "U_BN": 32, "U_BK": 128, "U_warps": 4, "U_stages": 4,
+               "U_group": 8}
     else:
-        u = {"U_BM": 128, "U_BN": 128, "U_BK": 64, "U_warps": 8, "U_stages": 3, "U_group": 8}
-    u["U_BK"] = gg._fit_bk(u["U_BK"], key["L"], False)
-    return {**cfg, **u}
+        cfg = {"U_BM": 128, "U_BN": 128, "U_BK": 64, "U_warps": 8, "U_stages": 3, "U_group": 8}
+    cfg["U_BK"] = gg._fit_bk(cfg["U_BK"], key["L"], False)
+    return cfg
 
 
 def constraints(config: dict, key: dict, target=None) -> list[str]:
-    out = gg.constraints(config, key, target)
+    out = []
     if key.get("BI") and any(config[k] != v for k, v in U_BATCH_INVARIANT.items()):
         out.append("batch_invariant: up-projection tiles are fixed to U_BATCH_INVARIANT")
     if config["U_stages"] * (config["U_BM"] + config["U_BN"]) * config["U_BK"] * 2 > 220 * 1024:
@@ -149,31 +178,30 @@ def constraints(config: dict, key: dict, target=None) -> list[str]:
 
 
 def supports(a, attrs, target=None):
-    why = gg.supports(a, attrs, target)
-    if why:
-        return why
-    if isinstance(a.up_weight, PackedMXFP4) or not a.up_weight.is_floating_point():
-        return "up_weight must be a float tensor"
-    if a.norm_weight is not None and attrs.get("eps") is None:
-        return "norm_weight given without eps"
+    """Operands may be tensors (run time) or TensorTypes (compile time)."""
+    if len(a.operands) != 4:
+        return f"expects operands ({', '.join(TAIL_OPERANDS)}), found {len(a.operands)}"
+    kinds = dict(zip(TAIL_OPERANDS, (gg.storage(x) for x in a.operands)))
+    bad = {n: k for n, k in kinds.items() if k not in ("bf16", "f32", "f16")}
+    if bad:
+        return f"operands {bad} are not float (the up-projection is not packed)"
+    if attrs.get("eps") is None:
+        return "no eps attribute (the latent rms_norm's)"
     return None
 
 
 def launch(a, attrs, config=None):
-    cfg = dict(config or {})
-    bi = bool(attrs.get("batch_invariant") or cfg.pop("batch_invariant", False))
-    cfg = {**heuristic(key_dims(a, {"batch_invariant": bi})), **cfg}
-    return latent_moe_tail(a.z, a.weights, a.ids, a.w1, a.w2, a.w3, a.up_weight, a.shared, a.norm_weight,
-                           attrs.get("eps"), attrs["act"], attrs.get("beta1"), attrs.get("beta2"), cfg)
+    y, norm_w, w_up, shared = a.operands
+    cfg = {**heuristic(key_dims(a, attrs)), **(config or {})}
+    return latent_tail(y, norm_w, w_up, shared, attrs["eps"], cfg)
 
 
 TEMPLATES = [KernelTemplate(
     family="moe_latent_tail", backend="triton", ops=(TAIL_OP,), launch=launch, key_dims=key_dims,
     heuristic=heuristic, bucket=bucket, constraints=constraints, supports=supports, batch_invariant=True,
-    tunables=gg.TEMPLATES[0].tunables + (Tunable("U_BM", (16, 32, 64, 128)), Tunable("U_BN", (32, 64, 128)),
-                                         Tunable("U_BK", (32, 64, 128)), Tunable("U_warps", (4, 8)),
-                                         Tunable("U_stages", (2, 3, 4)), Tunable("U_group", (1, 8, 16))),
-    doc="grouped experts, then fp32 slot-order combine + latent RMSNorm (gain on the activation = folded "
-        "W_lu·diag(w)) in one kernel, then up-projection with the shared-expert add in its epilogue")]
+    tunables=(Tunable("U_BM", (16, 32, 64, 128)), Tunable("U_BN", (32, 64, 128)), Tunable("U_BK", (32, 64, 128)),
+              Tunable("U_warps", (4, 8)), Tunable("U_stages", (2, 3, 4)), Tunable("U_group", (1, 8, 16))),
+    doc="latent RMSNorm with its gain on the activation (= folded W_up·diag(w)) + cast in one kernel, then the "
+        "up-projection with the shared-expert add in its epilogue")]
 
-__all__ = ["TAIL_OP", "TAIL_OPERANDS", "TAIL_ATTRS", "bind_tail", "latent_moe_tail", "up_proj_add", "TEMPLATES"]
+__all__ = ["TAIL_OP", "TAIL_OPERANDS", "combine", "latent_tail", "TEMPLATES"]

@@ -53,7 +53,7 @@ def _mass_above(row_ptr, V, k, m, inv_t, BLOCK_V: tl.constexpr):
 @triton.jit
 def _narrow(row_ptr, V, lo, hi, target, m, inv_t, BLOCK_V: tl.constexpr, WAYS: tl.constexpr):
     """One pass of a WAYS-way search: M(k) at WAYS keys splitting (lo, hi]; returns the sub-interval
-    (lo', hi'] with M(lo') >= target > M(hi')."""
+    (lo', hi'] with M(lo') >= target > M(hi'). BLOCK_V here is small: the tile is [BLOCK_V, WAYS]."""
     i = tl.arange(0, WAYS)
     th = lo + ((hi - lo) * (i + 1).to(tl.int64)) // WAYS  # th[WAYS-1] == hi
     mass = tl.zeros((WAYS,), tl.float32)
@@ -71,7 +71,8 @@ def _narrow(row_ptr, V, lo, hi, target, m, inv_t, BLOCK_V: tl.constexpr, WAYS: t
 
 
 @triton.jit
-def _sample_kernel(logits_ptr, temp_ptr, top_p_ptr, u_ptr, out_ptr, V, stride_row, BLOCK_V: tl.constexpr):
+def _sample_kernel(logits_ptr, temp_ptr, top_p_ptr, u_ptr, out_ptr, V, stride_row, BLOCK_V: tl.constexpr,
+                   NARROW_V: tl.constexpr):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     t = tl.load(temp_ptr + row).to(tl.float32)
@@ -111,7 +112,7 @@ def _sample_kernel(logits_ptr, temp_ptr, top_p_ptr, u_ptr, out_ptr, V, stride_ro
         n_ties = tl.zeros((), tl.int32)
         if top_p < 1.0:
             while hi - lo > 1:
-                lo, hi = _narrow(row_ptr, V, lo, hi, target, m, inv_t, BLOCK_V, 16)
+                lo, hi = _narrow(row_ptr, V, lo, hi, target, m, inv_t, NARROW_V, 16)
             cut_mass, n_ties = _mass_above(row_ptr, V, hi, m, inv_t, BLOCK_V)
         else:
             hi = kmin - 1  # everything is above the cutoff
@@ -171,10 +172,10 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
     out = torch.empty(R, dtype=torch.int64, device=logits.device)
     if R == 0:
         return out
-    bv = block_v or min(4096, triton.next_power_of_2(V))
+    bv = block_v or min(2048, triton.next_power_of_2(V))
     f32 = lambda t: t.to(device=logits.device, dtype=torch.float32).contiguous()  # noqa: E731
     _sample_kernel[(R,)](x, f32(temperature), f32(top_p), f32(uniforms), out, V, x.stride(0), BLOCK_V=bv,
-                         num_warps=8 if bv >= 2048 else 4)
+                         NARROW_V=max(16, bv // 8), num_warps=8 if bv >= 2048 else 4)
     if check and bool((out < 0).any()):
         rows = (out < 0).nonzero().flatten().tolist()
         raise FloatingPointError(f"logits contain NaN or inf in rows {rows[:8]}; refusing to sample")

@@ -95,7 +95,8 @@ def _value_proj_infer(a, at):
     expect(a.kv_b.rank == 2 and shapes_equal(a.kv_b.shape[1:], (kv,)),
            f"mla_value_proj: kv_b {a.kv_b} must be [H*(dn+dv), {kv}] for o_latent {a.o_latent}")
     dv = sympy.simplify(a.kv_b.shape[0] / h - dn)
-    expect(dn >= 0 and dv.is_integer and dv > 0, f"mla_value_proj: kv_b {a.kv_b} is not [H*(dn+dv), kv] for H={h}, dn={dn}")
+    expect(dn >= 0 and dv.is_integer and dv > 0,
+           f"mla_value_proj: kv_b {a.kv_b} is not [H*(dn+dv), kv] for H={h}, dn={dn}")
     return [TensorType(a.o_latent.dtype, (t, h, dv))]
 
 
@@ -103,11 +104,13 @@ defop("mla_value_proj", ["o_latent", "kv_b"], ["o"], _value_proj_infer,
       lambda a, at: ref_mla.mla_value_proj(a.o_latent, a.kv_b, at["nope_dim"]),
       attrs={"nope_dim": attr(int)},
       flops=lambda a, o, at: 2 * numel(o[0].shape) * a.o_latent.shape[2],
-      doc="o^h = W_UV^h o~^h, W_UV^h = rows dn.. of head h of kv_b viewed [H, dn+dv, kv] (absorbed MLA's value up-projection)")
+      doc="o^h = W_UV^h o~^h, W_UV^h = rows dn.. of head h of kv_b viewed [H, dn+dv, kv] "
+          "(the absorbed MLA's value up-projection)")
 
 
 def _selection_rows_infer(a, at):
-    expect(a.selection.dtype == i64 and a.selection.rank == 2, f"selection_to_rows: selection {a.selection} must be i64[T, K]")
+    expect(a.selection.dtype == i64 and a.selection.rank == 2,
+           f"selection_to_rows: selection {a.selection} must be i64[T, K]")
     expect(shapes_equal(a.token_req.shape, a.selection.shape[:1]),
            f"selection_to_rows: token_req {a.token_req} does not match selection {a.selection}")
     return [a.selection]

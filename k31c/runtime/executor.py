@@ -81,9 +81,10 @@ class Executor(Interpreter):
         """Run a reference op so that no reduction order depends on the batch: ops over whole requests
         (those taking cu_seqlens) one request at a time, every other op one token at a time. Library
         GEMMs and reductions pick their blocking by problem size, so a batched call is not invariant."""
-        names = [v.name for v in n.inputs]
+        decl = [x.rstrip("?").lstrip("*") for x in OPS[n.op].inputs]  # operand names as the op declares them
+        names = decl[:len(n.inputs)] + [decl[-1]] * (len(n.inputs) - len(decl))
         token_ix = [i for i, v in enumerate(n.inputs) if not v.is_param and v.type.rank
-                    and v.type.shape[0] == self._token_dim and v.name not in ("req_base", "state_slot")]
+                    and v.type.shape[0] == self._token_dim and names[i] not in ("req_base", "state_slot")]
         if not token_ix:
             return super()._execute(n, args, env)
         pieces = []

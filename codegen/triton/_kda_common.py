@@ -1,0 +1,180 @@
+"""Pieces shared by the KDA kernel families (`kda_prefill.py`, `kda_decode.py`): the forget-gate math
+(SPEC §3.4, both variants) as a Triton function, the standalone gate kernel behind the `kda_gate`
+template, the chunk tables of the chunked prefill (cut every 64 tokens from each request's start,
+and also at requested checkpoint positions) and its small tile helpers (64-row chunks as four 16-row
+sub-blocks).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+CHUNK = 64
+BC = tl.constexpr(16)  # sub-block rows of the chunked prefill
+_SAFE_SPAN = tl.constexpr(60.0)  # max |decay within a sub-block| for the factorised diagonal block
+
+
+@triton.jit
+def kda_gate_math(x, a, lower_bound, GATE: tl.constexpr):
+    """x = f + dt_bias, a = exp(A_log[h]) (fp32). GATE 1: lower_bound*sigmoid(a x); 2: -a*softplus(x)
+    (torch threshold 20; log1p(e) by its series for small e so tiny gates keep their precision)."""
+    if GATE == 1:
+        return lower_bound * tl.sigmoid(a * x)
+    else:
+        e = tl.exp(-tl.abs(x))
+        l1p = tl.where(e < 1e-3, e * (1.0 - e * (0.5 - e / 3.0)), tl.log(1.0 + e))
+        return -a * tl.where(x > 20.0, x, tl.maximum(x, 0.0) + l1p)
+
+
+@triton.jit
+def _kda_gate_kernel(f, s_f, alog, dtb, g, n, lower_bound, P: tl.constexpr, D: tl.constexpr,
+                     BLOCK: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = idx < n
+    t, c = idx // P, idx % P
+    x = tl.load(f + t * s_f + c, mask=m, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        x += tl.load(dtb + c, mask=m, other=0.0).to(tl.float32)
+    a = tl.exp(tl.load(alog + c // D, mask=m, other=0.0).to(tl.float32))
+    tl.store(g + idx, kda_gate_math(x, a, lower_bound, GATE), mask=m)
+
+
+def kda_gate(f, A_log, dt_bias, lower_bound, block: int = 1024):
+    """g [T, H, D] fp32 = kda_gate(f [T, H*D], A_log [H], dt_bias [H*D] | None) (see `ir.ref.kda`)."""
+    T, P = f.shape
+    H = A_log.numel()
+    f2 = f if f.stride(1) == 1 else f.contiguous()
+    g = torch.empty(T, H, P // H, device=f.device, dtype=torch.float32)
+    n = T * P
+    dtb = dt_bias if dt_bias is not None else A_log
+    _kda_gate_kernel[(max(1, triton.cdiv(n, block)),)](
+        f2, f2.stride(0), A_log, dtb, g, n, float(lower_bound) if lower_bound is not None else 0.0,
+        P=P, D=P // H, BLOCK=block, GATE=1 if lower_bound is not None else 2, HAS_BIAS=dt_bias is not None)
+    return g
+
+
+def device_chunk_table(cu: torch.Tensor, n_tokens: int):
+    """Chunks cut every 64 tokens from each request's start, built on the device (no host sync):
+    (chunk_start[N], chunk_len[N] (0 for the unused tail of the upper bound N), req_chunks[R+1])."""
+    R = cu.numel() - 1
+    lens = cu[1:] - cu[:-1]
+    req_chunks = torch.zeros(R + 1, dtype=torch.int64, device=cu.device)
+    req_chunks[1:] = torch.cumsum((lens + CHUNK - 1) // CHUNK, 0)
+    n_max = max(1, (n_tokens + (CHUNK - 1) * R) // CHUNK)  # >= sum_r ceil(len_r / 64)
+    idx = torch.arange(n_max, device=cu.device)
+    req = torch.searchsorted(req_chunks[1:].contiguous(), idx, right=True).clamp(max=max(R - 1, 0))
+    start = cu[req] + (idx - req_chunks[req]) * CHUNK
+    length = torch.where(idx < req_chunks[-1], torch.clamp(cu[req + 1] - start, max=CHUNK), 0)
+    return start.to(torch.int32), length.to(torch.int32), req_chunks.to(torch.int32)
+
+
+def host_chunk_table(cu: list[int], positions: list[list[int]], device):
+    """Chunks cut at every requested checkpoint position too; ck_index[c] = checkpoint written after
+    chunk c (-1: none). Returns the table and, per request, the checkpoint row of each position."""
+    starts, lens, ck, req_chunks, rows_of = [], [], [], [0], []
+    n_ck = 0
+    for r in range(len(cu) - 1):
+        n = cu[r + 1] - cu[r]
+        pos = [int(p) for p in positions[r]]
+        bad = [p for p in pos if not 0 < p <= n]
+        if bad:
+            raise ValueError(f"kda_prefill: checkpoint positions {bad} of request {r} not in 1..{n} "
+                             f"(position 0 is the initial state: read the pool row)")
+        cut_row = {}
+        seg = 0
+        for cut in sorted(set(pos)):
+            for s in range(seg, cut, CHUNK):
+                starts.append(cu[r] + s)
+                lens.append(min(CHUNK, cut - s))
+                ck.append(-1)
+            ck[-1], cut_row[cut] = n_ck, n_ck
+            n_ck, seg = n_ck + 1, cut
+        for s in range(seg, n, CHUNK):
+            starts.append(cu[r] + s)
+            lens.append(min(CHUNK, n - s))
+            ck.append(-1)
+        req_chunks.append(len(starts))
+        rows_of.append([cut_row[p] for p in pos])
+    t = lambda x: torch.tensor(x or [0], dtype=torch.int32, device=device)  # noqa: E731
+    return t(starts), t(lens), t(req_chunks), t(ck), n_ck, rows_of
+
+
+# ---- tile helpers of the chunked prefill (a chunk = 64 rows = 4 sub-blocks of 16)
+@triton.jit
+def _tile(base, t0, r0, L, s_t, cols):
+    """Rows r0..r0+15 of a chunk starting at token t0 (rows >= L read as 0), columns cols, fp32."""
+    r = tl.arange(0, BC) + r0
+    p = base + (t0 + r).to(tl.int64)[:, None] * s_t + cols[None, :]
+    return tl.load(p, mask=(r < L)[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load2(base, t0, L, s_t, cols):
+    """The chunk's 64 rows as [64, len(cols)] fp32 (rows >= L read as 0)."""
+    r = tl.arange(0, 64)
+    p = base + (t0 + r).to(tl.int64)[:, None] * s_t + cols[None, :]
+    return tl.load(p, mask=(r < L)[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _inv_unit_lower(n, PREC: tl.constexpr):
+    """(I + n)^-1 for strictly lower 16x16 n: (I - n)(I + n^2)(I + n^4)(I + n^8), exact as n^16 = 0."""
+    rows = tl.arange(0, BC)
+    eye = (rows[:, None] == rows[None, :]).to(tl.float32)
+    n2 = tl.dot(n, n, input_precision=PREC)
+    n4 = tl.dot(n2, n2, input_precision=PREC)
+    m = tl.dot(eye - n, eye + n2, input_precision=PREC)
+    m = tl.dot(m, eye + n4, input_precision=PREC)
+    return tl.dot(m, eye + tl.dot(n4, n4, input_precision=PREC), input_precision=PREC)
+
+
+@triton.jit
+def _sub(x, b: tl.constexpr):
+    """Columns 16b..16b+15 of a [16, 64] row block."""
+    x3 = tl.reshape(x, [BC, 4, BC])
+    return tl.sum(tl.where((tl.arange(0, 4) == b)[None, :, None], x3, 0.0), axis=1)
+
+
+@triton.jit
+def _st(base, r0, cols, ld, val):
+    rows = tl.arange(0, BC) + r0
+    tl.store(base + rows[:, None] * ld + cols[None, :], val.to(base.dtype.element_ty))
+
+
+@triton.jit
+def _st64(base, cols, ld, val):
+    rows = tl.arange(0, 64)
+    tl.store(base + rows[:, None] * ld + cols[None, :], val.to(base.dtype.element_ty))
+
+
+@triton.jit
+def _solve_store(base, ld, cols, x, l0, l1, l2, l3, PREC: tl.constexpr):
+    """Rows of L^-1 x (x [64, n]) from the four [16, 64] row blocks of L^-1."""
+    _st(base, 0, cols, ld, tl.dot(l0, x, input_precision=PREC))
+    _st(base, 16, cols, ld, tl.dot(l1, x, input_precision=PREC))
+    _st(base, 32, cols, ld, tl.dot(l2, x, input_precision=PREC))
+    _st(base, 48, cols, ld, tl.dot(l3, x, input_precision=PREC))
+
+
+@triton.jit
+def _spans(lw, cols, D: tl.constexpr):
+    """Sub-block decay totals s_0..s_3 (last row of each sub-block of lc) and the span-check flags."""
+    s0, s1 = tl.load(lw + 15 * D + cols), tl.load(lw + 31 * D + cols)
+    s2, s3 = tl.load(lw + 47 * D + cols), tl.load(lw + 63 * D + cols)
+    u0, u1 = tl.max(-s0, axis=0) >= _SAFE_SPAN, tl.max(-s1, axis=0) >= _SAFE_SPAN
+    u2, u3 = tl.max(-s2, axis=0) >= _SAFE_SPAN, tl.max(-s3, axis=0) >= _SAFE_SPAN
+    return s0, s1, s2, s3, u0, u1, u2, u3
+
+
+@triton.jit
+def _mask_rows(acc, a: tl.constexpr, beta, t0, L, s_b, INCL: tl.constexpr):
+    """Row block a of A (strictly lower, times beta) or of Aqk (inclusive lower)."""
+    i = tl.arange(0, BC) + a * BC
+    j = tl.arange(0, 64)
+    keep = (j[None, :] <= i[:, None]) if INCL else (j[None, :] < i[:, None])
+    acc = tl.where(keep, acc, 0.0)
+    if not INCL:
+        acc = acc * tl.load(beta + (t0 + i) * s_b, mask=i < L, other=0.0).to(tl.float32)[:, None]
+    return acc

@@ -1,0 +1,282 @@
+"""KDA kernels (codegen/triton/kda_prefill.py, kda_decode.py, _kda_common.py) against the literal
+references: `ir.ref.kda` (recurrence, chunked form, gate, conv), fla-core's naive KDA, and for the fused
+decode the unfused op sequence of `passes/kda_decode_fusion.py`. CPU: Triton interpreter, fp32, tiny
+shapes (chunk 64 kept); the bf16 full-shape check runs on a GPU only (benches/bench_kda.py times it)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from fla.ops.kda.naive import naive_chunk_kda, naive_recurrent_kda
+
+from codegen.triton.kda_decode import TEMPLATES as DECODE_TEMPLATES
+from codegen.triton.kda_decode import kda_decode
+from codegen.triton.kda_prefill import TEMPLATES as PREFILL_TEMPLATES
+from codegen.triton.kda_prefill import kda_gate, kda_prefill
+from ir.core import TensorType
+from ir.ops import OPS
+from ir.ref import kda as ref
+from ir.ref.basic import gated_rms_norm, l2_norm
+from tests.helpers import assert_close_rel
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _cu(lengths):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int64)
+
+
+def _inputs(gen, T, H, D, Dv=None, gate_scale=1.0):
+    """L2-normalised q, k; v; K3-like log decay in (-5, 0) (mostly mild); beta in (0, 1)."""
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    q, k = l2_norm(r(T, H, D), 1e-6), l2_norm(r(T, H, D), 1e-6)
+    g = -5.0 * torch.sigmoid(gate_scale * (r(T, H, D) * 2.0 - 4.0))
+    return q, k, r(T, H, Dv or D), g, torch.sigmoid(r(T, H))
+
+
+def _pool(gen, S, H, D, Dv):
+    return torch.randn(S, H, D, Dv, generator=gen) * 0.5
+
+
+# ------------------------------------------------------------------------------------------ prefill
+@pytest.mark.parametrize("H,D,Dv,lengths,config", [
+    (2, 32, 32, [1, 5, 64, 70], None),                                   # CPU heuristic: one slice
+    (2, 32, 16, [130, 3], {"BK": 16, "BV_INTRA": 16, "BV": 8}),           # several slices / V blocks
+])
+def test_prefill_ragged_vs_recurrence(H, D, Dv, lengths, config):
+    g = _gen(1)
+    T, R = sum(lengths), len(lengths)
+    q, k, v, gate, beta = _inputs(g, T, H, D, Dv)
+    pool = _pool(g, R + 2, H, D, Dv)
+    slots = torch.randperm(R + 2, generator=g)[:R]
+    mine, want = pool.clone(), pool.clone()
+    o = kda_prefill(q, k, v, gate, beta, mine, slots, _cu(lengths), D ** -0.5, config=config)
+    o_ref = ref.kda_recurrence(q, k, v, gate, beta, want, slots, _cu(lengths), D ** -0.5)
+    assert_close_rel(o, o_ref, 1e-5, "o vs recurrence")
+    assert_close_rel(mine[slots], want[slots], 1e-5, "final states vs recurrence")
+    others = [s for s in range(R + 2) if s not in slots.tolist()]
+    assert torch.equal(mine[others], pool[others]), "pool rows of other slots were modified"
+    o_chunk = ref.kda_chunked(q, k, v, gate, beta, pool.clone(), slots, _cu(lengths), D ** -0.5)
+    assert_close_rel(o, o_chunk, 1e-5, "o vs ir.ref chunked")
+
+
+def test_prefill_vs_fla_naive_d64():
+    """The tiny model's head size: vs naive_chunk_kda (T multiple of 64) and naive_recurrent_kda."""
+    g = _gen(2)
+    H, D, T = 1, 64, 128
+    q, k, v, gate, beta = _inputs(g, T, H, D)
+    pool = _pool(g, 2, H, D, D)
+    init = pool[1].clone()
+    o = kda_prefill(q, k, v, gate, beta, pool, torch.tensor([1]), _cu([T]), D ** -0.5)
+    for fn in (naive_chunk_kda, naive_recurrent_kda):
+        o_ref, s_ref = fn(q[None], k[None], v[None], gate[None], beta[None], scale=D ** -0.5,
+                          initial_state=init[None].clone(), output_final_state=True)
+        assert_close_rel(o, o_ref[0], 1e-5, f"o vs {fn.__name__}")
+        assert_close_rel(pool[1], s_ref[0], 1e-5, f"final state vs {fn.__name__}")
+
+
+def test_prefill_checkpoint_states_equal_recurrence():
+    g = _gen(3)
+    H, D = 2, 16
+    lengths = [3, 100, 70]
+    positions = [[1, 3], [1, 17, 64, 65, 100, 64], [70]]
+    q, k, v, gate, beta = _inputs(g, sum(lengths), H, D)
+    pool = _pool(g, 4, H, D, D)
+    slots, cu = torch.tensor([2, 0, 3]), _cu(lengths)
+    mine, want = pool.clone(), pool.clone()
+    o, ck = kda_prefill(q, k, v, gate, beta, mine, slots, cu, D ** -0.5, checkpoint_positions=positions)
+    o_ref, states = ref.kda_recurrence(q, k, v, gate, beta, want, slots, cu, D ** -0.5, keep_states=True)
+    assert_close_rel(o, o_ref, 1e-5, "o with checkpoint cuts")
+    assert_close_rel(mine, want, 1e-5, "final states with checkpoint cuts")
+    for r, pos in enumerate(positions):
+        assert ck[r].shape == (len(pos), H, D, D)
+        for i, p in enumerate(pos):
+            assert_close_rel(ck[r][i], states[cu[r] + p - 1], 1e-5, f"checkpoint req {r} position {p}")
+    with pytest.raises(ValueError, match="not in 1..3"):
+        kda_prefill(q, k, v, gate, beta, mine, slots, cu, 0.25, checkpoint_positions=[[4], [], []])
+
+
+def _max_subblock_span(gate, lengths):
+    """Largest |sum of g| over 16 consecutive tokens of one 64-chunk sub-block (the fast-path check)."""
+    spans, start = [], 0
+    for n in lengths:
+        for c in range(0, n, 64):
+            for s in range(c, min(c + 64, n), 16):
+                seg = gate[start + s:start + min(s + 16, c + 64, n)]
+                spans.append(seg.sum(0).abs().max().item())
+        start += n
+    return max(spans)
+
+
+@pytest.mark.parametrize("variant,a_log_scale", [("lower_bound", 0.0), ("softplus", 0.5), ("softplus", 3.0)])
+def test_prefill_fused_gate(variant, a_log_scale):
+    """Raw f/A_log/dt_bias through the fused gate equals kda_gate + recurrence; A_log*3 makes decays
+    so strong that sub-blocks take the exact (per-column) diagonal path."""
+    g = _gen(4)
+    H, D, lengths = 2, 16, [1, 5, 64, 70]
+    T = sum(lengths)
+    q, k, v, _, beta = _inputs(g, T, H, D)
+    f, dt_bias = torch.randn(T, H * D, generator=g) * 2, torch.randn(H * D, generator=g)
+    A_log = torch.randn(H, generator=g) * a_log_scale
+    lb = -5.0 if variant == "lower_bound" else None
+    gate = ref.kda_gate(f, A_log, dt_bias, lb)
+    if a_log_scale > 1:
+        assert _max_subblock_span(gate, lengths) > 60.0, "test must exercise the exact diagonal path"
+    pool = _pool(g, 4, H, D, D)
+    slots = torch.tensor([3, 1, 0, 2])
+    mine, want = pool.clone(), pool.clone()
+    o = kda_prefill(q, k, v, None, beta, mine, slots, _cu(lengths), D ** -0.5, f=f, A_log=A_log, dt_bias=dt_bias,
+                    lower_bound=lb)
+    o_ref = ref.kda_recurrence(q, k, v, gate, beta, want, slots, _cu(lengths), D ** -0.5)
+    assert_close_rel(o, o_ref, 1e-5, f"o, fused {variant} gate")
+    assert_close_rel(mine, want, 1e-5, f"states, fused {variant} gate")
+
+
+def test_kda_gate_kernel_both_variants():
+    g = _gen(5)
+    T, H, D = 7, 3, 16
+    f = torch.randn(T, H * D, generator=g) * 8  # reaches the softplus threshold (20) and tiny tails
+    f[0, :4] = torch.tensor([25.0, -30.0, 19.9, -80.0])
+    A_log, dt_bias = torch.randn(H, generator=g), torch.randn(H * D, generator=g)
+    for lb in (-5.0, None):
+        for bias in (dt_bias, None):
+            out = kda_gate(f, A_log, bias, lb, block=64)
+            x = f.double().view(T, H, D) + (0 if bias is None else bias.double().view(H, D))
+            a = A_log.double().exp().view(H, 1)
+            want = lb * torch.sigmoid(a * x) if lb is not None else -a * torch.nn.functional.softplus(x)
+            assert out.shape == (T, H, D) and out.dtype == torch.float32
+            assert_close_rel(out, want, 1e-6, f"gate lb={lb} bias={bias is not None}")
+            assert_close_rel(out, ref.kda_gate(f, A_log, bias, lb), 1e-6, "gate vs ir.ref")
+
+
+def test_prefill_and_gate_templates_drop_in():
+    """launch(a, attrs, config) with the op registry's binding returns what the op reference returns."""
+    g = _gen(6)
+    H, D, lengths = 2, 16, [9, 64]
+    q, k, v, gate, beta = _inputs(g, sum(lengths), H, D)
+    pool = _pool(g, 3, H, D, D)
+    slots, cu = torch.tensor([2, 0]), _cu(lengths)
+    t_kda, t_gate = PREFILL_TEMPLATES
+    for form in ("recurrent", "chunked"):
+        attrs = OPS["kda"].full_attrs({"scale": D ** -0.5, "form": form})
+        a = OPS["kda"].bind([q, k, v, gate, beta, pool.clone(), slots, cu])
+        b = OPS["kda"].bind([q, k, v, gate, beta, pool.clone(), slots, cu])
+        key = t_kda.key_dims(a, attrs)
+        assert t_kda.constraints(t_kda.heuristic(key, "cpu"), key, "cpu") == []
+        o, st = t_kda.launch(a, attrs, t_kda.heuristic(key, "cpu"))
+        o_ref, st_ref = OPS["kda"].reference(b, attrs)
+        assert st is a.state
+        assert_close_rel(o, o_ref, 1e-5, f"template o ({form})")
+        assert_close_rel(st, st_ref, 1e-5, f"template state ({form})")
+    qt = TensorType.of("f32", ("B", H, D))
+    assert t_kda.supports(OPS["kda"].bind([qt] * 8), {}, "cpu") is None  # symbolic token count is fine
+    bad = OPS["kda"].bind([qt, qt, TensorType.of("f32", ("B", H, 3))] + [qt] * 5)
+    assert "powers of two" in t_kda.supports(bad, {}, "cpu")
+    f, A_log = torch.randn(5, H * D, generator=g), torch.randn(H, generator=g)
+    a = OPS["kda_gate"].bind([f, A_log, None])
+    attrs = OPS["kda_gate"].full_attrs({"lower_bound": -5.0})
+    out = t_gate.launch(a, attrs, t_gate.heuristic(t_gate.key_dims(a, attrs), "cpu"))
+    assert_close_rel(out, OPS["kda_gate"].reference(a, attrs), 1e-6, "kda_gate template")
+
+
+# ------------------------------------------------------------------------------------------ decode
+def _decode_operands(gen, H, D, lengths, rank, S, with_bias=True):
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    T, P, K = sum(lengths), H * D, 4
+    slots = torch.randperm(S, generator=gen)[:len(lengths)]
+    return [r(T, P), r(T, P), r(T, P), r(P, K) * 0.5, r(P, K) * 0.5, r(P, K) * 0.5, r(S, K - 1, 3 * P), r(T, rank),
+            r(P, rank) / rank ** 0.5, r(H) * 0.5, r(P) if with_bias else None, r(T, H), r(S, H, D, D) * 0.5,
+            r(T, P), r(D), slots, _cu(lengths)]
+
+
+def _unfused(ops, scale, lb, eps):
+    """The group `passes/kda_decode_fusion.py` replaces, op by op through ir.ref."""
+    q, k, v, qc, kc, vc, conv, f_a, f_b, A_log, dt_bias, b, state, gate, w, slots, cu = ops
+    T, P = q.shape
+    H = A_log.numel()
+    D = P // H
+    y = ref.causal_conv1d(torch.cat([q, k, v], 1), torch.cat([qc, kc, vc], 0), conv, slots, cu)
+    qh, kh = l2_norm(y[:, :P].reshape(T, H, D), 1e-6), l2_norm(y[:, P:2 * P].reshape(T, H, D), 1e-6)
+    g = ref.kda_gate(f_a @ f_b.T, A_log, dt_bias, lb)
+    o, states = ref.kda_recurrence(qh, kh, y[:, 2 * P:].reshape(T, H, D), g, torch.sigmoid(b), state, slots, cu,
+                                   scale, keep_states=True)
+    return gated_rms_norm(o, gate.reshape(T, H, D), w, eps).reshape(T, P), states
+
+
+def _conv_tails(ops, lengths):
+    """Conv tail after every token, by feeding the reference conv one token at a time."""
+    q, k, v, qc, kc, vc, conv = ops[:7]
+    conv, x, w = conv.clone(), torch.cat([q, k, v], 1), torch.cat([qc, kc, vc], 0)
+    slots, cu, out = ops[15], ops[16], []
+    for r in range(len(lengths)):
+        for t in range(cu[r], cu[r + 1]):
+            ref.causal_conv1d(x[t:t + 1], w, conv, slots[r:r + 1], torch.tensor([0, 1]))
+            out.append(conv[slots[r]].clone())
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("H,D,lengths,lb,rank,block_v", [
+    (2, 16, [1, 3, 8, 2], -5.0, 3, 16),          # verification: 1..8 tokens per request, K3 gate
+    (2, 32, [1, 2, 0, 5, 7, 4, 6, 8], None, 32, 16),  # q_len 0..8, Kimi-Linear softplus gate
+    (1, 64, [2, 1], -5.0, 64, 32),                # the tiny model's head size
+    (1, 16, [17, 1], -5.0, 16, 16),               # more tokens than one group of 8
+])
+def test_decode_vs_unfused_sequence(H, D, lengths, lb, rank, block_v):
+    g = _gen(7)
+    S = len(lengths) + 2
+    ops = _decode_operands(g, H, D, lengths, rank, S, with_bias=lb is not None)
+    mine = [x.clone() if isinstance(x, torch.Tensor) else x for x in ops]
+    want = [x.clone() if isinstance(x, torch.Tensor) else x for x in ops]
+    out, conv, state, states, tails = kda_decode(*mine, scale=D ** -0.5, lower_bound=lb, norm_eps=1e-5,
+                                                  keep_states=True, block_v=block_v)
+    y_ref, states_ref = _unfused(want, D ** -0.5, lb, 1e-5)
+    assert conv is mine[6] and state is mine[12]
+    assert_close_rel(out, y_ref, 1e-5, "fused decode output")
+    assert_close_rel(state, want[12], 1e-5, "kda state pool")
+    assert torch.equal(conv, want[6]), "conv state pool"
+    others = [s for s in range(S) if s not in ops[15].tolist()]
+    assert torch.equal(state[others], ops[12][others]) and torch.equal(conv[others], ops[6][others])
+    assert_close_rel(states, states_ref, 1e-5, "per-token states")
+    assert torch.equal(tails, _conv_tails(ops, lengths)), "per-token conv tails"
+
+
+def test_decode_template_drop_in():
+    g = _gen(8)
+    H, D, lengths = 2, 16, [1, 1, 1]
+    ops = _decode_operands(g, H, D, lengths, 16, 4)
+    (t,) = DECODE_TEMPLATES
+    attrs = {"heads": H, "head_dim": D, "scale": D ** -0.5, "lower_bound": -5.0, "l2_eps": 1e-6, "norm_eps": 1e-5,
+             "batch_invariant": False}
+    a = SimpleNamespace(operands=[x.clone() if isinstance(x, torch.Tensor) else x for x in ops])
+    key = t.key_dims(a, attrs)
+    assert key == {"H": H, "D": D, "T": 3, "R": 3} and t.supports(a, attrs, "cpu") is None
+    out = t.launch(a, attrs, t.heuristic(key, "cpu"))
+    assert len(out) == 3 and out[1] is a.operands[6] and out[2] is a.operands[12]
+    want = [x.clone() if isinstance(x, torch.Tensor) else x for x in ops]
+    y_ref, _ = _unfused(want, D ** -0.5, -5.0, 1e-5)
+    assert_close_rel(out[0], y_ref, 1e-5, "template output")
+    assert_close_rel(out[2], want[12], 1e-5, "template state")
+    types = SimpleNamespace(operands=[TensorType.of("f32", ("T", 6))] + [None] * 8 + [TensorType.of("f32", (2,))]
+                            + [None] * 7)
+    assert "power of two" in t.supports(types, attrs, "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 kernels are checked on a GPU (the interpreter "
+                                                          "computes bf16 wrongly); benches/bench_kda.py times them")
+def test_bf16_full_shape_gpu():
+    g = _gen(9)
+    H, D, lengths = 32, 128, [8192, 1000]
+    q, k, v, gate, beta = (x.to(DEV) for x in _inputs(g, sum(lengths), H, D))
+    pool = _pool(g, 3, H, D, D).to(DEV)
+    slots, cu = torch.tensor([2, 0], device=DEV), _cu(lengths).to(DEV)
+    mine, want = pool.clone(), pool.clone()
+    o = kda_prefill(q.bfloat16(), k.bfloat16(), v.bfloat16(), gate, beta.bfloat16(), mine, slots, cu, D ** -0.5)
+    o_ref = ref.kda_chunked(q, k, v, gate, beta, want, slots, cu, D ** -0.5)
+    assert_close_rel(o.float(), o_ref, 1e-2, "bf16 prefill o")
+    assert_close_rel(mine, want, 1e-2, "bf16 prefill states")

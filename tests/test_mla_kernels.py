@@ -1,0 +1,176 @@
+"""Sparse/dense absorbed MLA decode (codegen/triton/mla_sparse.py) and decompressed MLA prefill
+(codegen/triton/mla_prefill.py) vs `ir/ref/mla.py` and float64 formulas (CPU: Triton interpreter, fp32,
+tiny shapes): ragged batches, 1-8 query tokens per request, selections shorter than top-k (-1 padded),
+chunked contexts merged by LSE, FP8 / NVFP4 latent pools vs the reference on the same quantised pool."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from codegen.triton import mla_prefill as prefill_mod
+from codegen.triton import mla_sparse as sparse_mod
+from codegen.triton.mla_prefill import dequantize_latent, mla_prefill, quantize_latent_fp8, quantize_latent_nvfp4
+from codegen.triton.mla_sparse import mla_sparse_decode
+from ir.ops import OPS
+from ir.ref import mla as ref
+
+try:
+    from tests.helpers import assert_close_rel
+except ImportError:  # bare `pytest` without the repo root on sys.path
+    from helpers import assert_close_rel
+
+H, DN, DR, DV, KV, TOPK = 3, 32, 16, 32, 64, 16
+SCALE = (DN + DR) ** -0.5
+ONE_PASS = dict(BLOCK_H=16, BLOCK_N=16, CHUNK=16, num_warps=4, num_stages=1, SUB=1)   # 16-row chunks + combine
+TWO_PASS = dict(BLOCK_H=16, BLOCK_N=16, CHUNK=32, num_warps=4, num_stages=1, SUB=4)   # column blocks
+PREFILL = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+
+
+def _batch(seed, lengths, with_selection=True):
+    """lengths: [(context, new tokens)]; selections of min(TOPK, pos+1) random positions, some
+    rows one short (extra -1 padding)."""
+    g = torch.Generator().manual_seed(seed)
+    tp, tr, bases, n = [], [], [], 2
+    for r, (ctx, new) in enumerate(lengths):
+        tp += list(range(ctx - new, ctx))
+        tr += [r] * new
+        bases.append(n)
+        n += ctx + 3
+    T = len(tp)
+    b = dict(qn=torch.randn(T, H, DN, generator=g), qp=torch.randn(T, H, DR, generator=g),
+             lat=torch.randn(n, KV + DR, generator=g), kvb=torch.randn(H * (DN + DV), KV, generator=g) * 0.2,
+             tp=torch.tensor(tp), tr=torch.tensor(tr), rb=torch.tensor(bases), sel=None)
+    if with_selection:
+        sel = torch.full((T, TOPK), -1, dtype=torch.int64)
+        for i, p in enumerate(tp):
+            k = max(1, min(TOPK, p + 1) - (i % 2))
+            sel[i, :k] = torch.randperm(p + 1, generator=g)[:k].sort().values
+        b["sel"] = sel
+    return b
+
+
+def _args(b, lat=None):
+    return (b["qn"], b["qp"], b["lat"] if lat is None else lat, b["kvb"], b["tp"], b["tr"], b["rb"], SCALE, b["sel"])
+
+
+def _lse64(b, lat):
+    """float64 log-sum-exp of the logits of every (token, head) over its context."""
+    W = b["kvb"].double().view(H, DN + DV, KV)
+    out = torch.empty(b["qn"].shape[0], H, dtype=torch.float64)
+    for i in range(out.shape[0]):
+        base, p = int(b["rb"][b["tr"][i]]), int(b["tp"][i])
+        pos = b["sel"][i][b["sel"][i] >= 0] if b["sel"] is not None else torch.arange(p + 1)
+        c = lat[base + pos].double()
+        k_nope = torch.einsum("lk,hnk->hln", c[:, :KV], W[:, :DN])
+        z = SCALE * (torch.einsum("hn,hln->hl", b["qn"][i].double(), k_nope) + b["qp"][i].double() @ c[:, KV:].T)
+        out[i] = torch.logsumexp(z, dim=1)
+    return out
+
+
+@pytest.mark.parametrize("config", [ONE_PASS, TWO_PASS], ids=["one_pass", "two_pass"])
+def test_sparse_decode_and_lse(config):
+    """1-8 tokens per request, contexts below and above TOPK, -1 padded selections."""
+    b = _batch(0, [(40, 3), (9, 1), (25, 8), (12, 1)])
+    want = ref.mla_attention(*_args(b), "absorbed")
+    o, lse = mla_sparse_decode(*_args(b), return_lse=True, config=config)
+    assert_close_rel(o, want, 1e-5, "o")
+    assert_close_rel(lse, _lse64(b, b["lat"]), 1e-5, "lse")
+
+
+@pytest.mark.parametrize("config", [ONE_PASS, TWO_PASS], ids=["one_pass", "two_pass"])
+def test_dense_decode_over_the_causal_context(config):
+    b = _batch(1, [(45, 2), (7, 1), (20, 1)], with_selection=False)
+    want = ref.mla_attention(*_args(b), "absorbed")
+    o, lse = mla_sparse_decode(*_args(b), return_lse=True, config=config)
+    assert_close_rel(o, want, 1e-5, "o")
+    assert_close_rel(lse, _lse64(b, b["lat"]), 1e-5, "lse")
+
+
+def test_selection_as_physical_rows():
+    b = _batch(2, [(30, 2), (11, 1)])
+    rows = torch.where(b["sel"] >= 0, b["sel"] + b["rb"][b["tr"]][:, None], -1)
+    want = mla_sparse_decode(*_args(b), config=ONE_PASS)
+    got = mla_sparse_decode(*_args(b)[:-1], rows, selection_rows=True, config=ONE_PASS)
+    assert_close_rel(got, want, 1e-6, "rows vs positions")
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("config", [ONE_PASS, TWO_PASS], ids=["one_pass", "two_pass"])
+def test_quantised_latent_pools(fmt, config):
+    """Dequantised in-kernel; compared with the reference run on the same quantised pool."""
+    b = _batch(3, [(35, 2), (18, 1)])
+    if fmt == "fp8":
+        pool, ls = quantize_latent_fp8(b["lat"])
+        ps = 1.0
+    else:
+        pool, ls, ps = quantize_latent_nvfp4(b["lat"], KV)
+        assert pool.shape[1] == KV // 2 + KV // 16 + DR
+    deq = dequantize_latent(pool, fmt, KV, ls, ps)
+    assert 0 < float((deq - b["lat"]).norm() / b["lat"].norm()) < 0.15   # really quantised, not garbage
+    want = ref.mla_attention(*_args(b, deq), "absorbed")
+    o, lse = mla_sparse_decode(*_args(b, pool), latent_format=fmt, latent_scale=ls, pe_scale=ps,
+                               return_lse=True, config=config)
+    assert_close_rel(o, want, 2e-2, f"{fmt} o")
+    assert_close_rel(lse, _lse64(b, deq), 2e-2, f"{fmt} lse")
+
+
+def test_prefill_dense_decompressed():
+    """Two prompts (one continuing a cached prefix), tokens out of order, several query blocks."""
+    b = _batch(4, [(40, 25), (18, 18)], with_selection=False)
+    perm = torch.randperm(b["tp"].numel(), generator=torch.Generator().manual_seed(0))
+    for k in ("qn", "qp", "tp", "tr"):
+        b[k] = b[k][perm]
+    want = ref.mla_attention(*_args(b), "decompressed")
+    o, lse = mla_prefill(*_args(b), return_lse=True, config=PREFILL)
+    assert_close_rel(o, want, 1e-5, "o")
+    assert_close_rel(lse, _lse64(b, b["lat"]), 1e-5, "lse")
+
+
+def test_prefill_fp8_pool_and_sparse_prefill():
+    b = _batch(5, [(30, 12)], with_selection=False)
+    pool, ls = quantize_latent_fp8(b["lat"])
+    want = ref.mla_attention(*_args(b, dequantize_latent(pool, "fp8", KV, ls)), "decompressed")
+    got = mla_prefill(*_args(b, pool), latent_format="fp8", latent_scale=ls, config=PREFILL)
+    assert_close_rel(got, want, 2e-2, "fp8 prefill")
+    s = _batch(6, [(30, 12)])
+    assert_close_rel(mla_prefill(*_args(s)), ref.mla_attention(*_args(s), "decompressed"), 1e-5, "sparse prefill")
+
+
+def test_templates_match_ir_op_reference():
+    """Both templates are drop-ins for the IR op on bound operands; form decides which applies."""
+    op = OPS["mla_attention"]
+    for form, mod, b in (("absorbed", sparse_mod, _batch(7, [(26, 2), (10, 1)])),
+                         ("latent", sparse_mod, _batch(10, [(22, 2), (30, 1)])),
+                         ("decompressed", prefill_mod, _batch(8, [(26, 9)], with_selection=False))):
+        ops = [b["qn"], b["qp"], b["lat"], b["kvb"], b["tp"], b["tr"], b["rb"]] + ([b["sel"]] if b["sel"] is not None else [])
+        a = op.bind(ops)
+        attrs = op.full_attrs({"scale": SCALE, "form": form})
+        t = mod.TEMPLATES[0]
+        got = t.launch(a, attrs, t.heuristic(t.key_dims(a, attrs), "cpu"))
+        assert_close_rel(got, op.reference(a, attrs), 1e-5, t.family)
+
+
+def test_templates_read_rows_when_selection_kind_is_rows():
+    op = OPS["mla_attention"]
+    b = _batch(9, [(28, 3), (9, 1)])
+    rows = ref.selection_positions_to_rows(b["sel"], b["tr"], b["rb"])
+    a = op.bind([b["qn"], b["qp"], b["lat"], b["kvb"], b["tp"], b["tr"], b["rb"], rows])
+    for form, mod in (("absorbed", sparse_mod), ("decompressed", prefill_mod)):
+        attrs = op.full_attrs({"scale": SCALE, "form": form, "selection_kind": "rows"})
+        t = mod.TEMPLATES[0]
+        got = t.launch(a, attrs, t.heuristic(t.key_dims(a, attrs), "cpu"))
+        assert_close_rel(got, op.reference(a, attrs), 1e-5, f"{t.family} rows")
+
+
+def test_supports_on_ir_types():
+    from ir.core import TensorType
+    from ir.dtypes import bf16, i64
+
+    op = OPS["mla_attention"]
+    a = op.bind([TensorType(bf16, ("B", 96, 128)), TensorType(bf16, ("B", 96, 64)), TensorType(bf16, ("N", 576)),
+                 TensorType(bf16, (96 * 256, 512)), TensorType(i64, ("B",)), TensorType(i64, ("B",)),
+                 TensorType(i64, ("R",))])
+    assert sparse_mod.TEMPLATES[0].supports(a, {"form": "absorbed"}, "h200") is None
+    assert prefill_mod.TEMPLATES[0].supports(a, {"form": "decompressed"}, "h200") is None
+    assert "absorbed" in prefill_mod.TEMPLATES[0].supports(a, {"form": "absorbed"}, "h200")

@@ -348,8 +348,9 @@ def main():
     print(text)
     print("\n== summary (ms) ==")
     for m in DOC["measurements"]:
-        keys = [k for k in ("BK", "WARPS_INTRA", "BV", "WARPS", "STAGES", "median_ms", "graph_ms", "fla_ms", "speedup_vs_fla", "x_floor", "x_floor_graph",
-                            "rel_err_o", "rel_err_out", "rel_err_state", "intra_ms", "state_ms") if m.get(k) is not None]
+        keys = [k for k in ("BK", "WARPS_INTRA", "BV", "WARPS", "STAGES", "median_ms", "graph_ms", "fla_ms",
+                            "speedup_vs_fla", "x_floor", "x_floor_graph", "rel_err_o", "rel_err_out", "rel_err_state",
+                            "intra_ms", "state_ms") if m.get(k) is not None]
         print(f"{m['name']:<36} " + " ".join(f"{k}={m[k]:.4g}" if isinstance(m[k], float) else f"{k}={m[k]}"
                                              for k in keys))
     for e in DOC["errors"]:

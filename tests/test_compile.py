@@ -4,6 +4,7 @@ artifact (through its selected kernels) gives the reference interpreter's logits
 from __future__ import annotations
 
 import filecmp
+import json
 import os
 
 import pytest
@@ -71,19 +72,30 @@ def test_disable_and_print_after(tmp_path, capsys):
     assert "no_such_pass" in err and "packed_projection" in err
 
 
-def test_full_size_compiles_without_weights(tmp_path):
+def test_full_size_compiles_without_weights(tmp_path, capsys):
+    """The issue-9 command: full K3.1 Pro, no weights, planned for 8 GB300s with DCP 8."""
     out = tmp_path / "pro"
-    assert main(["compile", "--model", "k31-pro", "--target", "h200", "-o", str(out)]) == 0
+    assert main(["compile", "--model", "k31-pro", "--target", "gb300", "--tp", "8", "--dcp", "8", "-o", str(out)]) == 0
     assert not (out / "weights").exists()
     assert "fused.packed_linear" in (out / "module.ir").read_text()
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan and "not materialised" in (out / "report.txt").read_text()
+    assert main(["run", str(out), "--prompt", "x"]) == 2  # built for GB300, no weights: refused with a reason
+    err = capsys.readouterr().err
+    assert "gb300" in err and ("no GPU" in err or "no weights" in err)
 
 
-def test_bad_artifact_and_target(tmp_path, capsys):
+def test_plan_only_target_and_bad_artifact(tmp_path, capsys):
+    out = tmp_path / "tpu"
+    assert main(["compile", "--model", "k31-tiny", "--target", "tpu-v7x", "-o", str(out)]) == 0
+    assert "none: plan only" in (out / "report.txt").read_text()
+    assert main(["run", str(out), "--prompt", "x"]) == 2
+    assert "plan only" in capsys.readouterr().err
     with pytest.raises(ArtifactError, match="not a k31c artifact"):
         load_artifact(str(tmp_path))
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "x").write_text("x")
     assert main(["compile", "--model", "k31-tiny", "-o", str(tmp_path / "junk")]) == 2
     assert "not a k31c artifact" in capsys.readouterr().err
-    assert main(["compile", "--model", "k31-tiny", "--target", "tpu-v7x", "-o", str(tmp_path / "t")]) == 2
-    assert "k31c explain" in capsys.readouterr().err
+    assert main(["compile", "--model", "k31-pro", "--target", "h200", "-o", str(tmp_path / "t")]) == 2
+    assert "fit" in capsys.readouterr().err  # 1.4 TB of weights on one H200: the planner says by how much

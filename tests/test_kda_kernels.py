@@ -267,6 +267,40 @@ def test_decode_template_drop_in():
     assert "power of two" in t.supports(types, attrs, "cpu")
 
 
+def test_tiny_model_prefill_decode_verify_through_the_kernels():
+    """k31-tiny (D=64) after passes/kda_decode_fusion.py: the compiled executor runs every `kda` of
+    prefill through kda_prefill and every fused.kda_decode of decode/verify through kda_decode; logits of
+    a ragged prefill (70 + 5 tokens), a decode and a verification step equal the unfused reference."""
+    from codegen.registry import templates_for
+    from codegen.select import Choice
+    from k31c.model.build import build_module
+    from k31c.model.init_weights import random_weights
+    from k31c.model.presets import get_preset
+    from k31c.runtime.executor import Executor
+    from k31c.runtime.reference import ReferenceRuntime
+    from passes import kda_decode_fusion
+    from passes.base import PassContext
+
+    cfg = get_preset("k31-tiny")
+    weights = random_weights(cfg, 3)
+    fused = build_module(cfg)
+    assert kda_decode_fusion.run(fused, PassContext()) > 0
+    choices = [Choice(fname, i, n.op, "", templates_for(n.op)[0]) for fname, fn in fused.functions.items()
+               for i, n in enumerate(fn.nodes) if n.op in ("kda", "fused.kda_decode")]
+    engine = Executor(fused, weights, choices, target="cpu")
+    logits = []
+    for module, eng in ((fused, engine), (build_module(cfg), None)):
+        rt = ReferenceRuntime(module, weights, max_rows=256, max_requests=2, engine=eng)
+        rt.add_request("a", 128)
+        rt.add_request("b", 128)
+        logits.append([rt.prefill({"a": list(range(1, 71)), "b": list(range(5, 10))}), rt.decode({"a": 3, "b": 4}),
+                       rt.verify({"a": [5, 6, 7], "b": [8]})])
+    n_kda = sum(cfg.layer_kind(i) == "kda" for i in range(cfg.num_hidden_layers))
+    assert engine.calls["kda_prefill"] == n_kda and engine.calls["kda_decode"] == 2 * n_kda
+    for what, mine, want in zip(("prefill", "decode", "verify"), *logits):
+        assert_close_rel(mine, want, 1e-4, f"tiny model logits, {what}")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 kernels are checked on a GPU (the interpreter "
                                                           "computes bf16 wrongly); benches/bench_kda.py times them")
 def test_bf16_full_shape_gpu():

@@ -239,8 +239,9 @@ def run_intra(q, k, v, graw, beta, starts, lens, scale, cfg, *, gate_mode=0, A_l
     N, dev = starts.numel(), q.device
     W = torch.empty(N, H, CHUNK, D, device=dev, dtype=ws_dt)
     ws = (W, torch.empty(N, H, CHUNK, Dv, device=dev, dtype=ws_dt), torch.empty_like(W), torch.empty_like(W),
-          torch.empty(N, H, CHUNK, CHUNK, device=dev, dtype=ws_dt), torch.empty(N, H, D, device=dev, dtype=torch.float32))
-    gw = torch.empty(N, H, CHUNK, D, device=dev, dtype=torch.float32)  # G per chunk, kernel-internal
+          torch.empty(N, H, CHUNK, CHUNK, device=dev, dtype=ws_dt),
+          torch.empty(N, H, D, device=dev, dtype=torch.float32))
+    gw = torch.empty(N, H, CHUNK, D, device=dev, dtype=torch.float32)  # lc per chunk, kernel-internal
     dummy = torch.zeros(1, device=dev, dtype=torch.float32)
     _kda_intra_kernel[(N, H)](
         qv, kv_, vv, gv, bv, dt_bias if dt_bias is not None else dummy, A_log if A_log is not None else dummy,

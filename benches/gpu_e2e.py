@@ -82,10 +82,11 @@ def main():
                                   "trace": traceback.format_exc()[-2000:]})
 
     def interp_gpu():
-        rt = ReferenceRuntime(module, weights, max_rows=512, max_requests=8, device="cuda")
-        out, t = run_steps(rt, [prompt], steps)
-        res["checks"]["reference_interpreter_gpu_fp32_vs_cpu_fp64"] = rel(out, ref)
-        res["timings"]["reference_decode_step_ms"] = 1e3 * sorted(t)[len(t) // 2]
+        for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+            rt = ReferenceRuntime(module, weights, max_rows=512, max_requests=8, device="cuda", compute_dtype=dtype)
+            out, t = run_steps(rt, [prompt], steps)
+            res["checks"][f"reference_interpreter_gpu_{name}_vs_cpu_fp64"] = rel(out, ref)
+            res["timings"][f"reference_{name}_decode_step_ms"] = 1e3 * sorted(t)[len(t) // 2]
 
     art_dir = tempfile.mkdtemp()
 
@@ -118,9 +119,11 @@ def main():
             res["checks"][f"alone_vs_batch_bitwise_equal_bi_{bi}"] = bool(torch.equal(outs[0], outs[1]))
             res["checks"][f"alone_vs_batch_max_abs_diff_bi_{bi}"] = float((outs[0] - outs[1]).abs().max())
 
-    section("interpreter_gpu", interp_gpu)
-    section("compiled_gpu", compiled_gpu)
-    section("batch_invariance", batch_invariance)
+    wanted = os.environ.get("GPU_E2E_SECTIONS", "interpreter_gpu,compiled_gpu,batch_invariance").split(",")
+    for name, fn in (("interpreter_gpu", interp_gpu), ("compiled_gpu", compiled_gpu),
+                     ("batch_invariance", batch_invariance)):
+        if name in wanted:
+            section(name, fn)
     text = json.dumps(res, indent=1, default=str)
     print(text)
     if os.environ.get("OUT"):

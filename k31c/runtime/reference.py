@@ -78,7 +78,7 @@ class ReferenceRuntime:
         `k31c.runtime.executor.Executor` (kernels) over the same module."""
         self.module = module
         self.interp = engine or Interpreter(module, weights, compute_dtype, device)
-        self.device, self.compute_dtype = torch.device(device), compute_dtype
+        self.device, self.compute_dtype = self.interp.device, self.interp.compute_dtype  # pools live with the engine
         fn = module.function("prefill")
         names = [v.name for v in fn.inputs]
         if tuple(names[:len(METADATA)]) != METADATA:

@@ -34,8 +34,7 @@ from __future__ import annotations
 from ir.core import Function, Module, Node
 
 from .base import PassContext
-from .rewrite import order_signature, producers, value_key
-from .rewrite import fuse, single_user, uses
+from .rewrite import fuse, order_signature, producers, single_user, uses, value_key
 
 NAME = "attn_res_fusion"
 FUSED_OP = "fused.attn_res_mix_norm"

@@ -51,7 +51,9 @@ from __future__ import annotations
 from ir.core import Function, Module, Node
 
 from .base import PassContext, PassError
-from .rewrite import fuse, group_escapes, linear_source, order_signature, producers, single_user, take_from_pack
+from .rewrite import (
+    fuse, group_escapes, linear_source, order_signature, producers, rewrite_each, single_user, take_from_pack
+)
 
 NAME = "fused_indexer_front"
 FUSED_OP = "fused.indexer_front"
@@ -113,9 +115,4 @@ def _rewrite(fn: Function, topk: Node) -> bool:
 
 
 def run(module: Module, ctx: PassContext) -> int:
-    rewrites = 0
-    for fn in module.functions.values():
-        for topk in [n for n in fn.nodes if n.op == "indexer_topk"]:
-            rewrites += _rewrite(fn, topk)
-    ctx.count(NAME, rewrites)
-    return rewrites
+    return rewrite_each(module, ctx, NAME, "indexer_topk", _rewrite)

@@ -31,8 +31,7 @@ from __future__ import annotations
 from ir.core import Function, Module, Node, Value
 
 from .base import PassContext, PassError
-from .rewrite import fresh_name
-from .rewrite import fuse, uses
+from .rewrite import fresh_name, fuse, rewrite_each, uses
 
 NAME = "fused_indexer_select"
 FUSED_OP = "fused.indexer_select"
@@ -78,9 +77,4 @@ def _rewrite(fn: Function, topk: Node) -> bool:
 
 
 def run(module: Module, ctx: PassContext) -> int:
-    rewrites = 0
-    for fn in module.functions.values():
-        for topk in [n for n in fn.nodes if n.op == "indexer_topk"]:
-            rewrites += _rewrite(fn, topk)
-    ctx.count(NAME, rewrites)
-    return rewrites
+    return rewrite_each(module, ctx, NAME, "indexer_topk", _rewrite)

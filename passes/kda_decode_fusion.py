@@ -45,8 +45,7 @@ from __future__ import annotations
 from ir.core import Function, Module, Node
 
 from .base import PassContext, PassError
-from .rewrite import group_escapes, order_signature, producers
-from .rewrite import fuse
+from .rewrite import fuse, group_escapes, order_signature, producers
 
 NAME = "kda_decode_fusion"
 FUSED_OP = "fused.kda_decode"

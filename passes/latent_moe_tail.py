@@ -35,8 +35,7 @@ from __future__ import annotations
 from ir.core import Function, Module, Node
 
 from .base import PassContext
-from .rewrite import order_signature
-from .rewrite import fuse, single_user, uses
+from .rewrite import fuse, order_signature, single_user, uses
 
 NAME = "latent_moe_tail"
 FUSED_OP = "fused.latent_moe_tail"

@@ -39,8 +39,9 @@ from ir.core import Function, Module, Node, Value
 from ir.verifier import consumed_operands
 
 from .base import PassContext, PassError
-from .rewrite import group_escapes, linear_source, order_signature, producers, take_from_pack
-from .rewrite import fuse, single_user
+from .rewrite import (
+    fuse, group_escapes, linear_source, order_signature, producers, rewrite_each, single_user, take_from_pack
+)
 
 NAME = "overlapped_mla_query"
 FUSED_OP = "fused.mla_query"
@@ -171,9 +172,4 @@ def _rewrite(fn: Function, mla: Node) -> bool:
 
 
 def run(module: Module, ctx: PassContext) -> int:
-    rewrites = 0
-    for fn in module.functions.values():
-        for mla in [n for n in fn.nodes if n.op == "mla_attention"]:
-            rewrites += _rewrite(fn, mla)
-    ctx.count(NAME, rewrites)
-    return rewrites
+    return rewrite_each(module, ctx, NAME, "mla_attention", _rewrite)

@@ -173,3 +173,14 @@ def group_escapes(fn: Function, group: list[Node]) -> set[int]:
     defined = {id(o) for n in group for o in n.outputs}
     read = {id(v) for n in fn.nodes if id(n) not in members for v in n.inputs} | {id(v) for v in fn.outputs}
     return defined & read
+
+
+def rewrite_each(module, ctx, name: str, op: str, rewrite) -> int:
+    """The usual `run` of a pass: call `rewrite(fn, node) -> bool` on every node of op `op` in every
+    function (a snapshot taken before rewriting), count the rewrites under the pass name."""
+    rewrites = 0
+    for fn in module.functions.values():
+        for node in [n for n in fn.nodes if n.op == op]:
+            rewrites += bool(rewrite(fn, node))
+    ctx.count(name, rewrites)
+    return rewrites

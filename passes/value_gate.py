@@ -33,8 +33,7 @@ from __future__ import annotations
 from ir.core import Function, Module, Node, Value
 
 from .base import PassContext
-from .rewrite import fresh_name, order_signature, producers
-from .rewrite import fuse, single_user
+from .rewrite import fresh_name, fuse, order_signature, producers, rewrite_each, single_user
 
 NAME = "value_gate"
 FUSED_OP = "fused.value_gate"
@@ -79,9 +78,4 @@ def _rewrite(fn: Function, mla: Node) -> bool:
 
 
 def run(module: Module, ctx: PassContext) -> int:
-    rewrites = 0
-    for fn in module.functions.values():
-        for mla in [n for n in fn.nodes if n.op == "mla_attention"]:
-            rewrites += _rewrite(fn, mla)
-    ctx.count(NAME, rewrites)
-    return rewrites
+    return rewrite_each(module, ctx, NAME, "mla_attention", _rewrite)

@@ -1,6 +1,8 @@
 """The reference interpreter: executes any function of a module with the ops' torch references.
 
-Every float storage type (bf16, f16, f32, f64) is computed in one compute dtype (fp32 or fp64);
+Every float storage type (bf16, f16, f32, f64) is computed in the compute dtype (fp32 or fp64), except
+that with a 16-bit compute dtype (bf16 on a GPU) values the IR declares f32 (KDA states, router logits,
+the expert sum, scales) stay fp32, as they are at run time;
 FP8 values stay FP8 (their quantisation is part of the semantics); packed weights (MXFP4) are
 dequantised once when first used. Shapes of inputs and results are checked against the declared
 symbolic types as it goes. Pools updated in place by an op are the caller's tensors: the caller
@@ -51,10 +53,16 @@ class Interpreter:
             self._params[name] = t
         return t
 
+    def float_dtype(self, dtype_name: str) -> torch.dtype:
+        """The torch dtype a value declared `dtype_name` is held in (a widened float or mxfp4)."""
+        if dtype_name in ("f32", "f64") and self.compute_dtype in (torch.bfloat16, torch.float16):
+            return torch.float32
+        return self.compute_dtype
+
     def prepare(self, t: torch.Tensor, dtype_name: str) -> torch.Tensor:
         t = t.to(self.device)
         if dtype_name in WIDENED_FLOATS or dtype_name == "mxfp4":
-            return t.to(self.compute_dtype)
+            return t.to(self.float_dtype(dtype_name))
         return t
 
     # ---- execution ----------------------------------------------------------------------------
@@ -74,8 +82,9 @@ class Interpreter:
             if v.type.dtype.name in WIDENED_FLOATS:
                 if not t.is_floating_point():
                     raise InterpreterError(f"input %{v.name}: expected {v.type}, found {t.dtype}")
-                if t.dtype != self.compute_dtype or t.device != self.device:
-                    t = t.to(self.device, self.compute_dtype)  # a copy: in-place pools must be given in compute dtype
+                want = self.float_dtype(v.type.dtype.name)
+                if t.dtype != want or t.device != self.device:
+                    t = t.to(self.device, want)  # a copy: in-place pools must be given in this dtype
             self._check(v, t, env, f"input %{v.name} of @{f.name}")
             vals[v.name] = t
         return self._run_body(f, vals, env)
@@ -90,6 +99,9 @@ class Interpreter:
             args = [self.param(v.name) if v.is_param else vals[v.name] for v in n.inputs]
             outs = self._execute(n, args, env)
             for v, t in zip(n.outputs, outs):
+                if v.type.dtype.name in WIDENED_FLOATS and t.is_floating_point():
+                    want = self.float_dtype(v.type.dtype.name)
+                    t = t if t.dtype == want else t.to(want)  # e.g. cast(bf16 -> f32) under a bf16 compute dtype
                 self._check(v, t, env, f"result {v.ref} of {n.op} in @{f.name}")
                 vals[v.name] = t
             for v in n.inputs:

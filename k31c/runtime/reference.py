@@ -89,7 +89,8 @@ class ReferenceRuntime:
         self.pools: dict[str, torch.Tensor] = {}
         for v in fn.inputs[len(METADATA):]:
             dims = [evaluate(d, env) for d in v.type.shape]
-            dt = compute_dtype if v.type.dtype.name in WIDENED_FLOATS else v.type.dtype.torch_dtype
+            name = v.type.dtype.name
+            dt = self.interp.float_dtype(name) if name in WIDENED_FLOATS else v.type.dtype.torch_dtype
             self.pools[v.name] = torch.zeros(dims, dtype=dt, device=self.device)
         self.state_pools = [n for n, t in self.pools.items() if _leading_symbol(fn, n) == "S"]
         self.rows = _RowAllocator(max_rows)

@@ -1,0 +1,301 @@
+"""Packed hybrid block-cache layout (DESIGN §5 T1, T7; SPEC §7): the plan recorded in plan.json.
+
+One cache block of B tokens (B a power of two) is ONE contiguous row of the cache pool. The row holds,
+for every full-attention (MLA) layer in model order, that block's latent page and then its index-key
+page (K3.1 Pro only). Pages have their own widths (no padding to a common size); each page starts at
+a multiple of `alignment` bytes and the row is rounded up to a multiple of `alignment`:
+
+    row = [ latent(l0) | pad | key(l0) | pad | latent(l1) | pad | key(l1) | ... | pad ]
+
+Inside a page the token data is stored section-major ("structure of arrays"): every section is a
+dense [B, width] array of one element type, so kernels load unit-stride tiles of codes, scales and
+k_pe separately and an f32 scale is never misaligned. Sections per format (kv = kv_lora_rank,
+r = qk_rope_head_dim, d = index_head_dim), bytes per token from `k31c.plan.memory`:
+
+    latent bf16 : latent  bf16  [B, kv+r]                                       2(kv+r) = 1152 B
+    latent fp8  : latent  e4m3  [B, kv+r]   (per-layer scale held outside)       kv+r    =  576 B
+    latent nvfp4: codes   u8    [B, kv/2] (two E2M1, low nibble even) | scales e4m3 [B, kv/16]
+                  | k_pe  e4m3  [B, r]                                kv/2+kv/16+r = 352 B
+    key fp8     : keys    e4m3  [B, d]  | scale f32 [B]                          d+4     =  132 B
+    key mxfp4   : codes   u8    [B, d/2] | scales u8 (E8M0) [B, d/32]            d/2+d/32 =  68 B
+
+Bytes per token (logical, SPEC §7) = Σ_layers (latent + key) = 24·576 = 13,824 (K3, fp8),
+24·708 = 16,992 (fp8 + fp8 keys), 24·420 = 10,080 (nvfp4 + mxfp4 keys). Physical bytes per token =
+row_bytes / B = logical + padding / B; padding is 0 whenever every page size B·w is a multiple of the
+alignment (k31-pro, 128-B alignment: all B ≥ 32), otherwise each page is rounded up to the alignment.
+
+KDA state and conv tails live in a SEPARATE per-request slot pool (`StateLayout`), not in a block
+row: state is per request (fixed size, independent of the context length) while rows are per token
+block and all rows have one size. On k31-pro a request's state is 69 layers × (H·D·D·4 + (K−1)·3P·4)
+≈ 465 MB at tp=1, ~430× a 64-token row (1.09 MB); folding it into rows would either inflate every row or
+make rows unequal. A slot pool sized by `max_requests` keeps rows small and uniform, lets prefix-cache
+checkpoints (T8) be plain slots, and matches T11 (rows and per-request state are transferred apart).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..model.config import ModelConfig
+from ..plan.memory import kda_state_bytes, key_bytes_per_token, latent_bytes_per_token
+
+LATENT_FORMATS = ("fp8", "nvfp4", "bf16")
+KEY_FORMATS = ("fp8", "mxfp4")
+STATE_FORMATS = ("f32", "bf16")
+
+DTYPES = {"u8": torch.uint8, "e4m3": torch.float8_e4m3fn, "bf16": torch.bfloat16, "f32": torch.float32}
+DTYPE_BYTES = {"u8": 1, "e4m3": 1, "bf16": 2, "f32": 4}
+
+
+class LayoutError(ValueError):
+    """An impossible layout request (bad block size, format, alignment or model)."""
+
+
+def _round_up(x: int, a: int) -> int:
+    return -(-x // a) * a
+
+
+def _is_pow2(x: int) -> bool:
+    return isinstance(x, int) and x > 0 and x & (x - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+    """One dense array of a page: `dtype` [B, width] (shape [B] when width is None) at `offset` bytes
+    from the page start."""
+    name: str
+    dtype: str
+    width: int | None
+    offset: int
+
+    def elems_per_token(self) -> int:
+        return 1 if self.width is None else self.width
+
+    def bytes_per_token(self) -> int:
+        return self.elems_per_token() * DTYPE_BYTES[self.dtype]
+
+
+@dataclasses.dataclass(frozen=True)
+class Page:
+    """The page of one full-attention layer and kind ("latent" or "key") inside a row."""
+    layer: int  # model layer index (as in the `latent.{i}` pool names)
+    kind: str
+    fmt: str
+    offset: int  # bytes from the row start
+    nbytes: int  # B · bytes_per_token (+ section alignment, 0 for every supported format)
+    bytes_per_token: int
+    sections: tuple[Section, ...]
+
+    def section(self, name: str) -> Section:
+        for s in self.sections:
+            if s.name == name:
+                return s
+        raise KeyError(f"{self.kind} page ({self.fmt}) of layer {self.layer} has no section {name!r}; "
+                       f"sections: {[s.name for s in self.sections]}")
+
+
+def _section_specs(cfg: ModelConfig, kind: str, fmt: str) -> list[tuple[str, str, int | None]]:
+    kv, r, d = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim
+    if kind == "latent":
+        return {"bf16": [("latent", "bf16", kv + r)], "fp8": [("latent", "e4m3", kv + r)],
+                "nvfp4": [("codes", "u8", kv // 2), ("scales", "e4m3", kv // 16), ("k_pe", "e4m3", r)]}[fmt]
+    return {"fp8": [("keys", "e4m3", d), ("scale", "f32", None)],
+            "mxfp4": [("codes", "u8", d // 2), ("scales", "u8", d // 32)]}[fmt]
+
+
+def _page_sections(cfg: ModelConfig, kind: str, fmt: str, block: int) -> tuple[tuple[Section, ...], int, int]:
+    """Sections of one page, the page byte size and the largest element size (the page's own alignment)."""
+    out, off, elem = [], 0, 1
+    for name, dt, width in _section_specs(cfg, kind, fmt):
+        es = DTYPE_BYTES[dt]
+        off = _round_up(off, es)
+        out.append(Section(name, dt, width, off))
+        off += block * (1 if width is None else width) * es
+        elem = max(elem, es)
+    per_token = sum(s.bytes_per_token() for s in out)
+    expected = latent_bytes_per_token(cfg, fmt) if kind == "latent" else key_bytes_per_token(cfg, fmt)
+    if per_token != expected:  # the section split must agree with the memory planner byte for byte
+        raise LayoutError(f"{kind} {fmt}: sections hold {per_token} B/token but plan.memory says {expected}")
+    return tuple(out), off, elem
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+    """One per-request KDA slot: for every KDA layer its recurrent state [H/tp, D, D] (f32|bf16) then its
+    conv tail [K−1, 3P/tp] (f32), each at a multiple of `alignment`."""
+    layers: tuple[int, ...]
+    heads: int  # per rank
+    head_dim: int
+    conv_shape: tuple[int, int]
+    state_fmt: str
+    state_offsets: tuple[int, ...]
+    conv_offsets: tuple[int, ...]
+    slot_bytes: int
+    state_bytes_per_layer: int
+    conv_bytes_per_layer: int
+
+    def offsets(self, layer: int) -> tuple[int, int]:
+        if layer not in self.layers:
+            raise KeyError(f"layer {layer} is not a KDA layer; KDA layers: {list(self.layers)}")
+        j = self.layers.index(layer)
+        return self.state_offsets[j], self.conv_offsets[j]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockLayout:
+    """The plan of one cache row (see the module docstring) plus the KDA slot layout."""
+    model: str
+    block_size: int
+    latent_fmt: str
+    key_fmt: str | None  # None when the model has no indexer (K3)
+    alignment: int
+    pages: tuple[Page, ...]
+    row_bytes: int
+    state: StateLayout | None
+    tp: int
+
+    # ---- lookup ----------------------------------------------------------------------------------
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(dict.fromkeys(p.layer for p in self.pages))
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return ("latent", "key") if self.key_fmt else ("latent",)
+
+    def page(self, layer: int, kind: str) -> Page:
+        for p in self.pages:
+            if p.layer == layer and p.kind == kind:
+                return p
+        raise KeyError(f"no {kind!r} page for layer {layer}: full-attention layers {list(self.layers)}, "
+                       f"kinds {list(self.kinds)}")
+
+    def page_offsets(self, kind: str) -> tuple[int, ...]:
+        """Byte offset within the row of `kind`'s page of each full-attention layer, in layer order."""
+        return tuple(self.page(layer, kind).offset for layer in self.layers)
+
+    # ---- byte accounting -------------------------------------------------------------------------
+    @property
+    def bytes_per_token_per_layer(self) -> dict:
+        """Bytes per token of one full-attention layer (the same for every layer)."""
+        lat = self.page(self.layers[0], "latent").bytes_per_token
+        key = self.page(self.layers[0], "key").bytes_per_token if self.key_fmt else 0
+        return {"latent": lat, "key": key, "total": lat + key}
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Logical cache bytes per token over all full-attention layers (SPEC §7, no padding)."""
+        return sum(p.bytes_per_token for p in self.pages)
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.block_size * self.bytes_per_token
+
+    @property
+    def padding_bytes(self) -> int:
+        return self.row_bytes - self.payload_bytes
+
+    @property
+    def row_bytes_per_token(self) -> float:
+        """Physical bytes per token: row_bytes / B = bytes_per_token + padding_bytes / B."""
+        return self.row_bytes / self.block_size
+
+    def rows_for_bytes(self, budget: int) -> int:
+        return max(budget, 0) // self.row_bytes
+
+    def capacity_tokens(self, rows: int) -> int:
+        return rows * self.block_size
+
+    def blocks_for_tokens(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def to_json(self) -> dict:
+        """The `cache_layout` section of plan.json."""
+        st = None
+        if self.state is not None:
+            s = self.state
+            st = {"placement": "per-request slot pool (separate from block rows)", "kda_layers": list(s.layers),
+                  "heads_per_rank": s.heads, "head_dim": s.head_dim, "state_format": s.state_fmt,
+                  "conv_shape": list(s.conv_shape), "state_bytes_per_layer": s.state_bytes_per_layer,
+                  "conv_bytes_per_layer": s.conv_bytes_per_layer, "slot_bytes": s.slot_bytes,
+                  "layers": [{"layer": l, "state_offset": so, "conv_offset": co}
+                             for l, so, co in zip(s.layers, s.state_offsets, s.conv_offsets)]}
+        return {
+            "model": self.model, "block_size": self.block_size, "latent_format": self.latent_fmt,
+            "key_format": self.key_fmt, "alignment": self.alignment, "tp": self.tp,
+            "full_attention_layers": len(self.layers),
+            "bytes_per_token_per_layer": self.bytes_per_token_per_layer,
+            "bytes_per_token": self.bytes_per_token, "row_bytes": self.row_bytes,
+            "payload_bytes_per_row": self.payload_bytes, "padding_bytes_per_row": self.padding_bytes,
+            "row_bytes_per_token": self.row_bytes_per_token,
+            "pages": [{"layer": p.layer, "kind": p.kind, "format": p.fmt, "offset": p.offset, "bytes": p.nbytes,
+                       "bytes_per_token": p.bytes_per_token,
+                       "sections": [{"name": s.name, "dtype": s.dtype, "width": s.width, "offset": s.offset}
+                                    for s in p.sections]} for p in self.pages],
+            "kda_state": st,
+        }
+
+
+def plan_state_layout(cfg: ModelConfig, tp: int, state_fmt: str, alignment: int) -> StateLayout | None:
+    layers = cfg.kda_layers
+    if not layers:
+        return None
+    if cfg.kda_num_heads % tp:
+        raise LayoutError(f"KDA heads {cfg.kda_num_heads} not divisible by tp={tp}")
+    mem = kda_state_bytes(cfg, tp, state_fmt)
+    heads, d = cfg.kda_num_heads // tp, cfg.kda_head_dim
+    conv_shape = (cfg.conv_kernel_size - 1, 3 * heads * d)
+    state_b = heads * d * d * DTYPE_BYTES[state_fmt]
+    conv_b = conv_shape[0] * conv_shape[1] * 4
+    if len(layers) * (state_b + conv_b) != mem["per_request_per_rank"]:
+        raise LayoutError(f"KDA slot {len(layers) * (state_b + conv_b)} B disagrees with plan.memory "
+                          f"{mem['per_request_per_rank']} B")
+    so, co, off = [], [], 0
+    for _ in layers:
+        so.append(off)
+        off = _round_up(off + state_b, alignment)
+        co.append(off)
+        off = _round_up(off + conv_b, alignment)
+    return StateLayout(tuple(layers), heads, d, conv_shape, state_fmt, tuple(so), tuple(co), off, state_b, conv_b)
+
+
+def plan_block_layout(cfg: ModelConfig, block_size: int = 64, latent_fmt: str = "fp8", key_fmt: str = "fp8",
+                      alignment: int = 128, tp: int = 1, state_fmt: str = "f32") -> BlockLayout:
+    """Plan one packed cache row for `cfg`. `key_fmt` is ignored (None) for models without an indexer.
+    `alignment` (a power of two, bytes) applies to every page start and to the row size; a page is
+    also aligned to its largest element size, so alignment=1 means "no padding" for every format here."""
+    if not _is_pow2(block_size):
+        raise LayoutError(f"block size must be a power of two (blocks pair across instances of different "
+                          f"TP, DESIGN §5 T1), found {block_size!r}")
+    if not _is_pow2(alignment):
+        raise LayoutError(f"alignment must be a power of two number of bytes, found {alignment!r}")
+    if latent_fmt not in LATENT_FORMATS:
+        raise LayoutError(f"latent cache format must be one of {LATENT_FORMATS}, found {latent_fmt!r}")
+    if state_fmt not in STATE_FORMATS:
+        raise LayoutError(f"KDA state format must be one of {STATE_FORMATS}, found {state_fmt!r}")
+    if not cfg.full_attn_layers:
+        raise LayoutError(f"model {cfg.name} has no full-attention layer: there is nothing to page")
+    if cfg.has_indexer:
+        if key_fmt not in KEY_FORMATS:
+            raise LayoutError(f"index-key cache format must be one of {KEY_FORMATS}, found {key_fmt!r}")
+        if key_fmt == "mxfp4" and cfg.index_head_dim % 32:
+            raise LayoutError(f"MXFP4 index keys need index_head_dim divisible by 32, found {cfg.index_head_dim}")
+    if latent_fmt == "nvfp4" and cfg.kv_lora_rank % 16:
+        raise LayoutError(f"NVFP4 latents need kv_lora_rank divisible by 16, found {cfg.kv_lora_rank}")
+    kinds = [("latent", latent_fmt)] + ([("key", key_fmt)] if cfg.has_indexer else [])
+    pages, off, row_align = [], 0, alignment
+    for layer in sorted(cfg.full_attn_layers):
+        for kind, fmt in kinds:
+            sections, nbytes, elem = _page_sections(cfg, kind, fmt, block_size)
+            a = max(alignment, elem)
+            row_align = max(row_align, a)
+            off = _round_up(off, a)
+            per_token = sum(s.bytes_per_token() for s in sections)
+            pages.append(Page(layer, kind, fmt, off, nbytes, per_token, sections))
+            off += nbytes
+    row_bytes = _round_up(off, row_align)
+    state = plan_state_layout(cfg, tp, state_fmt, max(alignment, 4))
+    return BlockLayout(cfg.name, block_size, latent_fmt, key_fmt if cfg.has_indexer else None, alignment,
+                       tuple(pages), row_bytes, state, tp)

@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_inspect_parser(sub)
     add_export_onnx_parser(sub)
     add_init_weights_parser(sub)
+    from autotune_cache.cli import add_cache_parser
+
+    add_cache_parser(sub)
     return ap
 
 
@@ -350,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .model.checkpoint import CheckpointError
     from .model.config import ConfigError
+    from autotune_cache import TuningMiss
     from passes.base import PassError
 
     from .compiler import ArtifactError
@@ -361,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (UsageError, ConfigError, CheckpointError, RequestError, VerifyError, ArtifactError, PassError,
-            PlanConfigError, TargetError) as e:
+            PlanConfigError, TargetError, TuningMiss) as e:
         print(f"k31c {args.command}: error:\n{e}" if "\n" in str(e) else f"k31c {args.command}: error: {e}",
               file=sys.stderr)
         return 2

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from codegen.registry import templates_for
+from codegen.triton import _moe_tiles as tiles
 from codegen.triton import moe_grouped_gemm as gg
 from codegen.triton import moe_router as mr
 from codegen.triton import moe_tail as mt
@@ -135,7 +136,7 @@ def test_tiles_only_for_experts_with_tokens():
     @triton.jit
     def probe(counts_ptr, offsets_ptr, out_ptr, E, E_PAD: tl.constexpr, BM: tl.constexpr):
         tid = tl.program_id(0)
-        total, e, row0, m0, rows = gg._locate_tile(counts_ptr, offsets_ptr, tid, E, E_PAD, BM)
+        total, e, row0, m0, rows = tiles._locate_tile(counts_ptr, offsets_ptr, tid, E, E_PAD, BM)
         tl.store(out_ptr + tid * 4 + tl.arange(0, 4), tl.where(tl.arange(0, 4) == 0, total,
                  tl.where(tl.arange(0, 4) == 1, e, tl.where(tl.arange(0, 4) == 2, row0 + m0, rows))))
 
@@ -208,7 +209,7 @@ def test_mxfp4_tile_is_exact_dequantisation():
     def probe(q_ptr, s_ptr, out_ptr, K, N: tl.constexpr, BK: tl.constexpr):
         rn = tl.arange(0, N)
         for k0 in range(0, K, BK):
-            even, odd = gg._mxfp4_halves_t(q_ptr, s_ptr, 0, 0, rn, rn < N, k0, K, K // 2, K // 32, N, BK,
+            even, odd = tiles._mxfp4_halves_t(q_ptr, s_ptr, 0, 0, rn, rn < N, k0, K, K // 2, K // 32, N, BK,
                                            tl.float32, False)
             cols = k0 + 2 * tl.arange(0, BK // 2)[:, None]
             tl.store(out_ptr + rn[None, :] * K + cols, even)

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from codegen.kernel import KernelTemplate, Tunable, pow2_bucket
+from codegen.triton import _moe_tiles as tiles
 from codegen.triton import moe_grouped_gemm as gg
 
 TAIL_OP = "fused.latent_moe_tail"
@@ -74,7 +75,7 @@ def _up_proj_add_kernel(y_ptr, w_ptr, sh_ptr, out_ptr, T, D, ELL, stride_y, stri
                         IEEE: tl.constexpr, DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                         GROUP_M: tl.constexpr):
     """out[t, n] = Σ_k y[t, k]·W[n, k] + shared[t, n] (fp32 accumulation, K in BK steps, one program)."""
-    pm, pn = gg._swizzle(tl.program_id(0), tl.cdiv(T, BM), tl.cdiv(D, BN), GROUP_M)
+    pm, pn = tiles._swizzle(tl.program_id(0), tl.cdiv(T, BM), tl.cdiv(D, BN), GROUP_M)
     rm = pm * BM + tl.arange(0, BM)
     rn = pn * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -87,7 +88,7 @@ def _up_proj_add_kernel(y_ptr, w_ptr, sh_ptr, out_ptr, T, D, ELL, stride_y, stri
         k_ok = k0 + rk < ELL
         a = tl.load(y_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(DT)
         b = tl.load(w_ptrs + k0, mask=n_ok[None, :] & k_ok[:, None], other=0.0).to(DT)
-        acc = gg._dot(a, b, acc, IEEE)
+        acc = tiles._dot(a, b, acc, IEEE)
     ok = m_ok[:, None] & n_ok[None, :]
     off = rm.to(tl.int64)[:, None]
     acc += tl.load(sh_ptr + off * stride_sh + rn[None, :], mask=ok, other=0.0).to(tl.float32)

@@ -30,9 +30,12 @@ def bucket_id(template: KernelTemplate, key: dict) -> str:
 
 class Executor(Interpreter):
     def __init__(self, module: Module, weights, choices: list[Choice], *, target: str = "cpu",
-                 configs: dict | None = None, batch_invariant: bool = False,
+                 configs: dict | None = None, batch_invariant: bool = False, tuning=None,
                  compute_dtype: torch.dtype = torch.float32, device: str = "cpu"):
+        """`tuning`: an `autotune_cache.MissPolicy` consulted when the artifact has no config for a bucket
+        (records, declared heuristic with misses counted, or tune); without it the heuristic is used."""
         super().__init__(module, weights, compute_dtype, device)
+        self.tuning = tuning
         self.target, self.batch_invariant = target, batch_invariant
         self.configs = dict(configs or {})  # bucket_id -> config
         self._kernel: dict[int, KernelTemplate] = {}
@@ -64,8 +67,11 @@ class Executor(Interpreter):
         bid = bucket_id(t, key)
         config = self.configs.get(bid)
         if config is None:
-            config = t.heuristic(key, self.target)
-            self.misses[bid] += 1
+            if self.tuning is not None:
+                config = self.tuning.config(t, key)  # record | heuristic (counted) | tuner | TuningMiss
+            else:
+                config = t.heuristic(key, self.target)
+                self.misses[bid] += 1
         self.calls[t.family] += 1
         try:
             out = t.launch(a, attrs, config)
@@ -119,4 +125,7 @@ class Executor(Interpreter):
         return self._packed[name]
 
     def stats(self) -> dict:
-        return {"kernel_launches": dict(self.calls), "config_misses": dict(self.misses)}
+        out = {"kernel_launches": dict(self.calls), "config_misses": dict(self.misses)}
+        if self.tuning is not None:
+            out["tuning"] = self.tuning.stats()
+        return out

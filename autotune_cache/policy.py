@@ -24,7 +24,7 @@ MODES = ("readonly", "fallback", "tune")
 
 
 def bucket_id(family: str, bucket: dict) -> str:
-    """'gemm:{"K": 64, "N": 128}' — the same spelling as `k31c.runtime.executor.bucket_id`."""
+    """'gemm:{"K": 64, "N": 128}' (the executor and the artifact's configs.json key buckets this way)."""
     return family + ":" + json.dumps(dict(bucket), sort_keys=True)
 
 

@@ -291,7 +291,6 @@ class CacheStore:
         self._stamp = None
         self._lines: list[Line] = []
         self._by_bucket: dict = {}
-        self._sha: dict[int, str] = {}
 
     # -- reading
     def lines(self) -> list[Line]:
@@ -319,9 +318,7 @@ class CacheStore:
     def lookup(self, template, bucket: dict, live=None) -> tuple[dict | None, LookupStatus]:
         """The config of the newest usable record for (template, bucket) on `live`, and how it was found."""
         env = Environment.coerce(live)
-        sha = self._sha.get(id(template))
-        if sha is None:
-            sha = self._sha[id(template)] = template_sha256(template)
+        sha = template_sha256(template)  # not cached by id(): ids of collected templates are reused
         key = expected_key(template, bucket, env)
         self.lines()
         candidates = self._by_bucket.get((template.family, canonical_json(dict(bucket))), [])

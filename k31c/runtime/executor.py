@@ -10,12 +10,12 @@ dequantised.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from types import SimpleNamespace
 
 import torch
 
+from autotune_cache.policy import bucket_id as tuning_bucket_id
 from codegen.kernel import KernelTemplate
 from codegen.select import Choice
 from ir.core import Module, Node
@@ -25,7 +25,8 @@ from ir.packed import PackedMXFP4
 
 
 def bucket_id(template: KernelTemplate, key: dict) -> str:
-    return template.family + ":" + json.dumps(template.bucket(key), sort_keys=True)
+    """The tuning-record bucket of a launch: the template's bucketing of its key dims."""
+    return tuning_bucket_id(template.family, template.bucket(key))
 
 
 class Executor(Interpreter):

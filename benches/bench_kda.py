@@ -18,14 +18,13 @@ what was measured). Sections, in priority order:
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import sys
 import time
-import traceback
 
 import torch
+from _report import BenchReport  # benches/_report.py (the script's folder is on sys.path)
 
 if not torch.cuda.is_available():  # the interpreter must be chosen before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -47,38 +46,12 @@ H, D = (2, 32) if TINY else (32, 128)
 T_PRE, B_DEC = (128, 4) if TINY else (8192, 64)
 ACT = torch.float32 if TINY else torch.bfloat16   # the interpreter computes bf16 wrongly (TOOLCHAIN.md)
 BUDGET_S = float(os.environ.get("KDA_BENCH_BUDGET_S", "250"))
-T0 = time.time()
-DOC = {"bench": "kda", "command": " ".join([sys.executable] + sys.argv), "machine": {}, "ceilings": {},
-       "measurements": [], "errors": [], "notes": []}
-
-
-def save():
-    text = json.dumps(DOC, indent=1, default=str)
-    if os.environ.get("OUT"):
-        tmp = os.path.join(os.environ["OUT"], "kda.json.tmp")
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, os.path.join(os.environ["OUT"], "kda.json"))
-    return text
-
-
-def section(fn):
-    def run(*a, **k):
-        t = time.time()
-        try:
-            return fn(*a, **k)
-        except Exception as e:  # one shot on the GPU: report and go on
-            DOC["errors"].append({"section": fn.__name__, "error": f"{type(e).__name__}: {e}",
-                                  "trace": traceback.format_exc()[-2500:]})
-            print(f"!! {fn.__name__}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-        finally:
-            print(f"-- {fn.__name__} {time.time() - t:.1f}s (total {time.time() - T0:.0f}s)", flush=True)
-            save()
-    return run
+REPORT = BenchReport("kda")
+DOC, save, section = REPORT.doc, REPORT.save, REPORT.section
 
 
 def left() -> float:
-    return BUDGET_S - (time.time() - T0)
+    return BUDGET_S - (time.time() - REPORT.t0)
 
 
 def ms(fn, rep=100):

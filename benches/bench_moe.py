@@ -17,9 +17,9 @@ import os
 import platform
 import sys
 import time
-import traceback
 
 import torch
+from _report import BenchReport  # benches/_report.py (the script's folder is on sys.path)
 
 if not torch.cuda.is_available():  # the interpreter must be chosen before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -40,34 +40,8 @@ E, K, ELL, INTER, D, SHARED_I = (8, 2, 64, 64, 64, 128) if TINY else (112, 16, 3
 T_DECODE, T_PREFILL = (8, 64) if TINY else (64, 8192)
 ACT = torch.float32 if TINY else torch.bfloat16   # the interpreter computes bf16 wrongly (TOOLCHAIN.md)
 B1, B2, EPS = 4.0, 25.0, 1e-5
-T0 = time.time()
-DOC = {"bench": "moe", "command": " ".join([sys.executable] + sys.argv), "machine": {}, "ceilings": {},
-       "measurements": [], "errors": [], "notes": []}
-
-
-def save():
-    text = json.dumps(DOC, indent=1, default=str)
-    if os.environ.get("OUT"):
-        tmp = os.path.join(os.environ["OUT"], "moe.json.tmp")
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, os.path.join(os.environ["OUT"], "moe.json"))
-    return text
-
-
-def section(fn):
-    def run(*a, **k):
-        t = time.time()
-        try:
-            return fn(*a, **k)
-        except Exception as e:  # one shot on the GPU: report and go on
-            DOC["errors"].append({"section": fn.__name__, "error": f"{type(e).__name__}: {e}",
-                                  "trace": traceback.format_exc()[-2500:]})
-            print(f"!! {fn.__name__}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-        finally:
-            print(f"-- {fn.__name__} {time.time() - t:.1f}s (total {time.time() - T0:.0f}s)", flush=True)
-            save()
-    return run
+REPORT = BenchReport("moe")
+DOC, save, section = REPORT.doc, REPORT.save, REPORT.section
 
 
 def ms(fn, rep=150):
@@ -197,7 +171,7 @@ def sweep(tag, T, cfgs, weights, check_rows, floor, deadline):
             cfg = {**cfg, "DEQ": deq, "GROUP_M": 8}
             name = f"{tag}_{'mxfp4_' + deq if wname == '' else 'dense'}"
             key = gg._key(T, E, K, ELL, INTER, wname == "", ACT, {})
-            if gg.constraints(cfg, key, None) or time.time() - T0 > deadline:
+            if gg.constraints(cfg, key, None) or time.time() - REPORT.t0 > deadline:
                 DOC["notes"].append(f"{name} {cfg} skipped: {gg.constraints(cfg, key, None) or 'time budget'}")
                 continue
             try:
@@ -356,7 +330,7 @@ def layer():
         peers = [("torch_eager_reference", peer_layer, False), ("torch_eager_grouped_mm", peer_layer_grouped, False),
                  ("torch_compile_grouped_mm", peer_layer_grouped, True), ("torch_compile_reference", peer_layer, True)]
         for name, fn, compiled in peers:
-            if compiled and (time.time() - T0 > 215 or DEV == "cpu"):
+            if compiled and (time.time() - REPORT.t0 > 215 or DEV == "cpu"):
                 DOC["notes"].append(f"layer_T{T}_{name} skipped: {'time budget' if DEV == 'cuda' else 'cpu dry run'}")
                 continue
             try:
@@ -385,7 +359,7 @@ def main():
                      "prefill_T": T_PREFILL, "shared_inter": SHARED_I}
     for step in (ceilings, make_weights, decode, prefill, layer):
         step()
-    DOC["total_s"] = round(time.time() - T0, 1)
+    DOC["total_s"] = round(time.time() - REPORT.t0, 1)
     print(save())
     for m in DOC["measurements"]:   # a short table on stderr, after the JSON document
         keys = ("TBps", "ratio_vs_read_bw", "TFLOPs", "ratio_vs_bf16_matmul", "ratio_vs_fp8_matmul", "rel_err", "ok",

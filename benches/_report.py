@@ -1,0 +1,41 @@
+"""Shared bench scaffolding: one JSON document per bench, saved atomically to $OUT/<name>.json after
+every section, and a `section` decorator that records a failing section and goes on (one shot on the
+GPU must still report everything that worked)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+
+class BenchReport:
+    def __init__(self, name: str):
+        self.name, self.t0 = name, time.time()
+        self.doc = {"bench": name, "command": " ".join([sys.executable] + sys.argv), "machine": {}, "ceilings": {},
+                    "measurements": [], "errors": [], "notes": []}
+
+    def save(self) -> str:
+        text = json.dumps(self.doc, indent=1, default=str)
+        if os.environ.get("OUT"):
+            path = os.path.join(os.environ["OUT"], f"{self.name}.json")
+            with open(path + ".tmp", "w") as f:
+                f.write(text)
+            os.replace(path + ".tmp", path)
+        return text
+
+    def section(self, fn):
+        def run(*a, **k):
+            t = time.time()
+            try:
+                return fn(*a, **k)
+            except Exception as e:  # one shot on the GPU: report and go on
+                self.doc["errors"].append({"section": fn.__name__, "error": f"{type(e).__name__}: {e}",
+                                           "trace": traceback.format_exc()[-2500:]})
+                print(f"!! {fn.__name__}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            finally:
+                print(f"-- {fn.__name__} {time.time() - t:.1f}s (total {time.time() - self.t0:.0f}s)", flush=True)
+                self.save()
+        return run

@@ -99,3 +99,23 @@ def test_plan_only_target_and_bad_artifact(tmp_path, capsys):
     assert "not a k31c artifact" in capsys.readouterr().err
     assert main(["compile", "--model", "k31-pro", "--target", "h200", "-o", str(tmp_path / "t")]) == 2
     assert "fit" in capsys.readouterr().err  # 1.4 TB of weights on one H200: the planner says by how much
+
+
+def test_compiled_verify_and_decode_equal_reference(artifact, tiny):
+    """prefill, then verify drafts of 1..8 tokens, then decode: the artifact's kernels vs the reference."""
+    from k31c.runtime.executor import Executor
+    from k31c.runtime.reference import ReferenceRuntime
+
+    cfg, module, weights = tiny("k31-tiny")
+    art = load_artifact(str(artifact))
+    assert sum(c.template is not None for c in art.choices) > 100  # really through kernels
+    toks = torch.randint(0, cfg.vocab_size, (30,), generator=torch.Generator().manual_seed(21)).tolist()
+    outs = []
+    for rt in (ReferenceRuntime(module, weights, max_rows=64, max_requests=1),
+               ReferenceRuntime(art.module, art.weights, max_rows=64, max_requests=1,
+                                engine=Executor(art.module, art.weights, art.choices, configs=art.configs))):
+        rt.add_request("r", 40)
+        rows = [rt.prefill({"r": toks[:18]}), rt.verify({"r": toks[18:19]}), rt.verify({"r": toks[19:27]})]
+        rows += [rt.decode({"r": t}) for t in toks[27:]]
+        outs.append(torch.cat(rows))
+    assert_close_rel(outs[1], outs[0], 2e-5, "compiled prefill + verify + decode vs reference")

@@ -3,7 +3,7 @@
 Artifact layout (same inputs give byte-identical files: no timestamps, sorted keys):
     manifest.json            schema, model config hash, target, layout, passes, toolchain, sha256 of every file
     config.json              the model's configuration (K3 keys)
-    plan.json                memory/capacity/traffic plan (k31c/plan), kernel list with config sources
+    plan.json                memory/capacity/traffic plan (k31c/plan), cache row layout, kernel list
     module.ir                the final IR (parseable text)
     ir/NNN_<pass>.ir         the IR after every pass (000_input.ir first)
     kernels/<family>.py      source of every kernel template used
@@ -34,6 +34,7 @@ from passes.pipeline import run_pipeline
 
 from .artifact import ArtifactError
 from .model.build import build_module
+from .runtime.block_layout import plan_block_layout
 from .model.config import ModelConfig
 
 MAX_WEIGHTS_BYTES = 4 << 30  # presets bigger than this compile without weights (plan only)
@@ -90,12 +91,14 @@ def compile_model(config: ModelConfig, weights: dict | None, out_dir: str, opts:
     configs = _representative_configs(module, choices, opts)
     _write_kernels(out_dir, choices, configs)
     plan = make_plan(opts.plan, _kernel_list(choices, configs))
+    p = opts.plan  # the packed block-row cache layout (T1) the runtime will allocate, per rank
+    plan["cache_layout"] = plan_block_layout(config, p.block_size, p.latent_cache, p.key_cache, tp=p.tp,
+                                             state_fmt=p.kda_state).to_json()
     _write(out_dir, "plan.json", plan_json(plan))
     if weights is not None:
         save_weights(weights, os.path.join(out_dir, "weights", "model.safetensors"))
     report = _report(result.records, choices, opts)
     _write(out_dir, "report.txt", report)
-    p = opts.plan
     write_manifest(out_dir, {"config": config, "model_source": model_source, "target": p.target,
                              "layout": {"tp": p.tp, "dcp": p.dcp, "ep": p.ep}, "passes": [r.name for r in result.records],
                              "options": {"batch_invariant": opts.batch_invariant, "has_weights": weights is not None,

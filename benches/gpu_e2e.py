@@ -105,6 +105,7 @@ def main():
             res["checks"][f"compiled_gpu_{name}_vs_cpu_fp64"] = rel(out, ref)
             res["timings"][f"compiled_{name}_decode_step_ms"] = 1e3 * sorted(t)[len(t) // 2]
             res["timings"][f"compiled_{name}_kernel_launches"] = eng.stats()["kernel_launches"]
+            res["checks"][f"compiled_{name}_nodes_on_side_stream"] = eng.stats()["overlapped_nodes"]
         res["checks"]["kernel_families_selected"] = sorted({c.template.family for c in art.choices if c.template})
 
     def batch_invariance():

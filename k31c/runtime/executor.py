@@ -46,13 +46,41 @@ class Executor(Interpreter):
         self.calls: Counter = Counter()  # family -> launches
         self.misses: Counter = Counter()  # bucket_id -> launches that used the heuristic
         self._packed: dict[str, PackedMXFP4] = {}
+        self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._pending: dict[int, torch.cuda.Event] = {}  # id(Value) produced on the side stream -> its event
+        self.overlapped = 0  # nodes run on the side stream
 
     def run(self, fn, inputs):
         f = self.module.function(fn) if isinstance(fn, str) else fn
         self._token_dim = f.inputs[0].type.shape[0]  # the step's token axis symbol (B, or R for decode)
-        return super().run(f, inputs)
+        outs = super().run(f, inputs)
+        if self._pending:  # results returned to the caller (pools) are complete on the main stream
+            torch.cuda.current_stream(self.device).wait_stream(self._side)
+            self._pending.clear()
+        return outs
 
     def _execute(self, n: Node, args: list, env: dict) -> list[torch.Tensor]:
+        """Nodes annotated `overlap=...` (the MLA query path, independent of the indexer) run on a second
+        CUDA stream; the main stream waits for them only where their results are first read."""
+        main = torch.cuda.current_stream(self.device) if self._side is not None else None
+        for v in n.inputs:
+            ev = self._pending.pop(id(v), None)
+            if ev is not None:
+                main.wait_event(ev)
+        if self._side is None or "overlap" not in n.attrs:
+            return self._dispatch(n, args, env)
+        self._side.wait_stream(main)  # its operands were produced on the main stream
+        with torch.cuda.stream(self._side):
+            outs = self._dispatch(n, args, env)
+            ev = torch.cuda.Event()
+            ev.record(self._side)
+        for o, t in zip(n.outputs, outs):
+            t.record_stream(main)  # allocated on the side stream, used on the main one
+            self._pending[id(o)] = ev
+        self.overlapped += 1
+        return outs
+
+    def _dispatch(self, n: Node, args: list, env: dict) -> list[torch.Tensor]:
         t = self._kernel.get(id(n))
         if t is None:
             if self.batch_invariant and n.body is None:
@@ -126,7 +154,8 @@ class Executor(Interpreter):
         return self._packed[name]
 
     def stats(self) -> dict:
-        out = {"kernel_launches": dict(self.calls), "config_misses": dict(self.misses)}
+        out = {"kernel_launches": dict(self.calls), "config_misses": dict(self.misses),
+               "overlapped_nodes": self.overlapped}
         if self.tuning is not None:
             out["tuning"] = self.tuning.stats()
         return out

@@ -39,3 +39,15 @@ class BenchReport:
                 print(f"-- {fn.__name__} {time.time() - t:.1f}s (total {time.time() - self.t0:.0f}s)", flush=True)
                 self.save()
         return run
+
+
+def median_ms(fn, device: str, rep: int = 100) -> float:
+    """Median time of fn in ms: triton's do_bench on a GPU (warm-up, cache flush), one timed call on CPU."""
+    if device == "cpu":
+        fn()
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=rep, return_mode="median")

@@ -24,7 +24,7 @@ import sys
 import time
 
 import torch
-from _report import BenchReport  # benches/_report.py (the script's folder is on sys.path)
+from _report import BenchReport, median_ms  # benches/_report.py (the script's folder is on sys.path)
 
 if not torch.cuda.is_available():  # the interpreter must be chosen before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -55,12 +55,7 @@ def left() -> float:
 
 
 def ms(fn, rep=100):
-    if DEV == "cpu":
-        fn()
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    return do_bench(fn, warmup=25, rep=rep, return_mode="median")
+    return median_ms(fn, DEV, rep)
 
 
 def graph_ms(fn):

@@ -19,13 +19,12 @@ import sys
 import time
 
 import torch
-from _report import BenchReport  # benches/_report.py (the script's folder is on sys.path)
+from _report import BenchReport, median_ms  # benches/_report.py (the script's folder is on sys.path)
 
 if not torch.cuda.is_available():  # the interpreter must be chosen before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from codegen.triton import moe_grouped_gemm as gg  # noqa: E402
@@ -45,12 +44,7 @@ DOC, save, section = REPORT.doc, REPORT.save, REPORT.section
 
 
 def ms(fn, rep=150):
-    if DEV == "cpu":
-        fn()
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    return do_bench(fn, warmup=25, rep=rep, return_mode="median")
+    return median_ms(fn, DEV, rep)
 
 
 def rel_err(a, b):

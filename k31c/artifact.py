@@ -165,7 +165,8 @@ def write_manifest(root: str, meta: dict) -> str:
     return path
 
 
-def _read_json(path: str, what: str, problems: list[str]):
+def read_json(path: str, what: str, problems: list[str]):
+    """The parsed JSON file, or None with the reason appended to `problems`."""
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
@@ -182,7 +183,7 @@ def verify(root: str, check_live: bool = True, live: dict | None = None) -> tupl
         return None, [f"{root} is not a directory (run `k31c compile ... -o {root}` first)"]
     if not os.path.isfile(path):
         return None, [f"{MANIFEST} is missing: {root} is not a k31c artifact (or its compile did not finish)"]
-    man = _read_json(path, MANIFEST, problems)
+    man = read_json(path, MANIFEST, problems)
     if not isinstance(man, dict):
         return None, problems or [f"{MANIFEST} must hold a JSON object"]
     if man.get("schema_version") != SCHEMA_VERSION:
@@ -200,7 +201,7 @@ def verify(root: str, check_live: bool = True, live: dict | None = None) -> tupl
             problems.append(f"file {rel} was modified (sha256 {actual[rel][:12]}…, manifest {listed[rel][:12]}…)")
     plan_path = os.path.join(root, "plan.json")
     if os.path.isfile(plan_path):
-        plan = _read_json(plan_path, "plan.json", problems)
+        plan = read_json(plan_path, "plan.json", problems)
         if isinstance(plan, dict) and isinstance(man.get("layout"), dict):
             pl = {k: plan.get("layout", {}).get(k) for k in ("tp", "dcp", "ep")}
             if pl != {k: man["layout"].get(k) for k in ("tp", "dcp", "ep")}:
@@ -248,8 +249,8 @@ def load(root: str, check_live: bool = True, live: dict | None = None) -> Artifa
     man, problems = verify(root, check_live, live)
     if problems:
         raise ArtifactError(problems, root)
-    plan = _read_json(os.path.join(root, "plan.json"), "plan.json", []) \
+    plan = read_json(os.path.join(root, "plan.json"), "plan.json", []) \
         if os.path.isfile(os.path.join(root, "plan.json")) else None
     cfg_path = os.path.join(root, "kernels", "configs.json")
-    kernels = _read_json(cfg_path, "kernels/configs.json", []) if os.path.isfile(cfg_path) else None
+    kernels = read_json(cfg_path, "kernels/configs.json", []) if os.path.isfile(cfg_path) else None
     return Artifact(root, man, plan, kernels)

@@ -32,7 +32,7 @@ import triton.language as tl
 from ir import formats
 
 from ..kernel import KernelTemplate, Tunable, pow2_bucket
-from .mla_sparse import _LN2, LATENT_FORMATS, LOG2E, mla_sparse_decode, split_kv_b
+from .mla_sparse import _LN2, LATENT_FORMATS, LOG2E, mla_sparse_decode, pool_and_selection_problem, split_kv_b
 from .mla_sparse import heuristic as sparse_heuristic
 
 
@@ -222,11 +222,7 @@ def _supports(a, attrs, target) -> str | None:
         return "head dims are not concrete integers"
     if any(n & (n - 1) or n < 16 for n in dims):
         return f"head dims {dims} (dn, dr, kv) are not powers of two >= 16"
-    if getattr(a.latent.dtype, "name", "") not in ("bf16", "f32"):
-        return f"latent pool dtype {getattr(a.latent.dtype, 'name', a.latent.dtype)} (IR pools are bf16/f32)"
-    if attrs.get("selection_kind", "positions") not in ("positions", "rows"):
-        return f"selection_kind {attrs['selection_kind']!r} (reads positions or rows)"
-    return None
+    return pool_and_selection_problem(a, attrs)
 
 
 TUNABLES = (

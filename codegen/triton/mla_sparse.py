@@ -375,6 +375,11 @@ def _supports(a, attrs, target) -> str | None:
         return "kv_lora_rank / qk_rope_head_dim are not concrete integers"
     if kv & (kv - 1) or dr & (dr - 1) or kv < 32 or dr < 16:
         return f"kv {kv} / dr {dr} are not powers of two (kv >= 32, dr >= 16)"
+    return pool_and_selection_problem(a, attrs)
+
+
+def pool_and_selection_problem(a, attrs) -> str | None:
+    """Why an `mla_attention` node's latent pool or selection cannot be read here (None when it can)."""
     if getattr(a.latent.dtype, "name", "") not in ("bf16", "f32"):
         return f"latent pool dtype {getattr(a.latent.dtype, 'name', a.latent.dtype)} (IR pools are bf16/f32)"
     if attrs.get("selection_kind", "positions") not in ("positions", "rows"):

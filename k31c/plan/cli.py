@@ -79,14 +79,9 @@ def cmd_inspect(args) -> int:
 
 
 def _optional_json(path: str, problems: list[str]):
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        problems.append(f"{os.path.basename(path)} cannot be read: {e}")
-        return None
+    from ..artifact import read_json
+
+    return read_json(path, os.path.basename(path), problems) if os.path.isfile(path) else None
 
 
 def format_inspect(path: str, man: dict, plan: dict | None, kernels: dict | None, problems: list[str]) -> str:

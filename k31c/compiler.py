@@ -33,13 +33,13 @@ from passes.base import PassContext
 from passes.pipeline import run_pipeline
 
 from .artifact import ArtifactError
-from .model.build import build_module
+from .model.build import BuildOptions, build_module
 from .runtime.block_layout import plan_block_layout
 from .model.config import ModelConfig
 
 MAX_WEIGHTS_BYTES = 4 << 30  # presets bigger than this compile without weights (plan only)
 REPRESENTATIVE = {"prefill": {"B": 256, "R": 4}, "decode": {"R": 8}, "verify": {"B": 32, "R": 8}}
-POOL_SIZES = {"N": 4096, "S": 8}
+POOL_SIZES = {"N": 4096, "S": 8, "MB": 64}
 
 
 @dataclass
@@ -80,7 +80,7 @@ def compile_model(config: ModelConfig, weights: dict | None, out_dir: str, opts:
     if os.path.isdir(out_dir):
         shutil.rmtree(out_dir)
     os.makedirs(out_dir)
-    module = build_module(config)
+    module = build_module(config, BuildOptions(block_size=opts.plan.block_size))
     ctx = PassContext(target=opts.target, batch_invariant=opts.batch_invariant)
     result = run_pipeline(module, ctx, disable=opts.disable, dump_dir=os.path.join(out_dir, "ir"),
                           print_after=opts.print_after)

@@ -5,12 +5,12 @@ e.g. packed with the MLA q_b projection because both read c_Q: it is taken out o
     %iq = linear(%c_q, @wq_b)                   %kn = layer_norm(%ik, @k_norm.w, @k_norm.b) {eps}
     %iq3 = reshape(%iq) {shape=[-1, HI, DI]}     %kr = hadamard(%kn)
     %qr = hadamard(%iq3)                         %k8, %ks = quantize_fp8_pow2(%kr)
-    %q8, %qs = quantize_fp8_pow2(%qr)            %keys = cache_write(%key_pool, %k8, %req, %pos, %base)
-    %w = scale(%iw) {factor}                     %scales = cache_write(%scale_pool, %ks, %req, %pos, %base)
+    %q8, %qs = quantize_fp8_pow2(%qr)            %keys = cache_write(%key_pool, %k8, %req, %pos, %tbl) {block_size}
+    %w = scale(%iw) {factor}                     %scales = cache_write(%scale_pool, %ks, %req, %pos, %tbl) {block_size}
     %sel = indexer_topk(%q8, %qs, %w, %keys, %scales, ...)
 Rewrite:
     %q8, %qs, %w, %keys, %scales = fused.indexer_front(%c_q, @wq_b, %ik, @k_norm.w, @k_norm.b, %iw,
-        %key_pool, %scale_pool, %req, %pos, %base) {heads, head_dim, eps, weight_scale, quant="fp8_pow2"}
+        %key_pool, %scale_pool, %req, %pos, %tbl) {heads, head_dim, eps, weight_scale, quant="fp8_pow2", block_size}
     body: the nodes above; indexer_topk's operands are unchanged.
 
 The fused op (what a kernel's `launch` receives, `a.operands` in this order):
@@ -20,13 +20,13 @@ The fused op (what a kernel's `launch` receives, `a.operands` in this order):
     k_norm_w   [DI], k_norm_b [DI]  LayerNorm weight and bias
     iw         [T, HI]           the head-weight projection W_Iw x (kept in the packed input projection)
     key_pool   f8e4m3[N, DI], scale_pool f32[N]   index-key cache pools, updated in place
-    token_req, token_pos [T], req_base [R]        cache addressing: row = req_base[token_req] + token_pos
-  attrs: heads=HI, head_dim=DI, eps (LayerNorm), weight_scale (= HI^-1/2 DI^-1/2), quant="fp8_pow2"
+    token_req, token_pos [T], block_table [R, MB] cache addressing (`ir.ref.paging`, block_size rows per block)
+  attrs: heads=HI, head_dim=DI, eps (LayerNorm), weight_scale (= HI^-1/2 DI^-1/2), quant="fp8_pow2", block_size
   results, in indexer_topk's operand order:
     q8 f8e4m3[T, HI, DI]  = fp8(H_DI (W_Iq c_q)_j) per (token, head j), with
     q_scale f32[T, HI]      its power-of-two scale (SPEC §5.4);
     w [T, HI]             = weight_scale * iw;
-    key_pool, scale_pool  with row req_base[token_req[t]] + token_pos[t] = fp8(H_DI LayerNorm(ik_t)), its scale.
+    key_pool, scale_pool  with the row of (token_req[t], token_pos[t]) = fp8(H_DI LayerNorm(ik_t)), its scale.
 (H_DI: Hadamard rotation / sqrt(DI).)
 
 Head weights folded in (SPEC §5): the score needs, per token and head j, w_j * s_q,j * (q8_j . k) * s_k.
@@ -41,7 +41,7 @@ This module also holds the small rewrite helpers the other fusion passes share (
 `take_from_pack`, `group_escapes`, ...).
 
 Preconditions (PassError otherwise): the key and the key-scale cache writes address the same rows
-(same token_req, token_pos, req_base values), since the kernel writes both at one row.  Layers whose
+(same token_req, token_pos, block_table values and block_size), since the kernel writes both at one row.  Layers whose
 graph differs from the pattern (another quantiser, intermediates read elsewhere) are left unfused.
 Postconditions: one fused.indexer_front per indexer; numerics unchanged (the body is the original nodes).
 """
@@ -85,7 +85,8 @@ def _match(fn: Function, topk: Node):
 
 def _check_rows(fn: Function, m: dict):
     cwk, cws = m["cwk"], m["cws"]
-    if any(a is not b for a, b in zip(cwk.inputs[2:], cws.inputs[2:])):
+    if any(a is not b for a, b in zip(cwk.inputs[2:], cws.inputs[2:])) or \
+            cwk.attrs["block_size"] != cws.attrs["block_size"]:
         raise PassError(f"{NAME}: in @{fn.name}, the index-key write {cwk.output.ref} addresses rows with "
                         f"({', '.join(v.ref for v in cwk.inputs[2:])}) but the key-scale write {cws.output.ref} with "
                         f"({', '.join(v.ref for v in cws.inputs[2:])}): the fused kernel writes both at one row")
@@ -106,7 +107,7 @@ def _rewrite(fn: Function, topk: Node) -> bool:
     ln, cwk, cws, sw = m["ln"], m["cwk"], m["cws"], m["sw"]
     hi, di = (int(d) for d in m["qq"].outputs[0].type.shape[1:])
     attrs = {"heads": hi, "head_dim": di, "eps": ln.attrs["eps"], "weight_scale": sw.attrs["factor"],
-             "quant": "fp8_pow2"}
+             "quant": "fp8_pow2", "block_size": cwk.attrs["block_size"]}
     operands = [lin.inputs[0], lin.inputs[1], ln.inputs[0], ln.inputs[1], ln.inputs[2], sw.inputs[0],
                 cwk.inputs[0], cws.inputs[0], *cwk.inputs[2:]]
     fused = fuse(fn, group, FUSED_OP, attrs)

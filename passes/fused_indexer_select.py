@@ -1,27 +1,27 @@
 """Fused indexer: scorer + exact top-k emitting the physical cache rows that attention reads.
 
 Pattern:
-    %sel = indexer_topk(%q8, %qs, %w, %keys, %scales, %pos, %req, %base) {topk}     (request positions)
-    %o = mla_attention(..., %req, %base, %sel) {selection_kind="positions" (default)}
+    %sel = indexer_topk(%q8, %qs, %w, %keys, %scales, %pos, %req, %tbl) {topk, block_size}   (positions)
+    %o = mla_attention(..., %req, %tbl, %sel) {selection_kind="positions" (default)}
 Rewrite:
-    %rows = fused.indexer_select(%q8, %qs, %w, %keys, %scales, %pos, %req, %base) {topk, emits="rows"}
-        body: %sel = indexer_topk(...); %rows = selection_to_rows(%sel, %req, %base)
-    %o = mla_attention(..., %req, %base, %rows) {selection_kind="rows"}
+    %rows = fused.indexer_select(%q8, %qs, %w, %keys, %scales, %pos, %req, %tbl) {topk, block_size, emits="rows"}
+        body: %sel = indexer_topk(...); %rows = selection_to_rows(%sel, %req, %tbl) {block_size}
+    %o = mla_attention(..., %req, %tbl, %rows) {selection_kind="rows"}
 
 The fused op (`a.operands` in this order, exactly indexer_topk's):
     q8 f8e4m3[T, HI, DI], q_scale f32[T, HI], w [T, HI], keys f8e4m3[N, DI], key_scale f32[N],
-    token_pos [T], token_req [T], req_base [R]
-  attrs: topk (int), emits="rows"
+    token_pos [T], token_req [T], block_table [R, MB]
+  attrs: topk (int), block_size (rows per cache block), emits="rows"
   result: rows i64[T, topk] — for token t of request r = token_req[t], the top-k positions s <= token_pos[t]
-    of I(t, s) = sum_j w_j relu(deq(q8_j) . deq(keys[req_base[r] + s])) (ties to the lower position),
-    emitted as the pool rows req_base[r] + s, ascending, -1 padded when the context is shorter than topk.
+    of I(t, s) = sum_j w_j relu(deq(q8_j) . deq(keys[row(r, s)])) (ties to the lower position),
+    emitted as their pool rows row(r, s) (`ir.ref.paging`), in ascending position order, -1 padded when
+    the context is shorter than topk.
 A kernel scores straight off the pool rows and writes rows; attention then gathers those rows without
-any position arithmetic (and, once the block-cache pass translates rows to pages, without a table
-lookup per selected token).
+a block-table lookup per selected token.
 
 Preconditions (PassError otherwise, naming the node): every reader of the selection is an
-mla_attention that reads it as positions, and addresses the latent pool with the same token_req and
-req_base values as the indexer (so a row means the same token to both).
+mla_attention that reads it as positions, and addresses the latent pool with the same token_req,
+block_table and block_size as the indexer (so a row means the same token to both).
 Postconditions: indexer_topk appears only inside fused.indexer_select bodies; mla_attention reads
 rows; numerics unchanged (rows map back to the same positions).
 """
@@ -36,8 +36,8 @@ from .rewrite import fresh_name, fuse, rewrite_each, uses
 NAME = "fused_indexer_select"
 FUSED_OP = "fused.indexer_select"
 
-_MLA_REQ, _MLA_BASE, _MLA_SEL = 5, 6, 7  # mla_attention operand positions: token_req, req_base, selection
-_TOPK_REQ, _TOPK_BASE = 6, 7             # indexer_topk operand positions: token_req, req_base
+_MLA_REQ, _MLA_BASE, _MLA_SEL = 5, 6, 7  # mla_attention operand positions: token_req, block_table, selection
+_TOPK_REQ, _TOPK_BASE = 6, 7             # indexer_topk operand positions: token_req, block_table
 
 
 def _check_readers(fn: Function, topk: Node, sel: Value) -> list[Node]:
@@ -53,9 +53,11 @@ def _check_readers(fn: Function, topk: Node, sel: Value) -> list[Node]:
                             f"it expects positions, the fused indexer emits pool rows")
         if r.attrs.get("selection_kind", "positions") != "positions":
             raise PassError(f"{where} already reads its selection as {r.attrs['selection_kind']!r}")
-        if r.inputs[_MLA_REQ] is not topk.inputs[_TOPK_REQ] or r.inputs[_MLA_BASE] is not topk.inputs[_TOPK_BASE]:
+        if r.inputs[_MLA_REQ] is not topk.inputs[_TOPK_REQ] or r.inputs[_MLA_BASE] is not topk.inputs[_TOPK_BASE] \
+                or r.attrs["block_size"] != topk.attrs["block_size"]:
             raise PassError(f"{where} addresses its pool with ({r.inputs[_MLA_REQ].ref}, {r.inputs[_MLA_BASE].ref}) "
-                            f"but the indexer with ({topk.inputs[_TOPK_REQ].ref}, {topk.inputs[_TOPK_BASE].ref}): "
+                            f"block_size {r.attrs['block_size']} but the indexer with ({topk.inputs[_TOPK_REQ].ref}, "
+                            f"{topk.inputs[_TOPK_BASE].ref}) block_size {topk.attrs['block_size']}: "
                             f"rows would not mean the same tokens")
     return readers
 
@@ -66,13 +68,14 @@ def _rewrite(fn: Function, topk: Node) -> bool:
     if not readers:
         return False
     rows = Value(fresh_name(fn, sel.name + ".rows"), sel.type)
-    convert = Node("selection_to_rows", [sel, topk.inputs[_TOPK_REQ], topk.inputs[_TOPK_BASE]], {}, [rows])
+    bs = topk.attrs["block_size"]
+    convert = Node("selection_to_rows", [sel, topk.inputs[_TOPK_REQ], topk.inputs[_TOPK_BASE]], {"block_size": bs}, [rows])
     rows.producer = convert
     fn.nodes.insert(fn.nodes.index(topk) + 1, convert)
     for r in readers:
         r.inputs[_MLA_SEL] = rows
         r.attrs["selection_kind"] = "rows"
-    fuse(fn, [topk, convert], FUSED_OP, {"topk": topk.attrs["topk"], "emits": "rows"})
+    fuse(fn, [topk, convert], FUSED_OP, {"topk": topk.attrs["topk"], "block_size": bs, "emits": "rows"})
     return True
 
 

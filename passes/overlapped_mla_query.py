@@ -6,21 +6,22 @@ result of a fused.packed_linear, e.g. packed with the indexer's wq_b: it is take
     %q3 = reshape(%q) {shape=[-1, H, dn+dr]} %c = rms_norm(%ckv, @kv_a_layernorm) {eps}
     %q_nope = slice(%q3) {axis=2, 0:dn}     %k_pe = slice(%kv_a) {axis=1, start=kv, stop=kv+dr}
     %q_pe = slice(%q3) {axis=2, dn:dn+dr}   %lat = concat(%c, %k_pe) {axis=1} [; %lat = cast(%lat)]
-                                            %pool' = cache_write(%pool, %lat, %req, %pos, %base)
+                                            %pool' = cache_write(%pool, %lat, %req, %pos, %tbl) {block_size}
     %o = mla_attention(%q_nope, %q_pe, %pool', @kv_b, ..., %selection)
 Rewrite:
-    %q_nope, %q_pe, %pool' = fused.mla_query(%c_q, @q_b, %kv_a, @kv_a_layernorm, %pool, %req, %pos, %base)
-        {overlap="indexer", heads=H, nope_dim=dn, rope_dim=dr, kv_lora_rank=kv, eps}
+    %q_nope, %q_pe, %pool' = fused.mla_query(%c_q, @q_b, %kv_a, @kv_a_layernorm, %pool, %req, %pos, %tbl)
+        {overlap="indexer", heads=H, nope_dim=dn, rope_dim=dr, kv_lora_rank=kv, eps, block_size}
     placed before the first indexer node.
 
 The fused op (`a.operands` in this order):
     c_q [T, q_lora], q_b [H*(dn+dr), q_lora], kv_a [T, kv+dr] (the packed input projection's c_KV|k_pe
     columns), kv_norm_w [kv], latent_pool [N, kv+dr] (updated in place), token_req [T], token_pos [T],
-    req_base [R]
+    block_table [R, MB]
   attrs: overlap="indexer" (scheduling annotation: on GPU the node runs on a second stream, concurrently
-    with the indexer nodes, joined before mla_attention), heads, nope_dim, rope_dim, kv_lora_rank, eps
+    with the indexer nodes, joined before mla_attention), heads, nope_dim, rope_dim, kv_lora_rank, eps,
+    block_size (of the cache write)
   results: q_nope [T, H, dn], q_pe [T, H, dr] (= per-head split of q_b c_q), latent_pool with row
-    req_base[token_req[t]] + token_pos[t] = [RMSNorm(kv_a[t, :kv]); kv_a[t, kv:]] (cast to the pool dtype).
+    the paged row of (token_req[t], token_pos[t]) = [RMSNorm(kv_a[t, :kv]); kv_a[t, kv:]] (cast to the pool dtype).
 The absorbed key projection q~ = W_UK^T q_nope stays inside `mla_attention` in this IR (the attention
 kernel computes it from q_nope and kv_b).
 
@@ -161,7 +162,7 @@ def _rewrite(fn: Function, mla: Node) -> bool:
     heads, dn = (int(d) for d in mla.inputs[0].type.shape[1:])
     dr, kv = int(mla.inputs[1].type.shape[2]), int(m["norm"].outputs[0].type.shape[1])
     attrs = {"overlap": "indexer", "heads": heads, "nope_dim": dn, "rope_dim": dr, "kv_lora_rank": kv,
-             "eps": m["norm"].attrs["eps"]}
+             "eps": m["norm"].attrs["eps"], "block_size": m["cw"].attrs["block_size"]}
     cw = m["cw"]
     results = [v.name for v in mla.inputs[:3]]
     fused = fuse(fn, group, FUSED_OP, attrs)

@@ -22,3 +22,28 @@ def assert_close_rel(actual: torch.Tensor, expected: torch.Tensor, tol: float, w
     err = torch.linalg.vector_norm(a - b).item() / nb
     assert err < tol, f"rel err {err:.3e} >= {tol:.1e}{tag}"
     return err
+
+
+def contiguous_table(bases, length: int) -> torch.Tensor:
+    """Block table with block_size 1 that puts request r's position p at row bases[r] + p (the
+    contiguous per-request layout as a special case of paging)."""
+    return torch.tensor([[int(b) + p for p in range(length)] for b in bases], dtype=torch.int32)
+
+
+def scattered_table(lengths, block_size: int, seed: int, spare: int = 3):
+    """(block_table int32 [R, MB], num_blocks): every request's blocks drawn at random, in random order,
+    from a pool with `spare` unused blocks; entries past a request's blocks are -1."""
+    need = [-(-int(n) // block_size) for n in lengths]
+    total = sum(need) + spare
+    perm = torch.randperm(total, generator=torch.Generator().manual_seed(seed)).tolist()
+    width = max(need)
+    rows, at = [], 0
+    for n in need:
+        rows.append(perm[at:at + n] + [-1] * (width - n))
+        at += n
+    return torch.tensor(rows, dtype=torch.int32), total
+
+
+def paged_row(block_table: torch.Tensor, block_size: int, r: int, p: int) -> int:
+    """The pool row of request r's position p, written out in plain Python for test formulas."""
+    return int(block_table[r, p // block_size]) * block_size + p % block_size

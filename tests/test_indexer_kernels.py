@@ -13,9 +13,9 @@ from ir.ops import OPS
 from ir.ref import indexer as ref
 
 try:
-    from tests.helpers import assert_close_rel
+    from tests.helpers import assert_close_rel, contiguous_table, paged_row, scattered_table
 except ImportError:  # bare `pytest` without the repo root on sys.path
-    from helpers import assert_close_rel
+    from helpers import assert_close_rel, contiguous_table, paged_row, scattered_table
 
 HI, DI, K = 4, 32, 16
 SMALL = dict(BLOCK_N=16, KT=4, SPLITS=2, num_warps=4, num_stages=1, MERGE_TILE=64)  # overflow-prone
@@ -23,7 +23,9 @@ WIDE = dict(BLOCK_N=64, KT=8, SPLITS=1, num_warps=4, num_stages=1, MERGE_TILE=12
 
 
 def _batch(seed, lengths, key_format="fp8", keys=None, q=None):
-    """lengths: [(context, new tokens)] per request; pools are laid out with gaps between requests."""
+    """lengths: [(context, new tokens)] per request. Random keys: paged pool, blocks of 8 rows in random
+    order with spare blocks. Given `keys` (rows laid out per request with gaps: request r's position p at
+    row bases[r] + p): block size 1, the contiguous layout as a special case of paging."""
     g = torch.Generator().manual_seed(seed)
     tp, tr, bases, n = [], [], [], 3
     for r, (ctx, new) in enumerate(lengths):
@@ -31,12 +33,18 @@ def _batch(seed, lengths, key_format="fp8", keys=None, q=None):
         tr += [r] * new
         bases.append(n)
         n += ctx + 5
+    if keys is None:
+        bs = 8
+        tbl, n_blocks = scattered_table([c for c, _ in lengths], bs, seed)
+        n = n_blocks * bs
+    else:
+        bs, tbl = 1, contiguous_table(bases, max(c for c, _ in lengths))
     T = len(tp)
     q = torch.randn(T, HI, DI, generator=g) if q is None else q
     keys = torch.randn(n, DI, generator=g) if keys is None else keys
     w = torch.randn(T, HI, generator=g) * (HI * DI) ** -0.5
     q8, qs = formats.quantize_fp8_pow2(q)
-    b = dict(q8=q8, qs=qs, w=w, tp=torch.tensor(tp), tr=torch.tensor(tr), rb=torch.tensor(bases),
+    b = dict(q8=q8, qs=qs, w=w, tp=torch.tensor(tp), tr=torch.tensor(tr), tbl=tbl, bs=bs,
              qd=formats.dequantize_fp8(q8, qs), fmt=key_format)
     if key_format == "fp8":
         b["k"], b["ks"] = formats.quantize_fp8_pow2(keys)
@@ -48,15 +56,15 @@ def _batch(seed, lengths, key_format="fp8", keys=None, q=None):
 
 
 def _run(b, topk=K, config=None, output="positions", stats=None):
-    return indexer_topk(b["q8"], b["qs"], b["w"], b["k"], b["ks"], b["tp"], b["tr"], b["rb"], topk,
+    return indexer_topk(b["q8"], b["qs"], b["w"], b["k"], b["ks"], b["tp"], b["tr"], b["tbl"], b["bs"], topk,
                         key_format=b["fmt"], output=output, config=config, stats=stats)
 
 
 def _scores64(b):
     out = []
     for i in range(b["q8"].shape[0]):
-        base, p = int(b["rb"][b["tr"][i]]), int(b["tp"][i])
-        kk = b["kd"][base: base + p + 1].double()
+        r, p = int(b["tr"][i]), int(b["tp"][i])
+        kk = b["kd"][[paged_row(b["tbl"], b["bs"], r, s) for s in range(p + 1)]].double()
         out.append(b["w"][i].double() @ torch.relu(b["qd"][i].double() @ kk.T))
     return out
 
@@ -81,7 +89,7 @@ def _check(sel, b, topk=K, tol=1e-5):
 
 
 def _reference(b, topk=K):
-    sel, _ = ref.indexer_topk(b["qd"], b["w"], b["kd"], b["tp"], b["tr"], b["rb"], topk)
+    sel, _ = ref.indexer_topk(b["qd"], b["w"], b["kd"], b["tp"], b["tr"], b["tbl"], b["bs"], topk)
     return sel
 
 
@@ -146,23 +154,24 @@ def test_physical_rows_output():
     b = _batch(5, [(12, 1), (50, 2)])
     pos = _run(b, config=WIDE)
     rows = _run(b, config=WIDE, output="rows")
-    base = b["rb"][b["tr"]][:, None]
-    assert torch.equal(rows, torch.where(pos >= 0, pos + base, -1))
+    want = [[paged_row(b["tbl"], b["bs"], int(r), s) if s >= 0 else -1 for s in row.tolist()]
+            for r, row in zip(b["tr"], pos)]
+    assert rows.tolist() == want
 
 
 def test_template_matches_ir_op_reference():
     """The template's launch is a drop-in for the IR op's reference on the same bound operands."""
     b = _batch(6, [(33, 2), (8, 1)])
     op = OPS["indexer_topk"]
-    a = op.bind([b["q8"], b["qs"], b["w"], b["k"], b["ks"], b["tp"], b["tr"], b["rb"]])
-    attrs = op.full_attrs({"topk": K})
+    a = op.bind([b["q8"], b["qs"], b["w"], b["k"], b["ks"], b["tp"], b["tr"], b["tbl"]])
+    attrs = op.full_attrs({"topk": K, "block_size": b["bs"]})
     t = TEMPLATES[0]
     key = t.key_dims(a, attrs)
     got = t.launch(a, attrs, t.heuristic(key, "cpu"))
     want = op.reference(a, attrs)
     assert torch.equal(got, want)
     # scores of the chosen positions agree with the reference scores (not a tie artefact)
-    _, want_scores = ref.indexer_topk(b["qd"], b["w"], b["kd"], b["tp"], b["tr"], b["rb"], K)
+    _, want_scores = ref.indexer_topk(b["qd"], b["w"], b["kd"], b["tp"], b["tr"], b["tbl"], b["bs"], K)
     s64 = _scores64(b)
     got_scores = torch.stack([torch.where(got[i] >= 0, s64[i][got[i].clamp(min=0)].float(), float("-inf"))
                               for i in range(got.shape[0])])
@@ -177,12 +186,12 @@ def test_fused_indexer_select_template_emits_rows():
 
     from ir.ref import mla as ref_mla
     b = _batch(7, [(40, 2), (6, 1)])
-    a = SimpleNamespace(operands=[b["q8"], b["qs"], b["w"], b["k"], b["ks"], b["tp"], b["tr"], b["rb"]])
+    a = SimpleNamespace(operands=[b["q8"], b["qs"], b["w"], b["k"], b["ks"], b["tp"], b["tr"], b["tbl"]])
     t = next(t for t in TEMPLATES if "fused.indexer_select" in t.ops)
-    attrs = {"topk": K, "emits": "rows"}
+    attrs = {"topk": K, "block_size": b["bs"], "emits": "rows"}
     assert t.supports(a, attrs, "cpu") is None
     got = t.launch(a, attrs, t.heuristic(t.key_dims(a, attrs), "cpu"))
-    assert torch.equal(got, ref_mla.selection_positions_to_rows(_reference(b), b["tr"], b["rb"]))
+    assert torch.equal(got, ref_mla.selection_positions_to_rows(_reference(b), b["tr"], b["tbl"], b["bs"]))
 
 
 def test_heuristics_are_legal():

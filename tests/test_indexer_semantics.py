@@ -15,13 +15,13 @@ from ir.builder import FunctionBuilder
 from ir.core import Module, Param, TensorType
 from ir.interpreter import Interpreter
 from ir.verifier import verify
-from k31c.model.build import build_module
+from k31c.model.build import BuildOptions, build_module
 from k31c.model.presets import get_preset
 
 try:
-    from tests.helpers import assert_close_rel
+    from tests.helpers import assert_close_rel, contiguous_table
 except ImportError:  # bare `pytest` without the repo root on sys.path
-    from helpers import assert_close_rel
+    from helpers import assert_close_rel, contiguous_table
 
 CFG = get_preset("k31-tiny")
 D_MODEL, Q_LORA = CFG.hidden_size, CFG.q_lora_rank
@@ -41,7 +41,7 @@ def _indexer_module() -> Module:
     x = b.input("x", "f32", ("T", D_MODEL))
     cq = b.input("c_q", "f32", ("T", Q_LORA))
     token_pos, token_req = b.input("token_pos", "i64", ("T",)), b.input("token_req", "i64", ("T",))
-    req_base = b.input("req_base", "i64", ("R",))
+    req_base = b.input("block_table", "i32", ("R", "MB"))
     keys_pool = b.input("index_keys", "f8e4m3", ("N", DI))
     scales_pool = b.input("index_scales", "f32", ("N",))
 
@@ -51,11 +51,12 @@ def _indexer_module() -> Module:
               b.param(P + "k_norm.bias"), eps=1e-6, name="ik")
     k8, ks = b.op("quantize_fp8_pow2", b.op("hadamard", ki, name="ik_rot"), name="ik8")
     meta = (token_req, token_pos, req_base)
-    keys = b.op("cache_write", keys_pool, k8, *meta, name="index_keys")
-    scales = b.op("cache_write", scales_pool, ks, *meta, name="index_scales")
+    keys = b.op("cache_write", keys_pool, k8, *meta, block_size=1, name="index_keys")
+    scales = b.op("cache_write", scales_pool, ks, *meta, block_size=1, name="index_scales")
     w = b.op("scale", b.op("linear", x, b.param(P + "weights_proj.weight"), name="iw"),
              factor=(HI ** -0.5) * (DI ** -0.5), name="iw")
-    sel = b.op("indexer_topk", q8, qs, w, keys, scales, token_pos, token_req, req_base, topk=TOPK, name="selection")
+    sel = b.op("indexer_topk", q8, qs, w, keys, scales, token_pos, token_req, req_base, block_size=1, topk=TOPK,
+                name="selection")
     m.add_function(b.ret(sel, keys, scales, q8, qs, w))
     assert verify(m) == []
     return m
@@ -71,7 +72,7 @@ def _node_summary(nodes, strip: str):
 
 def test_op_sequence_is_the_models():
     """The function above applies the same ops, params and attributes as the model's indexer."""
-    m = build_module(CFG)
+    m = build_module(CFG, BuildOptions(block_size=1))  # the block size of the hand-written sequence
     dec = m.functions["decode"]
     layer = next(i for i in range(CFG.num_hidden_layers) if CFG.layer_kind(i) == "mla")
     prefix = f"model.layers.{layer}.self_attn.indexer."
@@ -192,7 +193,7 @@ def _run_steps(compute_dtype, seed):
     g = torch.Generator().manual_seed(seed + 2)
     keys_pool = (torch.randn(N_POOL, DI, generator=g) * 50).to(torch.float8_e4m3fn)  # garbage everywhere
     scales_pool = torch.rand(N_POOL, generator=g) + 0.5
-    req_base = torch.tensor(BASES)
+    req_base = contiguous_table(BASES, max(LENGTHS))  # block size 1: position p at row BASES[r] + p
     steps = []
     for phase in ("prefill", "decode"):
         pairs = [(r, p) for r, n in enumerate(LENGTHS)
@@ -202,7 +203,7 @@ def _run_steps(compute_dtype, seed):
         x = torch.stack([xs[r][p] for r, p in pairs])
         cq = torch.stack([cqs[r][p] for r, p in pairs])
         sel, keys_pool, scales_pool, q8, qs, w = it.run("indexer", {
-            "x": x, "c_q": cq, "token_pos": tp, "token_req": tr, "req_base": req_base,
+            "x": x, "c_q": cq, "token_pos": tp, "token_req": tr, "block_table": req_base,
             "index_keys": keys_pool, "index_scales": scales_pool})
         steps.append(dict(tr=tr, tp=tp, sel=sel, q8=q8, qs=qs, w=w, keys=keys_pool, scales=scales_pool))
     ref = [_reference(wts, xs[r], cqs[r]) for r in range(len(LENGTHS))]
@@ -346,10 +347,10 @@ def _mla_module(form: str) -> Module:
     q_nope, q_pe = b.input("q_nope", "f32", ("T", H, DN)), b.input("q_pe", "f32", ("T", H, DR))
     latent = b.input("latent", "f32", ("N", KV + DR))
     tp, tr, base = b.input("token_pos", "i64", ("T",)), b.input("token_req", "i64", ("T",)), \
-        b.input("req_base", "i64", ("R",))
+        b.input("block_table", "i32", ("R", "MB"))
     sel = b.input("selection", "i64", ("T", TOPK))
     o = b.op("mla_attention", q_nope, q_pe, latent, b.param("kv_b"), tp, tr, base, sel,
-             scale=(DN + DR) ** -0.5, form=form)
+             block_size=1, scale=(DN + DR) ** -0.5, form=form)
     m.add_function(b.ret(o))
     assert verify(m) == []
     return m
@@ -391,7 +392,8 @@ def test_mla_attention_with_reference_selection(form):
     base = torch.tensor(BASES)
     expect = _sparse_attention64(q_nope, q_pe, latent, kv_b, tp, tr, base, sel)
     m = _mla_module(form)
-    inputs = dict(q_nope=q_nope, q_pe=q_pe, latent=latent, token_pos=tp, token_req=tr, req_base=base, selection=sel)
+    inputs = dict(q_nope=q_nope, q_pe=q_pe, latent=latent, token_pos=tp, token_req=tr, block_table=contiguous_table(BASES, max(LENGTHS)),
+                  selection=sel)
     (o32,) = Interpreter(m, {"kv_b": kv_b}, torch.float32).run("attn", inputs)
     (o64,) = Interpreter(m, {"kv_b": kv_b}, torch.float64).run("attn", inputs)
     assert_close_rel(o32, expect, 1e-5, f"mla {form} fp32")

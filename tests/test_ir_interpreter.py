@@ -323,8 +323,8 @@ def _cache_module(pool_dtype: str):
     b = FunctionBuilder(m, "write")
     pool = b.input("pool", pool_dtype, ("N", 6))
     vals = b.input("vals", pool_dtype, ("T", 6))
-    req, pos, base = b.input("req", "i64", ("T",)), b.input("pos", "i64", ("T",)), b.input("base", "i64", ("R",))
-    new = b.op("cache_write", pool, vals, req, pos, base)
+    req, pos, tbl = b.input("req", "i64", ("T",)), b.input("pos", "i64", ("T",)), b.input("tbl", "i32", ("R", "MB"))
+    new = b.op("cache_write", pool, vals, req, pos, tbl, block_size=2)
     return _finish(m, b, new)
 
 
@@ -334,12 +334,13 @@ def test_cache_write_updates_callers_pool():
     pool = torch.randn(12, 6, generator=g)
     before = pool.clone()
     vals = torch.randn(4, 6, generator=g)
-    req, pos, base = torch.tensor([0, 0, 1, 1]), torch.tensor([3, 4, 0, 1]), torch.tensor([2, 8])
+    req, pos = torch.tensor([0, 0, 1, 1]), torch.tensor([3, 4, 0, 1])
+    tbl = torch.tensor([[5, 0, 3], [1, 2, -1]], dtype=torch.int32)  # blocks of 2 rows, in any order
     (out,) = Interpreter(m, {}, torch.float32).run("write", {"pool": pool, "vals": vals, "req": req, "pos": pos,
-                                                            "base": base})
+                                                            "tbl": tbl})
     assert out.data_ptr() == pool.data_ptr()  # the caller's tensor, updated in place
     expect = before.clone()
-    for i, row in enumerate([2 + 3, 2 + 4, 8 + 0, 8 + 1]):
+    for i, row in enumerate([0 * 2 + 1, 3 * 2 + 0, 1 * 2 + 0, 1 * 2 + 1]):
         expect[row] = vals[i]
     assert torch.equal(pool, expect) and not torch.equal(pool, before)
 
@@ -353,10 +354,11 @@ def test_cache_write_fp8_pool_in_place():
     for cdt in (torch.float32, torch.float64):  # FP8 is never widened, whatever the compute dtype
         p = pool.clone()
         (out,) = Interpreter(m, {}, cdt).run("write", {"pool": p, "vals": vals, "req": torch.tensor([0, 0]),
-                                                       "pos": torch.tensor([0, 2]), "base": torch.tensor([5])})
+                                                       "pos": torch.tensor([0, 2]),
+                                                       "tbl": torch.tensor([[2, 4]], dtype=torch.int32)})
         assert out.data_ptr() == p.data_ptr() and p.dtype == torch.float8_e4m3fn
         expect = before.clone()
-        expect[5], expect[7] = vals[0].float(), vals[1].float()
+        expect[4], expect[8] = vals[0].float(), vals[1].float()
         assert torch.equal(p.float(), expect)
 
 
@@ -367,9 +369,9 @@ def test_pool_in_another_dtype_is_returned_updated():
     pool = torch.randn(8, 6, generator=g).to(torch.bfloat16)
     vals = torch.randn(1, 6, generator=g).to(torch.bfloat16)
     (out,) = Interpreter(m, {}).run("write", {"pool": pool, "vals": vals, "req": torch.tensor([0]),
-                                              "pos": torch.tensor([1]), "base": torch.tensor([3])})
-    assert torch.equal(out[4], vals[0].float())
-    assert torch.equal(out[:4], pool[:4].float()) and torch.equal(out[5:], pool[5:].float())
+                                              "pos": torch.tensor([1]), "tbl": torch.tensor([[2]], dtype=torch.int32)})
+    assert torch.equal(out[5], vals[0].float())
+    assert torch.equal(out[:5], pool[:5].float()) and torch.equal(out[6:], pool[6:].float())
 
 
 def test_function_object_and_positional_inputs():

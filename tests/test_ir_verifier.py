@@ -15,11 +15,11 @@ from k31c.model.presets import get_preset
 SMALL = '''module @small {
   param @w : f32[8,4] {shard="col"}
   param @g : f32[8] {shard="rep"}
-  func @f(%x: f32[T,4], %pool: f32[N,8], %req: i64[T], %pos: i64[T], %base: i64[R]) -> (f32[T,8], f32[N,8]) {
+  func @f(%x: f32[T,4], %pool: f32[N,8], %req: i64[T], %pos: i64[T], %tbl: i32[R,MB]) -> (f32[T,8], f32[N,8]) {
     %y = linear(%x, @w) : f32[T,8]
     %n = rms_norm(%y, @g) {eps=1e-06} : f32[T,8]
     %s = sigmoid(%n) : f32[T,8]
-    %p = cache_write(%pool, %s, %req, %pos, %base) : f32[N,8]
+    %p = cache_write(%pool, %s, %req, %pos, %tbl) {block_size=16} : f32[N,8]
     return %n, %p
   }
 }

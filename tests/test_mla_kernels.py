@@ -16,9 +16,9 @@ from ir.ops import OPS
 from ir.ref import mla as ref
 
 try:
-    from tests.helpers import assert_close_rel
+    from tests.helpers import assert_close_rel, paged_row, scattered_table
 except ImportError:  # bare `pytest` without the repo root on sys.path
-    from helpers import assert_close_rel
+    from helpers import assert_close_rel, paged_row, scattered_table
 
 H, DN, DR, DV, KV, TOPK = 3, 32, 16, 32, 64, 16
 SCALE = (DN + DR) ** -0.5
@@ -29,18 +29,19 @@ PREFILL = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 
 def _batch(seed, lengths, with_selection=True):
     """lengths: [(context, new tokens)]; selections of min(TOPK, pos+1) random positions, some
-    rows one short (extra -1 padding)."""
+    rows one short (extra -1 padding). The latent pool is paged: blocks of 8 rows in random order."""
     g = torch.Generator().manual_seed(seed)
-    tp, tr, bases, n = [], [], [], 2
+    tp, tr = [], []
     for r, (ctx, new) in enumerate(lengths):
         tp += list(range(ctx - new, ctx))
         tr += [r] * new
-        bases.append(n)
-        n += ctx + 3
+    bs = 8
+    tbl, n_blocks = scattered_table([c for c, _ in lengths], bs, seed)
+    n = n_blocks * bs
     T = len(tp)
     b = dict(qn=torch.randn(T, H, DN, generator=g), qp=torch.randn(T, H, DR, generator=g),
              lat=torch.randn(n, KV + DR, generator=g), kvb=torch.randn(H * (DN + DV), KV, generator=g) * 0.2,
-             tp=torch.tensor(tp), tr=torch.tensor(tr), rb=torch.tensor(bases), sel=None)
+             tp=torch.tensor(tp), tr=torch.tensor(tr), tbl=tbl, bs=bs, sel=None)
     if with_selection:
         sel = torch.full((T, TOPK), -1, dtype=torch.int64)
         for i, p in enumerate(tp):
@@ -51,7 +52,8 @@ def _batch(seed, lengths, with_selection=True):
 
 
 def _args(b, lat=None):
-    return (b["qn"], b["qp"], b["lat"] if lat is None else lat, b["kvb"], b["tp"], b["tr"], b["rb"], SCALE, b["sel"])
+    return (b["qn"], b["qp"], b["lat"] if lat is None else lat, b["kvb"], b["tp"], b["tr"], b["tbl"], b["bs"], SCALE,
+            b["sel"])
 
 
 def _lse64(b, lat):
@@ -59,9 +61,9 @@ def _lse64(b, lat):
     W = b["kvb"].double().view(H, DN + DV, KV)
     out = torch.empty(b["qn"].shape[0], H, dtype=torch.float64)
     for i in range(out.shape[0]):
-        base, p = int(b["rb"][b["tr"][i]]), int(b["tp"][i])
+        r, p = int(b["tr"][i]), int(b["tp"][i])
         pos = b["sel"][i][b["sel"][i] >= 0] if b["sel"] is not None else torch.arange(p + 1)
-        c = lat[base + pos].double()
+        c = lat[[paged_row(b["tbl"], b["bs"], r, int(s)) for s in pos]].double()
         k_nope = torch.einsum("lk,hnk->hln", c[:, :KV], W[:, :DN])
         z = SCALE * (torch.einsum("hn,hln->hl", b["qn"][i].double(), k_nope) + b["qp"][i].double() @ c[:, KV:].T)
         out[i] = torch.logsumexp(z, dim=1)
@@ -89,7 +91,8 @@ def test_dense_decode_over_the_causal_context(config):
 
 def test_selection_as_physical_rows():
     b = _batch(2, [(30, 2), (11, 1)])
-    rows = torch.where(b["sel"] >= 0, b["sel"] + b["rb"][b["tr"]][:, None], -1)
+    rows = torch.tensor([[paged_row(b["tbl"], b["bs"], int(r), s) if s >= 0 else -1 for s in row.tolist()]
+                         for r, row in zip(b["tr"], b["sel"])])
     want = mla_sparse_decode(*_args(b), config=ONE_PASS)
     got = mla_sparse_decode(*_args(b)[:-1], rows, selection_rows=True, config=ONE_PASS)
     assert_close_rel(got, want, 1e-6, "rows vs positions")
@@ -143,9 +146,10 @@ def test_templates_match_ir_op_reference():
     for form, mod, b in (("absorbed", sparse_mod, _batch(7, [(26, 2), (10, 1)])),
                          ("latent", sparse_mod, _batch(10, [(22, 2), (30, 1)])),
                          ("decompressed", prefill_mod, _batch(8, [(26, 9)], with_selection=False))):
-        ops = [b["qn"], b["qp"], b["lat"], b["kvb"], b["tp"], b["tr"], b["rb"]] + ([b["sel"]] if b["sel"] is not None else [])
+        ops = [b["qn"], b["qp"], b["lat"], b["kvb"], b["tp"], b["tr"], b["tbl"]] + \
+            ([b["sel"]] if b["sel"] is not None else [])
         a = op.bind(ops)
-        attrs = op.full_attrs({"scale": SCALE, "form": form})
+        attrs = op.full_attrs({"scale": SCALE, "form": form, "block_size": b["bs"]})
         t = mod.TEMPLATES[0]
         got = t.launch(a, attrs, t.heuristic(t.key_dims(a, attrs), "cpu"))
         assert_close_rel(got, op.reference(a, attrs), 1e-5, t.family)
@@ -154,10 +158,10 @@ def test_templates_match_ir_op_reference():
 def test_templates_read_rows_when_selection_kind_is_rows():
     op = OPS["mla_attention"]
     b = _batch(9, [(28, 3), (9, 1)])
-    rows = ref.selection_positions_to_rows(b["sel"], b["tr"], b["rb"])
-    a = op.bind([b["qn"], b["qp"], b["lat"], b["kvb"], b["tp"], b["tr"], b["rb"], rows])
+    rows = ref.selection_positions_to_rows(b["sel"], b["tr"], b["tbl"], b["bs"])
+    a = op.bind([b["qn"], b["qp"], b["lat"], b["kvb"], b["tp"], b["tr"], b["tbl"], rows])
     for form, mod in (("absorbed", sparse_mod), ("decompressed", prefill_mod)):
-        attrs = op.full_attrs({"scale": SCALE, "form": form, "selection_kind": "rows"})
+        attrs = op.full_attrs({"scale": SCALE, "form": form, "selection_kind": "rows", "block_size": b["bs"]})
         t = mod.TEMPLATES[0]
         got = t.launch(a, attrs, t.heuristic(t.key_dims(a, attrs), "cpu"))
         assert_close_rel(got, op.reference(a, attrs), 1e-5, f"{t.family} rows")
@@ -165,12 +169,12 @@ def test_templates_read_rows_when_selection_kind_is_rows():
 
 def test_supports_on_ir_types():
     from ir.core import TensorType
-    from ir.dtypes import bf16, i64
+    from ir.dtypes import bf16, i32, i64
 
     op = OPS["mla_attention"]
     a = op.bind([TensorType(bf16, ("B", 96, 128)), TensorType(bf16, ("B", 96, 64)), TensorType(bf16, ("N", 576)),
                  TensorType(bf16, (96 * 256, 512)), TensorType(i64, ("B",)), TensorType(i64, ("B",)),
-                 TensorType(i64, ("R",))])
+                 TensorType(i32, ("R", "MB"))])
     assert sparse_mod.TEMPLATES[0].supports(a, {"form": "absorbed"}, "h200") is None
     assert prefill_mod.TEMPLATES[0].supports(a, {"form": "decompressed"}, "h200") is None
     assert "absorbed" in prefill_mod.TEMPLATES[0].supports(a, {"form": "absorbed"}, "h200")

@@ -92,7 +92,7 @@ def _front_node():
 
 
 def _front_operands(node, T, N, g):
-    dims = {"B": T, "N": N, "R": 2}
+    dims = {"B": T, "N": N, "R": 2, "MB": 2}
     ops = []
     for v in node.inputs:
         shape = [dims[str(d)] if not d.is_number else int(d) for d in v.type.shape]
@@ -102,16 +102,17 @@ def _front_operands(node, T, N, g):
             ops.append(torch.randn(*shape, generator=g) * (3.0 if v.name.endswith("ik") else 1.0))
         else:
             ops.append(None)
-    # two requests: 3 + 2 tokens at positions 4..6 and 0..1, request bases 0 and 20 of a 40-row pool
+    # two requests: 3 + 2 tokens at positions 4..6 and 0..1, in blocks 0 and 2 (block size 16) of a 48-row pool
+    assert node.attrs["block_size"] == 16
     ops[-3] = torch.tensor([0, 0, 0, 1, 1])
     ops[-2] = torch.tensor([4, 5, 6, 0, 1])
-    ops[-1] = torch.tensor([0, 20])
+    ops[-1] = torch.tensor([[0, -1], [2, -1]], dtype=torch.int32)
     return ops
 
 
 def test_indexer_front_matches_unfused_body():
     node = _front_node()
-    T, N = 5, 40
+    T, N = 5, 48
     ops = _front_operands(node, T, N, torch.Generator().manual_seed(6))
     clone = lambda xs: [x.clone() for x in xs]  # noqa: E731
     want = Interpreter(Module("body"), {}).run(node.body, clone(ops))
@@ -123,7 +124,7 @@ def test_indexer_front_matches_unfused_body():
     assert_close_rel(formats.dequantize_fp8(q8, qs), formats.dequantize_fp8(want[0], want[1]), 2e-2, "query fp8")
     assert_close_rel(qs, want[1], 1e-6, "query scales")
     assert_close_rel(w, want[2], 1e-6, "head weights")
-    written = torch.tensor([4, 5, 6, 20, 21])
+    written = torch.tensor([4, 5, 6, 32, 33])
     untouched = torch.ones(N, dtype=torch.bool)
     untouched[written] = False
     assert torch.equal(keys.view(torch.uint8)[untouched], ops[6].view(torch.uint8)[untouched])
@@ -136,7 +137,7 @@ def test_indexer_front_matches_unfused_body():
 
 def test_indexer_front_batch_invariant():
     node = _front_node()
-    ops = _front_operands(node, 5, 40, torch.Generator().manual_seed(7))
+    ops = _front_operands(node, 5, 48, torch.Generator().manual_seed(7))
     attrs = {**node.attrs, "batch_invariant": True}
     full = _run(FRONT, SimpleNamespace(operands=[o.clone() for o in ops]), attrs)
     one = [o.clone() for o in ops]

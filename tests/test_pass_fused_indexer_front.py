@@ -20,7 +20,7 @@ PARAMS = """
   param @kn_w : bf16[4] {shard="rep"}
   param @kn_b : bf16[4] {shard="rep"}
   func @decode(%c_q: bf16[T,6], %ik: bf16[T,4], %iw: bf16[T,2], %keys: f8e4m3[N,4], %scales: f32[N], %req: i64[T],
-               %pos: i64[T], %pos2: i64[T], %base: i64[R])
+               %pos: i64[T], %pos2: i64[T], %tbl: i32[R,MB])
       -> (bf16[T,12], bf16[T,3], i64[T,3], f8e4m3[N,4], f32[N]) attrs {kind="decode"} {
 """
 
@@ -40,11 +40,11 @@ def before(scale_pos="%pos", extra=""):
     %kn = layer_norm(%ik, @kn_w, @kn_b) {{eps=1e-06}} : bf16[T,4]
     %kr = hadamard(%kn) : bf16[T,4]
     %k8, %ks = quantize_fp8_pow2(%kr) : f8e4m3[T,4], f32[T]
-    %keys2 = cache_write(%keys, %k8, %req, %pos, %base) : f8e4m3[N,4]
-    %scales2 = cache_write(%scales, %ks, %req, {scale_pos}, %base) : f32[N]
+    %keys2 = cache_write(%keys, %k8, %req, %pos, %tbl) {{block_size=4}} : f8e4m3[N,4]
+    %scales2 = cache_write(%scales, %ks, %req, {scale_pos}, %tbl) {{block_size=4}} : f32[N]
     %w = scale(%iw) {{factor=0.25}} : bf16[T,2]
     {extra}
-    %sel = indexer_topk(%q8, %qs, %w, %keys2, %scales2, %pos, %req, %base) {{topk=3}} : i64[T,3]
+    %sel = indexer_topk(%q8, %qs, %w, %keys2, %scales2, %pos, %req, %tbl) {{block_size=4, topk=3}} : i64[T,3]
     return %q, %x, %sel, %keys2, %scales2
   }}
 }}"""
@@ -58,10 +58,10 @@ EXPECTED = "module @front {" + PARAMS + """
       return %q, %x
     }
     %q8, %qs, %w, %keys2, %scales2 = fused.indexer_front(%c_q, @wq_b, %ik, @kn_w, @kn_b, %iw, %keys, %scales, %req,
-        %pos, %base) {heads=2, head_dim=4, eps=1e-06, weight_scale=0.25, quant="fp8_pow2"}
+        %pos, %tbl) {heads=2, head_dim=4, eps=1e-06, weight_scale=0.25, quant="fp8_pow2", block_size=4}
         : f8e4m3[T,2,4], f32[T,2], bf16[T,2], f8e4m3[N,4], f32[N]
         body (%in0: bf16[T,6], %in1: bf16[8,6], %in2: bf16[T,4], %in3: bf16[4], %in4: bf16[4], %in5: bf16[T,2],
-              %in6: f8e4m3[N,4], %in7: f32[N], %in8: i64[T], %in9: i64[T], %in10: i64[R]) {
+              %in6: f8e4m3[N,4], %in7: f32[N], %in8: i64[T], %in9: i64[T], %in10: i32[R,MB]) {
       %iq = linear(%in0, %in1) : bf16[T,8]
       %iq3 = reshape(%iq) {shape=[-1, 2, 4]} : bf16[T,2,4]
       %qr = hadamard(%iq3) : bf16[T,2,4]
@@ -69,12 +69,12 @@ EXPECTED = "module @front {" + PARAMS + """
       %kn = layer_norm(%in2, %in3, %in4) {eps=1e-06} : bf16[T,4]
       %kr = hadamard(%kn) : bf16[T,4]
       %k8, %ks = quantize_fp8_pow2(%kr) : f8e4m3[T,4], f32[T]
-      %keys2 = cache_write(%in6, %k8, %in8, %in9, %in10) : f8e4m3[N,4]
-      %scales2 = cache_write(%in7, %ks, %in8, %in9, %in10) : f32[N]
+      %keys2 = cache_write(%in6, %k8, %in8, %in9, %in10) {block_size=4} : f8e4m3[N,4]
+      %scales2 = cache_write(%in7, %ks, %in8, %in9, %in10) {block_size=4} : f32[N]
       %w = scale(%in5) {factor=0.25} : bf16[T,2]
       return %q8, %qs, %w, %keys2, %scales2
     }
-    %sel = indexer_topk(%q8, %qs, %w, %keys2, %scales2, %pos, %req, %base) {topk=3} : i64[T,3]
+    %sel = indexer_topk(%q8, %qs, %w, %keys2, %scales2, %pos, %req, %tbl) {block_size=4, topk=3} : i64[T,3]
     return %q, %x, %sel, %keys2, %scales2
   }
 }"""

@@ -25,24 +25,24 @@ HEAD = """module @sel {
   param @kv_b : bf16[16,4] {shard="rep"}
   func @decode(%q8: f8e4m3[T,2,4], %qs: f32[T,2], %w: bf16[T,2], %keys: f8e4m3[N,4], %scales: f32[N],
                %q_nope: bf16[T,2,4], %q_pe: bf16[T,2,2], %latent: bf16[N,6], %req: i64[T], %req2: i64[T],
-               %pos: i64[T], %base: i64[R])
+               %pos: i64[T], %tbl: i32[R,MB])
       -> (bf16[T,2,4]) attrs {kind="decode"} {
 """
 BEFORE = HEAD + """
-    %sel = indexer_topk(%q8, %qs, %w, %keys, %scales, %pos, %req, %base) {topk=3} : i64[T,3]
-    %o = mla_attention(%q_nope, %q_pe, %latent, @kv_b, %pos, %req, %base, %sel) {scale=0.4} : bf16[T,2,4]
+    %sel = indexer_topk(%q8, %qs, %w, %keys, %scales, %pos, %req, %tbl) {block_size=4, topk=3} : i64[T,3]
+    %o = mla_attention(%q_nope, %q_pe, %latent, @kv_b, %pos, %req, %tbl, %sel) {block_size=4, scale=0.4} : bf16[T,2,4]
     return %o
   }
 }"""
 EXPECTED = HEAD + """
-    %sel.rows = fused.indexer_select(%q8, %qs, %w, %keys, %scales, %pos, %req, %base) {topk=3, emits="rows"} : i64[T,3]
+    %sel.rows = fused.indexer_select(%q8, %qs, %w, %keys, %scales, %pos, %req, %tbl) {topk=3, block_size=4, emits="rows"} : i64[T,3]
         body (%in0: f8e4m3[T,2,4], %in1: f32[T,2], %in2: bf16[T,2], %in3: f8e4m3[N,4], %in4: f32[N], %in5: i64[T],
-              %in6: i64[T], %in7: i64[R]) {
-      %sel = indexer_topk(%in0, %in1, %in2, %in3, %in4, %in5, %in6, %in7) {topk=3} : i64[T,3]
-      %sel.rows = selection_to_rows(%sel, %in6, %in7) : i64[T,3]
+              %in6: i64[T], %in7: i32[R,MB]) {
+      %sel = indexer_topk(%in0, %in1, %in2, %in3, %in4, %in5, %in6, %in7) {block_size=4, topk=3} : i64[T,3]
+      %sel.rows = selection_to_rows(%sel, %in6, %in7) {block_size=4} : i64[T,3]
       return %sel.rows
     }
-    %o = mla_attention(%q_nope, %q_pe, %latent, @kv_b, %pos, %req, %base, %sel.rows) {scale=0.4, selection_kind="rows"}
+    %o = mla_attention(%q_nope, %q_pe, %latent, @kv_b, %pos, %req, %tbl, %sel.rows) {block_size=4, scale=0.4, selection_kind="rows"}
         : bf16[T,2,4]
     return %o
   }
@@ -57,7 +57,7 @@ def _inputs(seed=0):
     return {"q8": r(3, 2, 4).to(torch.float8_e4m3fn), "qs": torch.full((3, 2), 0.5), "w": r(3, 2),
             "keys": r(16, 4).to(torch.float8_e4m3fn), "scales": torch.rand(16, generator=g) + 0.5,
             "q_nope": r(3, 2, 4), "q_pe": r(3, 2, 2), "latent": r(16, 6), "req": torch.tensor([0, 0, 1]),
-            "req2": torch.tensor([0, 0, 1]), "pos": torch.tensor([4, 5, 6]), "base": torch.tensor([0, 8])}
+            "req2": torch.tensor([0, 0, 1]), "pos": torch.tensor([4, 5, 6]), "tbl": torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)}
 
 
 def test_before_expected_and_equal_results():
@@ -78,9 +78,9 @@ def test_selection_read_as_positions_elsewhere_is_an_error():
 
 
 def test_attention_addressing_the_pool_differently_is_an_error():
-    text = BEFORE.replace("@kv_b, %pos, %req, %base, %sel", "@kv_b, %pos, %req2, %base, %sel")
-    with pytest.raises(PassError, match=r"node \(%o = mla_attention\) addresses its pool with \(%req2, %base\) "
-                                        r"but the indexer with \(%req, %base\)"):
+    text = BEFORE.replace("@kv_b, %pos, %req, %tbl, %sel", "@kv_b, %pos, %req2, %tbl, %sel")
+    with pytest.raises(PassError, match=r"node \(%o = mla_attention\) addresses its pool with \(%req2, %tbl\) "
+                                        r"block_size 4 but the indexer with \(%req, %tbl\) block_size 4"):
         run_pass_on_text(NAME, text)
 
 
@@ -88,15 +88,15 @@ def test_attention_addressing_the_pool_differently_is_an_error():
 def test_reference_rows_equal_positions(form):
     a = _inputs(3)
     sel = torch.tensor([[1, 3, 4], [0, 2, 5], [2, 6, -1]])
-    rows = ref_mla.selection_positions_to_rows(sel, a["req"], a["base"])
+    rows = ref_mla.selection_positions_to_rows(sel, a["req"], a["tbl"], 4)
     assert rows.tolist() == [[1, 3, 4], [0, 2, 5], [10, 14, -1]]
-    assert torch.equal(ref_mla.selection_rows_to_positions(rows, a["req"], a["base"]), sel)
+    assert torch.equal(ref_mla.selection_rows_to_positions(rows, a["req"], a["tbl"], 4), sel)
     kv_b = torch.randn(16, 4, dtype=torch.float64)
-    args = (a["q_nope"].double(), a["q_pe"].double(), a["latent"].double(), kv_b, a["pos"], a["req"], a["base"], 0.4)
+    args = (a["q_nope"].double(), a["q_pe"].double(), a["latent"].double(), kv_b, a["pos"], a["req"], a["tbl"], 4, 0.4)
     by_pos = ref_mla.mla_attention(*args, sel, form)
     by_rows = ref_mla.mla_attention(*args, rows, form, selection_kind="rows")
     assert torch.equal(by_pos, by_rows) and by_pos.abs().sum() > 0
-    with pytest.raises(ValueError, match="before its request's base row"):
+    with pytest.raises(ValueError, match="in a block its request does not own"):
         ref_mla.mla_attention(*args, torch.tensor([[1, 3, 4], [0, 2, 5], [7, 14, -1]]), form, selection_kind="rows")
 
 

@@ -20,7 +20,7 @@ HEAD = """module @mq {
   param @kv_norm : bf16[4] {shard="rep"}
   param @kv_b : bf16[16,4] {shard="rep"}
   func @decode(%c_q: bf16[T,6], %kv_a: bf16[T,6], %w: bf16[T,2], %latent: f32[N,6], %keys: f8e4m3[N,4], %scales: f32[N],
-               %req: i64[T], %pos: i64[T], %base: i64[R]) -> (bf16[T,2,4], f32[N,6]) attrs {kind="decode"} {
+               %req: i64[T], %pos: i64[T], %tbl: i32[R,MB]) -> (bf16[T,2,4], f32[N,6]) attrs {kind="decode"} {
 """
 PACK = """
     %q, %iq = fused.packed_linear(%c_q, @q_b, @wq_b) {splits=[12, 8]} : bf16[T,12], bf16[T,8]
@@ -32,7 +32,7 @@ PACK = """
 INDEXER = """
     %iq3 = reshape(%iq) {shape=[-1, 2, 4]} : bf16[T,2,4]
     %q8, %qs = quantize_fp8_pow2(%iq3) : f8e4m3[T,2,4], f32[T,2]
-    %sel = indexer_topk(%q8, %qs, %w, %keys, %scales, %pos, %req, %base) {topk=3} : i64[T,3]"""
+    %sel = indexer_topk(%q8, %qs, %w, %keys, %scales, %pos, %req, %tbl) {block_size=4, topk=3} : i64[T,3]"""
 QUERY = """
     %q3 = reshape(%q) {shape=[-1, 2, 6]} : bf16[T,2,6]
     %q_nope = slice(%q3) {axis=2, start=0, stop=4} : bf16[T,2,4]
@@ -42,19 +42,19 @@ QUERY = """
     %k_pe = slice(%kv_a) {axis=1, start=4, stop=6} : bf16[T,2]
     %lat = concat(%c, %k_pe) {axis=1} : bf16[T,6]
     %lat32 = cast(%lat) {dtype="f32"} : f32[T,6]
-    %latent2 = cache_write(%latent, %lat32, %req, %pos, %base) : f32[N,6]"""
+    %latent2 = cache_write(%latent, %lat32, %req, %pos, %tbl) {block_size=4} : f32[N,6]"""
 TAIL = """
-    %o = mla_attention(%q_nope, %q_pe, %latent2, @kv_b, %pos, %req, %base, %sel) {scale=0.4} : bf16[T,2,4]
+    %o = mla_attention(%q_nope, %q_pe, %latent2, @kv_b, %pos, %req, %tbl, %sel) {block_size=4, scale=0.4} : bf16[T,2,4]
     return %o, %latent2
   }
 }"""
 
 EXPECTED = HEAD + """
-    %q_nope, %q_pe, %latent2 = fused.mla_query(%c_q, @q_b, %kv_a, @kv_norm, %latent, %req, %pos, %base)
-        {overlap="indexer", heads=2, nope_dim=4, rope_dim=2, kv_lora_rank=4, eps=1e-06}
+    %q_nope, %q_pe, %latent2 = fused.mla_query(%c_q, @q_b, %kv_a, @kv_norm, %latent, %req, %pos, %tbl)
+        {overlap="indexer", heads=2, nope_dim=4, rope_dim=2, kv_lora_rank=4, eps=1e-06, block_size=4}
         : bf16[T,2,4], bf16[T,2,2], f32[N,6]
         body (%in0: bf16[T,6], %in1: bf16[12,6], %in2: bf16[T,6], %in3: bf16[4], %in4: f32[N,6], %in5: i64[T],
-              %in6: i64[T], %in7: i64[R]) {
+              %in6: i64[T], %in7: i32[R,MB]) {
       %q = linear(%in0, %in1) : bf16[T,12]
       %q3 = reshape(%q) {shape=[-1, 2, 6]} : bf16[T,2,6]
       %q_nope = slice(%q3) {axis=2, start=0, stop=4} : bf16[T,2,4]
@@ -64,7 +64,7 @@ EXPECTED = HEAD + """
       %k_pe = slice(%in2) {axis=1, start=4, stop=6} : bf16[T,2]
       %lat = concat(%c, %k_pe) {axis=1} : bf16[T,6]
       %lat32 = cast(%lat) {dtype="f32"} : f32[T,6]
-      %latent2 = cache_write(%in4, %lat32, %in5, %in6, %in7) : f32[N,6]
+      %latent2 = cache_write(%in4, %lat32, %in5, %in6, %in7) {block_size=4} : f32[N,6]
       return %q_nope, %q_pe, %latent2
     }
     %iq = linear(%c_q, @wq_b) : bf16[T,8]""" + INDEXER + TAIL
@@ -84,8 +84,8 @@ def test_query_path_feeding_the_indexer_is_an_error():
 
 
 def test_indexer_feeding_the_query_path_is_an_error():
-    query = QUERY.replace("cache_write(%latent, %lat32, %req, %pos, %base)",
-                          "cache_write(%latent, %lat32, %req, %p2, %base)")
+    query = QUERY.replace("cache_write(%latent, %lat32, %req, %pos, %tbl)",
+                          "cache_write(%latent, %lat32, %req, %p2, %tbl)")
     derived = """
     %s1 = slice(%sel) {axis=1, start=0, stop=1} : i64[T,1]
     %p2 = reshape(%s1) {shape=[-1]} : i64[T]"""
@@ -95,7 +95,7 @@ def test_indexer_feeding_the_query_path_is_an_error():
 
 
 def test_without_an_indexer_nothing_to_overlap():
-    text = (HEAD + PACK + INDEXER + QUERY + TAIL).replace("%base, %sel) {scale=0.4}", "%base) {scale=0.4}")
+    text = (HEAD + PACK + INDEXER + QUERY + TAIL).replace("%tbl, %sel) {block_size=4, scale=0.4}", "%tbl) {block_size=4, scale=0.4}")
     m, ctx = run_pass_on_text(NAME, text)
     assert ctx.counters[NAME] == 0 and "fused.mla_query" not in m.op_counts()
 

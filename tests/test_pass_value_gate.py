@@ -20,10 +20,10 @@ from tests.test_pass_pipeline import (assert_ir, assert_same_numerics, expected_
 NAME = "value_gate"
 
 SIG = """(%q_nope: bf16[T,2,4], %q_pe: bf16[T,2,2], %latent: bf16[N,8], %g: bf16[T,8], %req: i64[T], %pos: i64[T],
-          %base: i64[R]) -> (bf16[T,8])"""
+          %tbl: i32[R,MB]) -> (bf16[T,8])"""
 PREFILL = """
   func @prefill""" + SIG + """ attrs {kind="prefill"} {
-    %o3 = mla_attention(%q_nope, %q_pe, %latent, @kv_b, %pos, %req, %base) {scale=0.4, form="decompressed"}
+    %o3 = mla_attention(%q_nope, %q_pe, %latent, @kv_b, %pos, %req, %tbl) {block_size=4, scale=0.4, form="decompressed"}
         : bf16[T,2,4]
     %o = reshape(%o3) {shape=[-1, 8]} : bf16[T,8]
     %s = sigmoid(%g) : bf16[T,8]
@@ -34,7 +34,7 @@ PREFILL = """
 BEFORE = """module @vg {
   param @kv_b : bf16[16,6] {shard="rep"}
   func @decode""" + SIG + """ attrs {kind="decode"} {
-    %o3 = mla_attention(%q_nope, %q_pe, %latent, @kv_b, %pos, %req, %base) {scale=0.4} : bf16[T,2,4]
+    %o3 = mla_attention(%q_nope, %q_pe, %latent, @kv_b, %pos, %req, %tbl) {block_size=4, scale=0.4} : bf16[T,2,4]
     %o = reshape(%o3) {shape=[-1, 8]} : bf16[T,8]
     %s = sigmoid(%g) : bf16[T,8]
     %y = mul(%s, %o) : bf16[T,8]
@@ -43,7 +43,7 @@ BEFORE = """module @vg {
 EXPECTED = """module @vg {
   param @kv_b : bf16[16,6] {shard="rep"}
   func @decode""" + SIG + """ attrs {kind="decode"} {
-    %o3.latent = mla_attention(%q_nope, %q_pe, %latent, @kv_b, %pos, %req, %base) {scale=0.4, form="latent"}
+    %o3.latent = mla_attention(%q_nope, %q_pe, %latent, @kv_b, %pos, %req, %tbl) {block_size=4, scale=0.4, form="latent"}
         : bf16[T,2,6]
     %y = fused.value_gate(%o3.latent, @kv_b, %g) {heads=2, nope_dim=4, v_head_dim=4} : bf16[T,8]
         body (%in0: bf16[T,2,6], %in1: bf16[16,6], %in2: bf16[T,8]) {
@@ -60,8 +60,8 @@ EXPECTED = """module @vg {
 def _inputs(seed=0):
     g = torch.Generator().manual_seed(seed)
     return {"q_nope": torch.randn(3, 2, 4, generator=g), "q_pe": torch.randn(3, 2, 2, generator=g),
-            "latent": torch.randn(12, 8, generator=g), "g": torch.randn(3, 8, generator=g),
-            "req": torch.tensor([0, 0, 1]), "pos": torch.tensor([2, 3, 1]), "base": torch.tensor([0, 6])}
+            "latent": torch.randn(16, 8, generator=g), "g": torch.randn(3, 8, generator=g),
+            "req": torch.tensor([0, 0, 1]), "pos": torch.tensor([2, 3, 1]), "tbl": torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)}
 
 
 def test_before_expected_and_equal_results():
@@ -86,7 +86,7 @@ def test_without_a_gate_nothing_changes():
 def test_reference_latent_form_then_value_projection_equals_absorbed():
     a = _inputs(2)
     kv_b = torch.randn(16, 6, dtype=torch.float64)
-    args = (a["q_nope"].double(), a["q_pe"].double(), a["latent"].double(), kv_b, a["pos"], a["req"], a["base"], 0.4)
+    args = (a["q_nope"].double(), a["q_pe"].double(), a["latent"].double(), kv_b, a["pos"], a["req"], a["tbl"], 4, 0.4)
     absorbed = ref_mla.mla_attention(*args, None, "absorbed")
     o_latent = ref_mla.mla_attention(*args, None, "latent")
     assert o_latent.shape == (3, 2, 6)

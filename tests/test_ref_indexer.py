@@ -3,14 +3,14 @@ import torch
 from ir.ref import indexer
 
 try:
-    from tests.helpers import assert_close_rel
+    from tests.helpers import assert_close_rel, contiguous_table, paged_row, scattered_table
 except ImportError:  # bare `pytest` without the repo root on sys.path
-    from helpers import assert_close_rel
+    from helpers import assert_close_rel, contiguous_table, paged_row, scattered_table
 
 HI, DI = 4, 32
 
 
-def _setup(seed, lengths, bases, n_pool, dtype=torch.float32):
+def _setup(seed, lengths, bases, n_pool, dtype=torch.float32, paging=None):
     g = torch.Generator().manual_seed(seed)
     keys = torch.randn(n_pool, DI, generator=g, dtype=torch.float64)
     token_pos, token_req = [], []
@@ -22,7 +22,8 @@ def _setup(seed, lengths, bases, n_pool, dtype=torch.float32):
     w = torch.randn(B, HI, generator=g, dtype=torch.float64) * (HI ** -0.5) * (DI ** -0.5)
     return dict(q=q.to(dtype), w=w.to(dtype), keys=keys.to(dtype),
                 token_pos=torch.tensor(token_pos), token_req=torch.tensor(token_req),
-                req_base=torch.tensor(bases))
+                **(dict(block_table=paging[0], block_size=paging[1]) if paging else
+                   dict(block_table=contiguous_table(bases, max(c for c, _ in lengths)), block_size=1)))
 
 
 def _scores64(a):
@@ -31,7 +32,7 @@ def _scores64(a):
         r, p = int(a["token_req"][i]), int(a["token_pos"][i])
         row = []
         for s in range(p + 1):
-            k = a["keys"][int(a["req_base"][r]) + s].double()
+            k = a["keys"][paged_row(a["block_table"], a["block_size"], r, s)].double()
             row.append(sum(float(a["w"][i, j]) * max(0.0, float(a["q"][i, j].double() @ k))
                            for j in range(HI)))
         out.append(torch.tensor(row, dtype=torch.float64))
@@ -48,7 +49,7 @@ def _ref_topk(scores64, topk):
 
 
 def _args(a):
-    return a["q"], a["w"], a["keys"], a["token_pos"], a["token_req"], a["req_base"]
+    return a["q"], a["w"], a["keys"], a["token_pos"], a["token_req"], a["block_table"], a["block_size"]
 
 
 LENGTHS = [(30, 30), (40, 2), (7, 7)]
@@ -130,3 +131,11 @@ def test_indexer_topk_ties_lower_position_wins():
     sel, _ = indexer.indexer_topk(*_args(a), 3)
     assert sel[-1].tolist() == [0, 1, 2]
     assert sel[4].tolist() == [0, 1, 2]
+
+
+def test_topk_over_scattered_blocks():
+    lengths = [(13, 13), (7, 2), (10, 1)]
+    tbl, n_blocks = scattered_table([c for c, _ in lengths], 4, seed=11)
+    a = _setup(12, lengths, None, n_blocks * 4, dtype=torch.float64, paging=(tbl, 4))
+    sel, _ = indexer.indexer_topk(*_args(a), 5)
+    assert torch.equal(sel, _ref_topk(_scores64(a), 5))

@@ -6,16 +6,17 @@ import torch
 from ir.ref import mla
 
 try:
-    from tests.helpers import assert_close_rel
+    from tests.helpers import assert_close_rel, contiguous_table, paged_row, scattered_table
 except ImportError:  # bare `pytest` without the repo root on sys.path
-    from helpers import assert_close_rel
+    from helpers import assert_close_rel, contiguous_table, paged_row, scattered_table
 
 H, DN, DR, DV, KV = 3, 16, 8, 12, 24
 
 
-def _setup(seed, lengths, bases, n_pool, dtype=torch.float64):
+def _setup(seed, lengths, bases, n_pool, dtype=torch.float64, paging=None):
     """Ragged batch: request r has its last lengths[r] positions in this step (context
-    of len ctx_len[r] already cached), pool rows at base offsets `bases`."""
+    of len ctx_len[r] already cached), pool rows at base offsets `bases` (block size 1), or through
+    `paging` = (block_table, block_size) when given."""
     g = torch.Generator().manual_seed(seed)
     latent = torch.randn(n_pool, KV + DR, generator=g, dtype=torch.float64)
     kv_b_w = torch.randn(H * (DN + DV), KV, generator=g, dtype=torch.float64) / math.sqrt(KV)
@@ -30,7 +31,9 @@ def _setup(seed, lengths, bases, n_pool, dtype=torch.float64):
     return dict(
         q_nope=q_nope.to(dtype), q_pe=q_pe.to(dtype), latent=latent.to(dtype),
         kv_b_w=kv_b_w.to(dtype), token_pos=torch.tensor(token_pos),
-        token_req=torch.tensor(token_req), req_base=torch.tensor(bases))
+        token_req=torch.tensor(token_req),
+        **(dict(block_table=paging[0], block_size=paging[1]) if paging else
+           dict(block_table=contiguous_table(bases, max(c for c, _ in lengths)), block_size=1)))
 
 
 def _formula64(a, scale, positions_per_token):
@@ -41,7 +44,7 @@ def _formula64(a, scale, positions_per_token):
     out = torch.empty(B, H, DV, dtype=torch.float64)
     for i in range(B):
         r = int(a["token_req"][i])
-        rows = [int(a["req_base"][r]) + p for p in positions_per_token[i]]
+        rows = [paged_row(a["block_table"], a["block_size"], r, p) for p in positions_per_token[i]]
         for h in range(H):
             logits, vals = [], []
             for row in rows:
@@ -59,7 +62,7 @@ def _formula64(a, scale, positions_per_token):
 
 def _call(a, scale, form, selection=None):
     return mla.mla_attention(a["q_nope"], a["q_pe"], a["latent"], a["kv_b_w"], a["token_pos"],
-                             a["token_req"], a["req_base"], scale, selection, form)
+                             a["token_req"], a["block_table"], a["block_size"], scale, selection, form)
 
 
 # (context length after this step, new tokens in this step) per request
@@ -133,3 +136,26 @@ def test_mla_errors():
         _call(a, 0.25, "absorbed", bad)
     with pytest.raises(ValueError):
         _call(a, 0.25, "absorbed", torch.tensor([[-1, -1], [0, 1]]))
+
+
+@pytest.mark.parametrize("block_size", [2, 4])
+def test_mla_paged_blocks_in_random_order(block_size):
+    """Scattered blocks give the same attention as the contiguous layout holding the same tokens."""
+    tbl, n_blocks = scattered_table([c for c, _ in LENGTHS], block_size, seed=block_size)
+    a = _setup(5, LENGTHS, BASES, n_blocks * block_size, paging=(tbl, block_size))
+    scale = (DN + DR) ** -0.5
+    ref = _formula64(a, scale, [list(range(int(p) + 1)) for p in a["token_pos"]])
+    for form in ("absorbed", "decompressed"):
+        assert_close_rel(_call(a, scale, form), ref, 1e-10, f"paged {form}")
+    # positions -> rows -> positions round trip through the block table
+    sel = torch.stack([torch.where(torch.arange(4) <= p, torch.arange(4), -1) for p in a["token_pos"].tolist()])
+    rows = mla.selection_positions_to_rows(sel, a["token_req"], tbl, block_size)
+    want = [[paged_row(tbl, block_size, int(r), s) if s >= 0 else -1 for s in row.tolist()]
+            for r, row in zip(a["token_req"], sel)]
+    assert rows.tolist() == want
+    assert torch.equal(mla.selection_rows_to_positions(rows, a["token_req"], tbl, block_size), sel)
+    other = (int(a["token_req"][0]) + 1) % tbl.shape[0]           # a row owned by another request
+    foreign = rows.clone()
+    foreign[0, 0] = int(tbl[other, 0]) * block_size
+    with pytest.raises(ValueError, match="does not own"):
+        mla.selection_rows_to_positions(foreign, a["token_req"], tbl, block_size)

@@ -1,6 +1,6 @@
 """DSA indexer scorer + exact top-k (IR op `indexer_topk`, SPEC §5 steps 6-7), decode and prefill.
 
-Math. Token i (request r, position p_i) scores the positions s <= p_i at pool rows req_base[r] + s:
+Math. Token i (request r, position p_i) scores the positions s <= p_i at their paged pool rows (`_paging.rows_of`):
     I(i, s) = sum_j w_j ReLU(deq(q_j) . deq(k_s)) = ks_s * sum_j (w_j qs_j) ReLU(q8_j . k8_s)
 (FP8: power-of-two fp32 scales per (token, head) and per key row; fp8 values are exact in bf16, the
 tensor-core dot accumulates in fp32). MXFP4 keys (E2M1, one E8M0 scale per 32 values, SPEC §7) are
@@ -21,7 +21,7 @@ whose order is exactly the selection order; four kernels:
  4. merge 2  rows that overflowed: radix select over candidates + ext, then one tl.sort.
 Workspace per row 8 B x (NT*(KT+1) + (topk/KT)*BLOCK_N + pow2(topk)); prefill runs in row chunks.
 
-API: `indexer_topk(...)` (positions: the IR op), `output="rows"` (pool rows req_base + position, -1
+API: `indexer_topk(...)` (positions: the IR op), `output="rows"` (the positions' pool rows, -1
 padded: what attention kernels read), `key_format="mxfp4"`. Tunables: BLOCK_N, KT, SPLITS (programs
 per row), num_warps / num_stages (score kernel), MERGE_TILE. Batch invariant (each row on its own).
 """
@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from ..kernel import KernelTemplate, Tunable, pow2_bucket
+from ._paging import paging_args, rows_of
 from .mla_sparse import e2m1_to_f32, e8m0_to_f32
 
 INVALID = tl.constexpr(-(2 ** 63))
@@ -86,12 +87,12 @@ def _load_q(q_ptr, wq_ptr, row, HI: tl.constexpr, DI: tl.constexpr, HP: tl.const
 
 
 @triton.jit
-def _tile_keys(qa, qb, wq, k_ptr, ks_ptr, base, ctx, start, DI: tl.constexpr, BLOCK_N: tl.constexpr,
-               KEY_FMT: tl.constexpr, DOT_DT: tl.constexpr):
+def _tile_keys(qa, qb, wq, k_ptr, ks_ptr, tblrow, ctx, start, DI: tl.constexpr, BLOCK_N: tl.constexpr,
+               KEY_FMT: tl.constexpr, DOT_DT: tl.constexpr, LOG_BS: tl.constexpr):
     """Keys of positions start .. start+BLOCK_N-1 (>= ctx are INVALID)."""
     p = start + tl.arange(0, BLOCK_N)
     valid = p < ctx
-    rows = base + p.to(tl.int64)
+    rows = rows_of(tblrow, p, valid, LOG_BS)
     if KEY_FMT == 0:
         d = tl.arange(0, DI)
         kt = tl.load(k_ptr + rows[:, None] * DI + d[None, :], mask=valid[:, None], other=0)
@@ -111,19 +112,20 @@ def _tile_keys(qa, qb, wq, k_ptr, ks_ptr, base, ctx, start, DI: tl.constexpr, BL
 
 
 @triton.jit
-def _score_kernel(q_ptr, wq_ptr, k_ptr, ks_ptr, base_ptr, pos_ptr, cand_ptr, tmin_ptr, NT, TOPK, SPLITS,
+def _score_kernel(q_ptr, wq_ptr, k_ptr, ks_ptr, tbl_ptr, req_ptr, MB, pos_ptr, cand_ptr, tmin_ptr, NT, TOPK, SPLITS,
                   HI: tl.constexpr, DI: tl.constexpr, HP: tl.constexpr, BLOCK_N: tl.constexpr,
-                  KT: tl.constexpr, KEY_FMT: tl.constexpr, DOT_DT: tl.constexpr):
+                  KT: tl.constexpr, KEY_FMT: tl.constexpr, DOT_DT: tl.constexpr, LOG_BS: tl.constexpr):
     row = tl.program_id(0)
     split = tl.program_id(1)
     ctx = tl.load(pos_ptr + row) + 1
     if ctx > TOPK:
-        base = tl.load(base_ptr + row)
+        tblrow = tbl_ptr + tl.load(req_ptr + row) * MB
         qa, qb, wq = _load_q(q_ptr, wq_ptr, row, HI, DI, HP, KEY_FMT, DOT_DT)
         n_tiles = tl.cdiv(ctx, BLOCK_N)
         crow = cand_ptr + row.to(tl.int64) * NT * KT
         for tile in range(split, n_tiles, SPLITS):
-            key = _tile_keys(qa, qb, wq, k_ptr, ks_ptr, base, ctx, tile * BLOCK_N, DI, BLOCK_N, KEY_FMT, DOT_DT)
+            key = _tile_keys(qa, qb, wq, k_ptr, ks_ptr, tblrow, ctx, tile * BLOCK_N, DI, BLOCK_N, KEY_FMT, DOT_DT,
+                             LOG_BS)
             if KT < BLOCK_N:
                 top = tl.topk(key, KT)
                 tl.store(tmin_ptr + row.to(tl.int64) * NT + tile, tl.min(top, 0))
@@ -132,17 +134,18 @@ def _score_kernel(q_ptr, wq_ptr, k_ptr, ks_ptr, base_ptr, pos_ptr, cand_ptr, tmi
 
 
 @triton.jit
-def _rescore_kernel(q_ptr, wq_ptr, k_ptr, ks_ptr, base_ptr, pos_ptr, cand_ptr, ovf_ptr, novf_ptr, ext_ptr,
+def _rescore_kernel(q_ptr, wq_ptr, k_ptr, ks_ptr, tbl_ptr, req_ptr, MB, pos_ptr, cand_ptr, ovf_ptr, novf_ptr, ext_ptr,
                     NT, MAX_OVF, HI: tl.constexpr, DI: tl.constexpr, HP: tl.constexpr,
-                    BLOCK_N: tl.constexpr, KT: tl.constexpr, KEY_FMT: tl.constexpr, DOT_DT: tl.constexpr):
+                    BLOCK_N: tl.constexpr, KT: tl.constexpr, KEY_FMT: tl.constexpr, DOT_DT: tl.constexpr,
+                    LOG_BS: tl.constexpr):
     row = tl.program_id(0)
     i = tl.program_id(1)
     if i < tl.load(novf_ptr + row):
         tile = tl.load(ovf_ptr + row * MAX_OVF + i)
         ctx = tl.load(pos_ptr + row) + 1
-        base = tl.load(base_ptr + row)
+        tblrow = tbl_ptr + tl.load(req_ptr + row) * MB
         qa, qb, wq = _load_q(q_ptr, wq_ptr, row, HI, DI, HP, KEY_FMT, DOT_DT)
-        key = _tile_keys(qa, qb, wq, k_ptr, ks_ptr, base, ctx, tile * BLOCK_N, DI, BLOCK_N, KEY_FMT, DOT_DT)
+        key = _tile_keys(qa, qb, wq, k_ptr, ks_ptr, tblrow, ctx, tile * BLOCK_N, DI, BLOCK_N, KEY_FMT, DOT_DT, LOG_BS)
         tl.store(ext_ptr + (row.to(tl.int64) * MAX_OVF + i) * BLOCK_N + tl.arange(0, BLOCK_N), key)
         tl.store(cand_ptr + row.to(tl.int64) * NT * KT + tile * KT + tl.arange(0, KT),
                  tl.full([KT], INVALID, tl.int64))
@@ -165,8 +168,10 @@ def _hist_pass(ptr, n, prefix, pmask, shift: tl.constexpr, TILE: tl.constexpr):
 
 
 @triton.jit
-def _collect(ptr, n, prefix, pmask, dst, cnt, add, LIMIT, TILE: tl.constexpr):
-    """Append (in stored order) position + add of every selected key to dst[cnt:]; returns cnt."""
+def _collect(ptr, n, prefix, pmask, dst, cnt, tblrow, LIMIT, TILE: tl.constexpr, ROWS_OUT: tl.constexpr,
+             LOG_BS: tl.constexpr):
+    """Append (in stored order) the position (its pool row when ROWS_OUT) of every selected key to
+    dst[cnt:]; returns cnt."""
     for off in range(0, n, TILE):
         o = off + tl.arange(0, TILE)
         m = o < n
@@ -174,18 +179,21 @@ def _collect(ptr, n, prefix, pmask, dst, cnt, add, LIMIT, TILE: tl.constexpr):
         sel = m & (k != INVALID) & ((k & pmask) >= prefix)
         c = tl.cumsum(sel.to(tl.int32), 0)
         at = cnt + c - 1
-        tl.store(dst + at, (_low32() - (k & _low32())) + add, mask=sel & (at < LIMIT))
+        pos = _low32() - (k & _low32())
+        if ROWS_OUT:
+            pos = rows_of(tblrow, pos, sel, LOG_BS)
+        tl.store(dst + at, pos, mask=sel & (at < LIMIT))
         cnt += tl.sum(sel.to(tl.int32), 0)
     return cnt
 
 
 @triton.jit
-def _merge_kernel(cand_ptr, tmin_ptr, ext_ptr, ovf_ptr, novf_ptr, work_ptr, out_ptr, base_ptr, pos_ptr,
+def _merge_kernel(cand_ptr, tmin_ptr, ext_ptr, ovf_ptr, novf_ptr, work_ptr, out_ptr, tbl_ptr, req_ptr, MB, pos_ptr,
                   NT, TOPK, MAX_OVF, BLOCK_N: tl.constexpr, KT: tl.constexpr, KP: tl.constexpr,
-                  PHASE: tl.constexpr, ROWS_OUT: tl.constexpr, TILE: tl.constexpr):
+                  PHASE: tl.constexpr, ROWS_OUT: tl.constexpr, TILE: tl.constexpr, LOG_BS: tl.constexpr):
     row = tl.program_id(0)
     ctx = tl.load(pos_ptr + row) + 1
-    add = tl.load(base_ptr + row) if ROWS_OUT else tl.zeros([], tl.int64)
+    tblrow = tbl_ptr + tl.load(req_ptr + row) * MB
     orow = out_ptr + row.to(tl.int64) * TOPK
     if PHASE == 1:
         n_ovf = tl.zeros([], tl.int32)
@@ -193,7 +201,8 @@ def _merge_kernel(cand_ptr, tmin_ptr, ext_ptr, ovf_ptr, novf_ptr, work_ptr, out_
         if ctx <= TOPK:  # everything is selected
             for off in range(0, TOPK, TILE):
                 j = off + tl.arange(0, TILE)
-                tl.store(orow + j, tl.where(j < ctx, j + add, -1), mask=j < TOPK)
+                jj = rows_of(tblrow, j, j < ctx, LOG_BS) if ROWS_OUT else j.to(tl.int64)
+                tl.store(orow + j, tl.where(j < ctx, jj, -1), mask=j < TOPK)
     else:
         n_ovf = tl.load(novf_ptr + row)
         active = (ctx > TOPK) & (n_ovf > 0)
@@ -238,19 +247,22 @@ def _merge_kernel(cand_ptr, tmin_ptr, ext_ptr, ovf_ptr, novf_ptr, work_ptr, out_
                     n_ovf += tl.sum(ov.to(tl.int32), 0)
             tl.store(novf_ptr + row, tl.minimum(n_ovf, MAX_OVF))
             if n_ovf == 0:  # candidates are in position order: compaction gives the sorted output
-                cnt = _collect(crow, n_c, prefix, pmask, orow, tl.zeros([], tl.int32), add, TOPK, TILE)
+                cnt = _collect(crow, n_c, prefix, pmask, orow, tl.zeros([], tl.int32), tblrow, TOPK, TILE, ROWS_OUT,
+                               LOG_BS)
                 for off in range(0, TOPK, TILE):
                     j = off + tl.arange(0, TILE)
                     tl.store(orow + j, tl.full([TILE], -1, tl.int64), mask=(j >= cnt) & (j < TOPK))
         else:
             wrow = work_ptr + row.to(tl.int64) * KP
-            cnt = _collect(crow, n_c, prefix, pmask, wrow, tl.zeros([], tl.int32), tl.zeros([], tl.int64), KP, TILE)
-            cnt = _collect(erow, n_e, prefix, pmask, wrow, cnt, tl.zeros([], tl.int64), KP, TILE)
+            cnt = _collect(crow, n_c, prefix, pmask, wrow, tl.zeros([], tl.int32), tblrow, KP, TILE, False, LOG_BS)
+            cnt = _collect(erow, n_e, prefix, pmask, wrow, cnt, tblrow, KP, TILE, False, LOG_BS)
             tl.debug_barrier()
             j = tl.arange(0, KP)
             v = tl.load(wrow + j, mask=j < cnt, other=(1 << 62))
             v = tl.sort(v)
-            tl.store(orow + j, tl.where(j < cnt, v + add, -1), mask=j < TOPK)
+            if ROWS_OUT:
+                v = rows_of(tblrow, v, j < cnt, LOG_BS)
+            tl.store(orow + j, tl.where(j < cnt, v, -1), mask=j < TOPK)
 
 
 # ------------------------------------------------------------------------------------ host API
@@ -278,14 +290,15 @@ def heuristic(key: dict, target: str) -> dict:
     return dict(BLOCK_N=bn, KT=default_kt(bn, K, L), SPLITS=splits, num_warps=4, num_stages=3, MERGE_TILE=2048)
 
 
-def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, req_base, topk: int, *,
+def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_table, block_size: int, topk: int, *,
                  key_format: str = "fp8", output: str = "positions", config: dict | None = None,
                  max_context: int | None = None, stats: dict | None = None) -> torch.Tensor:
     """Exact DSA top-k. q f8e4m3 [T, HI, DI], q_scale fp32 [T, HI], w [T, HI];
     key_format "fp8": keys f8e4m3 (or its uint8 view) [N, DI], key_scale fp32 [N];
     key_format "mxfp4": keys uint8 [N, DI/2] (low nibble = even element), key_scale uint8 E8M0 [N, DI/32].
-    Returns int64 [T, topk]: ascending positions (output="positions") or pool rows req_base[r] +
-    position (output="rows"), -1 padded. `max_context` (>= every token_pos + 1) avoids a host sync;
+    Keys of request r's position p are at pool row block_table[r, p // block_size] * block_size + p % block_size.
+    Returns int64 [T, topk]: ascending positions (output="positions") or their pool rows
+    (output="rows"), -1 padded. `max_context` (>= every token_pos + 1) avoids a host sync;
     `stats` (a dict) receives overflowed_rows / overflowed_tiles (a host sync; tests and benches)."""
     T, HI, DI = q.shape
     fmt = {"fp8": 0, "mxfp4": 1}.get(key_format)
@@ -311,7 +324,7 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, req_base,
     ks = key_scale.to(torch.float32) if fmt == 0 else key_scale.view(torch.uint8)
     wq = (w.to(torch.float32) * q_scale.to(torch.float32)).contiguous()
     pos = token_pos.to(device=dev, dtype=torch.int64).contiguous()
-    base = req_base.to(device=dev, dtype=torch.int64)[token_req.to(device=dev, dtype=torch.int64)].contiguous()
+    tbl, req, MB, log_bs = paging_args(block_table, token_req, block_size, dev)
     NT = -(-L // bn)
     max_ovf = max(1, topk // kt)
     KP = _pow2(topk)
@@ -325,17 +338,18 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, req_base,
         n = r1 - r0
         cand, tmin, ext, work = (torch.empty(n, m, dtype=torch.int64, device=dev) for m in (NT * kt, NT, max_ovf * bn, KP))
         ovf, novf = torch.empty(n, max_ovf, dtype=torch.int32, device=dev), torch.zeros(n, dtype=torch.int32, device=dev)
-        qc, wc, bc, pc, oc = q8[r0:r1], wq[r0:r1], base[r0:r1], pos[r0:r1], out[r0:r1]
-        common = dict(HI=HI, DI=DI, HP=HP, BLOCK_N=bn, KT=kt, KEY_FMT=fmt, DOT_DT=dot_dt)
+        qc, wc, rc, pc, oc = q8[r0:r1], wq[r0:r1], req[r0:r1], pos[r0:r1], out[r0:r1]
+        common = dict(HI=HI, DI=DI, HP=HP, BLOCK_N=bn, KT=kt, KEY_FMT=fmt, DOT_DT=dot_dt, LOG_BS=log_bs)
         splits = max(1, min(int(cfg["SPLITS"]), NT))
-        _score_kernel[(n, splits)](qc, wc, k8, ks, bc, pc, cand, tmin, NT, topk, splits,
+        _score_kernel[(n, splits)](qc, wc, k8, ks, tbl, rc, MB, pc, cand, tmin, NT, topk, splits,
                                    num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]), **common)
-        merge = dict(BLOCK_N=bn, KT=kt, KP=KP, ROWS_OUT=output == "rows", TILE=mt, num_warps=8 if mt >= 1024 else 4)
-        _merge_kernel[(n,)](cand, tmin, ext, ovf, novf, work, oc, bc, pc, NT, topk, max_ovf, PHASE=1, **merge)
+        merge = dict(BLOCK_N=bn, KT=kt, KP=KP, ROWS_OUT=output == "rows", TILE=mt, LOG_BS=log_bs,
+                     num_warps=8 if mt >= 1024 else 4)
+        _merge_kernel[(n,)](cand, tmin, ext, ovf, novf, work, oc, tbl, rc, MB, pc, NT, topk, max_ovf, PHASE=1, **merge)
         if kt < bn and L > topk:
-            _rescore_kernel[(n, max_ovf)](qc, wc, k8, ks, bc, pc, cand, ovf, novf, ext, NT, max_ovf,
+            _rescore_kernel[(n, max_ovf)](qc, wc, k8, ks, tbl, rc, MB, pc, cand, ovf, novf, ext, NT, max_ovf,
                                           num_warps=int(cfg["num_warps"]), **common)
-            _merge_kernel[(n,)](cand, tmin, ext, ovf, novf, work, oc, bc, pc, NT, topk, max_ovf, PHASE=2, **merge)
+            _merge_kernel[(n,)](cand, tmin, ext, ovf, novf, work, oc, tbl, rc, MB, pc, NT, topk, max_ovf, PHASE=2, **merge)
         if stats is not None:
             stats["overflowed_rows"] = stats.get("overflowed_rows", 0) + int((novf > 0).sum())
             stats["overflowed_tiles"] = stats.get("overflowed_tiles", 0) + int(novf.sum())
@@ -343,7 +357,7 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, req_base,
 
 
 # ------------------------------------------------------------------------------------ template
-_NAMES = ("q", "q_scale", "w", "keys", "key_scale", "token_pos", "token_req", "req_base")
+_NAMES = ("q", "q_scale", "w", "keys", "key_scale", "token_pos", "token_req", "block_table")
 
 
 def _fused(a):
@@ -356,7 +370,8 @@ def _launch(a, attrs, config):
     rows, a = hasattr(a, "operands"), _fused(a)
     if rows and attrs.get("emits", "rows") != "rows":
         raise ValueError(f"fused.indexer_select: emits={attrs.get('emits')!r}, this kernel writes 'rows'")
-    return indexer_topk(*(getattr(a, n) for n in _NAMES), int(attrs["topk"]), key_format=attrs.get("key_format", "fp8"),
+    return indexer_topk(*(getattr(a, n) for n in _NAMES), int(attrs["block_size"]), int(attrs["topk"]),
+                        key_format=attrs.get("key_format", "fp8"),
                         output="rows" if rows else "positions", config=config)
 
 
@@ -396,5 +411,5 @@ TEMPLATES = [
     KernelTemplate(family="indexer_select_rows", backend="triton", ops=("fused.indexer_select",), launch=_launch,
                    key_dims=_key, heuristic=heuristic, tunables=TUNABLES, bucket=_bucket, constraints=_constraints,
                    supports=_supports, batch_invariant=True,
-                   doc="the same kernels emitting physical pool rows req_base + position (what attention reads)"),
+                   doc="the same kernels emitting the physical pool rows of the positions (what attention reads)"),
 ]

@@ -3,7 +3,7 @@ values decompressed from the latent pool, and sparse prefill when the indexer se
 
 Dense (no selection), per request r with context positions 0 .. L_r - 1 (L_r = its largest token
 position + 1, cached prefix included):
-    c = latent rows req_base[r] + [0, L_r)   (dequantised for fp8 / nvfp4 pools)
+    c = the latent rows of positions [0, L_r) (paged: `ir.ref.paging`; dequantised for fp8 / nvfp4 pools)
     k_nope^h = c W_UK^h^T,  v^h = c W_UV^h^T  (one batched matmul per request, [L_r, H, dn|dv])
     z_h(t, s) = scale (q_nope^h(t) . k_nope^h(s) + q_pe^h(t) . k_pe(s)),  s <= token_pos[t]
     o^h(t) = softmax_s(z) v^h,  lse = log sum_s e^z.
@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ir import formats
+from ir.ref.paging import cache_rows
 
 from ..kernel import KernelTemplate, Tunable, pow2_bucket
 from .mla_sparse import _LN2, LATENT_FORMATS, LOG2E, mla_sparse_decode, pool_and_selection_problem, split_kv_b
@@ -144,14 +145,16 @@ def _blocks(token_req: torch.Tensor, token_pos: torch.Tensor, block_m: int):
     return order, blocks, runs
 
 
-def mla_prefill(q_nope, q_pe, latent, kv_b, token_pos, token_req, req_base, scale: float, selection=None, *,
+def mla_prefill(q_nope, q_pe, latent, kv_b, token_pos, token_req, block_table, block_size: int, scale: float,
+                selection=None, *,
                 latent_format: str = "bf16", latent_scale: float = 1.0, pe_scale: float = 1.0,
                 selection_rows: bool = False, return_lse: bool = False, config: dict | None = None):
     """Decompressed-form MLA over each token's causal context (or its selection, via the sparse
     kernel). q_nope [T, H, dn], q_pe [T, H, dr], latent pool rows, kv_b [H*(dn+dv), kv].
     Returns o [T, H, dv] in q_nope's dtype (and lse [T, H] fp32 when return_lse)."""
     if selection is not None:
-        return mla_sparse_decode(q_nope, q_pe, latent, kv_b, token_pos, token_req, req_base, scale, selection,
+        return mla_sparse_decode(q_nope, q_pe, latent, kv_b, token_pos, token_req, block_table, block_size, scale,
+                                 selection,
                                  latent_format=latent_format, latent_scale=latent_scale, pe_scale=pe_scale,
                                  selection_rows=selection_rows, return_lse=return_lse,
                                  config=config if config and "BLOCK_H" in config else None)
@@ -172,11 +175,10 @@ def mla_prefill(q_nope, q_pe, latent, kv_b, token_pos, token_req, req_base, scal
         return (o.to(dt), lse) if return_lse else o.to(dt)
     order, blocks, runs = _blocks(token_req, token_pos, bm)
     pos_cpu = token_pos.to("cpu", torch.int64)
-    rb = req_base.to("cpu", torch.int64)
     ctx_start, kn, kp, vv, c0 = {}, [], [], [], 0
     for r, i, j in runs:                      # decompress each request's context once
         L = int(pos_cpu[order[i:j]].max()) + 1
-        rows = torch.arange(L, device=dev) + int(rb[r])
+        rows = cache_rows(block_table, block_size, torch.tensor(r), torch.arange(L, device=dev))
         c = dequantize_latent(latent[rows], latent_format, KV, latent_scale, pe_scale).to(dt)
         kn.append(torch.einsum("lk,hnk->lhn", c[:, :KV], W_UK.to(dt)))
         vv.append(torch.einsum("lk,hvk->lhv", c[:, :KV], W_UV.to(dt)))
@@ -197,8 +199,8 @@ def mla_prefill(q_nope, q_pe, latent, kv_b, token_pos, token_req, req_base, scal
 # ------------------------------------------------------------------------------------ template
 def _launch(a, attrs, config):
     fmt = "fp32" if a.latent.dtype == torch.float32 else "bf16"
-    return mla_prefill(a.q_nope, a.q_pe, a.latent, a.kv_b, a.token_pos, a.token_req, a.req_base,
-                       float(attrs["scale"]), a.selection, latent_format=fmt, config=config,
+    return mla_prefill(a.q_nope, a.q_pe, a.latent, a.kv_b, a.token_pos, a.token_req, a.block_table,
+                       int(attrs["block_size"]), float(attrs["scale"]), a.selection, latent_format=fmt, config=config,
                        selection_rows=attrs.get("selection_kind", "positions") == "rows")
 
 

@@ -23,7 +23,7 @@ Latent pool formats (dequantised in registers):
 `mla_prefill.quantize_latent_fp8` / `quantize_latent_nvfp4` write those pools, `dequantize_latent` reads
 them back (in torch; prefill decompresses from it).
 
-Selections are positions (the IR op; row = req_base[r] + position) or physical rows
+Selections are positions (the IR op; mapped to rows by the block table, `_paging`) or physical rows
 (`selection_rows=True`, what `indexer_topk(..., output="rows")` returns); -1 entries are skipped.
 Tunables: BLOCK_H, BLOCK_N (rows per step), CHUNK (rows per program), SUB (column blocks per row:
 1 = one pass, 4 = two passes), num_warps, num_stages.
@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from ..kernel import KernelTemplate, Tunable, pow2_bucket
+from ._paging import paging_args, rows_of
 
 LOG2E = 1.4426950408889634
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -127,24 +128,26 @@ def _q_sub(qa_ptr, th, hm, kb: tl.constexpr, KB: tl.constexpr, KV: tl.constexpr,
 
 
 @triton.jit
-def _mla_sparse_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, base_ptr, pos_ptr, o_ptr, lse_ptr,
+def _mla_sparse_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, pos_ptr, o_ptr, lse_ptr,
                        H, KSEL, NSPLIT, CHUNK, lat_stride, qk_scale, v_scale, pe_scale,
                        KV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                        FMT: tl.constexpr, SPARSE: tl.constexpr, DOT_DT: tl.constexpr,
-                       PREC: tl.constexpr, SUB: tl.constexpr):
+                       PREC: tl.constexpr, SUB: tl.constexpr, PAGED: tl.constexpr, LOG_BS: tl.constexpr):
     """FMT 0: float pool, 1: fp8 pool, 2: nvfp4 pool; qk_scale = softmax scale * log2(e);
     logits = (q~.c) v_scale + (q_pe.k_pe) pe_scale, values c v_scale.
     Orientation: context rows are the M dimension of both dots (wgmma-sized), the few heads are N,
     so q~ sits in shared memory (an M = heads operand would be copied into every warp's registers).
     SUB = 1: whole rows per step (Triton pipelines the loads; bf16 pools). SUB = 4: the row is taken
     in four column blocks and read twice (logits pass, then a value pass that re-reads the bytes from
-    L1/L2): a dequantised tile never has to live in registers whole."""
+    L1/L2): a dequantised tile never has to live in registers whole.
+    PAGED: context entries are request positions, mapped to pool rows through the token's block-table
+    row; otherwise they are pool rows already (a selection of rows)."""
     h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     t = tl.program_id(1)
     sp = tl.program_id(2)
     hm = h < H
     pos = tl.load(pos_ptr + t)
-    base = tl.load(base_ptr + t)
+    tblrow = tbl_ptr + tl.load(req_ptr + t) * MB
     n_ctx = KSEL if SPARSE else pos + 1
     start = sp * CHUNK
     end = tl.minimum(start + CHUNK, n_ctx)
@@ -164,7 +167,10 @@ def _mla_sparse_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, base_ptr, pos_ptr, o_pt
     for j in range(start, end, BLOCK_N):
         idx = _load_idx(idx_ptr, t, KSEL, j, end, BLOCK_N, SPARSE)
         valid = idx >= 0
-        rows = (base + idx).to(tl.int64)
+        if PAGED:
+            rows = rows_of(tblrow, idx, valid, LOG_BS)
+        else:
+            rows = idx.to(tl.int64)
         kp = _k_pe(lat_ptr, rows, valid, lat_stride, KV, DR, FMT, DOT_DT)
         s = tl.dot(kp, qpT, input_precision=PREC) * pe_scale              # [BLOCK_N, BLOCK_H]
         if SUB == 1:
@@ -248,13 +254,13 @@ def heuristic(key: dict, target: str) -> dict:
     return dict(BLOCK_H=bh, BLOCK_N=64, CHUNK=chunk, num_warps=4, num_stages=1 if quant else 2, SUB=4 if quant else 1)
 
 
-def sparse_latent_attention(q_abs, q_pe, latent, token_pos, base, scale: float, selection=None, *,
+def sparse_latent_attention(q_abs, q_pe, latent, token_pos, paging, scale: float, selection=None, *,
                             latent_format: str = "bf16", latent_scale: float = 1.0, pe_scale: float = 1.0,
                             config: dict | None = None, max_context: int | None = None):
     """(o~ fp32 [T, H, kv], lse fp32 [T, H]) of softmax(scale * q~ . c) over each token's rows.
-    q_abs [T, H, kv], q_pe [T, H, dr]; base [T] int64 is added to selection entries (pool rows of
-    position 0 of the token's request, or 0 when the selection already holds rows); without a
-    selection the token reads rows base + 0 .. base + token_pos."""
+    q_abs [T, H, kv], q_pe [T, H, dr]; `paging` = `_paging.paging_args(block_table, token_req,
+    block_size)` maps request positions (selection entries, or 0 .. token_pos without a selection) to
+    pool rows; paging None means the selection already holds pool rows."""
     if latent_format not in LATENT_FORMATS:
         raise ValueError(f"latent_format must be one of {LATENT_FORMATS}, found {latent_format!r}")
     T, H, KV = q_abs.shape
@@ -288,11 +294,15 @@ def sparse_latent_attention(q_abs, q_pe, latent, token_pos, base, scale: float, 
     vs = 1.0 if fmt == 0 else float(latent_scale)                     # scale of c_KV values
     ps = {0: 1.0, 1: float(latent_scale), 2: float(pe_scale)}[fmt]       # scale of k_pe values
     dot_dt = tl.float32 if f32 else tl.bfloat16
+    if paging is None and selection is None:
+        raise ValueError("mla: a dense context (no selection) needs the block table (paging)")
+    tbl, req, MB, log_bs = paging if paging is not None else (pos, pos, 0, 0)   # unused when not PAGED
     _mla_sparse_kernel[(-(-H // bh), T, nsplit)](
-        q_abs.contiguous(), q_pe.contiguous(), lat, sel, base.to(device=dev, dtype=torch.int64).contiguous(), pos,
+        q_abs.contiguous(), q_pe.contiguous(), lat, sel, tbl, req, MB, pos,
         po, plse, H, sel.shape[1] if selection is not None else 0, nsplit, chunk, lat.stride(0), scale * LOG2E,
         vs, ps, KV=KV, DR=DR, BLOCK_H=bh, BLOCK_N=bn, FMT=fmt,
         SPARSE=selection is not None, DOT_DT=dot_dt, PREC="ieee" if f32 else "tf32", SUB=int(cfg.get("SUB", 1)),
+        PAGED=paging is not None, LOG_BS=log_bs,
         num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
     if nsplit > 1:
         _combine_kernel[(T * H,)](po, plse, o, lse, nsplit, KV=KV, NSP2=_pow2(nsplit), num_warps=4)
@@ -307,7 +317,8 @@ def split_kv_b(kv_b: torch.Tensor, H: int, dn: int):
     return w[:, :dn], w[:, dn:]
 
 
-def mla_sparse_decode(q_nope, q_pe, latent, kv_b, token_pos, token_req, req_base, scale: float, selection=None, *,
+def mla_sparse_decode(q_nope, q_pe, latent, kv_b, token_pos, token_req, block_table, block_size: int, scale: float,
+                      selection=None, *,
                       latent_format: str = "bf16", latent_scale: float = 1.0, pe_scale: float = 1.0,
                       selection_rows: bool = False, return_lse: bool = False, latent_out: bool = False,
                       config: dict | None = None):
@@ -318,11 +329,9 @@ def mla_sparse_decode(q_nope, q_pe, latent, kv_b, token_pos, token_req, req_base
     W_UK, W_UV = split_kv_b(kv_b, H, dn)
     dt = q_nope.dtype
     q_abs = torch.einsum("thn,hnk->thk", q_nope, W_UK.to(dt))
-    rb = req_base.to(device=q_nope.device, dtype=torch.int64)
-    base = rb[token_req.to(device=q_nope.device, dtype=torch.int64)]
-    if selection is not None and selection_rows:
-        base = torch.zeros_like(base)
-    o_lat, lse = sparse_latent_attention(q_abs, q_pe.to(dt), latent, token_pos, base, scale, selection,
+    rows_given = selection is not None and selection_rows
+    paging = None if rows_given else paging_args(block_table, token_req, block_size, q_nope.device)
+    o_lat, lse = sparse_latent_attention(q_abs, q_pe.to(dt), latent, token_pos, paging, scale, selection,
                                          latent_format=latent_format, latent_scale=latent_scale,
                                          pe_scale=pe_scale, config=config)
     o = o_lat.to(dt) if latent_out else torch.einsum("thk,hvk->thv", o_lat.to(dt), W_UV.to(dt))
@@ -332,8 +341,8 @@ def mla_sparse_decode(q_nope, q_pe, latent, kv_b, token_pos, token_req, req_base
 # ------------------------------------------------------------------------------------ template
 def _launch(a, attrs, config):
     fmt = "fp32" if a.latent.dtype == torch.float32 else "bf16"
-    return mla_sparse_decode(a.q_nope, a.q_pe, a.latent, a.kv_b, a.token_pos, a.token_req, a.req_base,
-                             float(attrs["scale"]), a.selection, latent_format=fmt, config=config,
+    return mla_sparse_decode(a.q_nope, a.q_pe, a.latent, a.kv_b, a.token_pos, a.token_req, a.block_table,
+                             int(attrs["block_size"]), float(attrs["scale"]), a.selection, latent_format=fmt, config=config,
                              selection_rows=attrs.get("selection_kind", "positions") == "rows",
                              latent_out=attrs.get("form") == "latent")
 

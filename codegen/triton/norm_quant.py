@@ -24,6 +24,7 @@ import triton.language as tl
 
 from codegen.kernel import KernelTemplate, Tunable, pow2_bucket
 from codegen.triton.gemm import dot_numerics, gemm_tile
+from codegen.triton._paging import paging_args, rows_of
 
 MAX_BLOCK_D = 32768
 AMAX_FLOOR = tl.constexpr(1e-4)
@@ -163,11 +164,11 @@ def _indexer_query_kernel(x_ptr, w_ptr, q_ptr, s_ptr, T, K, HEADS, stride_xm, st
 
 
 @triton.jit
-def _indexer_key_kernel(ik_ptr, g_ptr, b_ptr, iw_ptr, w_ptr, kpool_ptr, spool_ptr, req_ptr, pos_ptr, base_ptr,
+def _indexer_key_kernel(ik_ptr, g_ptr, b_ptr, iw_ptr, w_ptr, kpool_ptr, spool_ptr, req_ptr, pos_ptr, tbl_ptr, MB,
                         T, HEADS, stride_ik, stride_iw, stride_pool, eps, weight_scale,
-                        BLOCK_R: tl.constexpr, DI: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Per token: key = fp8(H LayerNorm(ik)) written at pool row req_base[token_req] + token_pos (bytes
-    and scale), and w = weight_scale * iw."""
+                        BLOCK_R: tl.constexpr, DI: tl.constexpr, BLOCK_H: tl.constexpr, LOG_BS: tl.constexpr):
+    """Per token: key = fp8(H LayerNorm(ik)) written at the pool row of (token_req, token_pos) through
+    the block table (bytes and scale), and w = weight_scale * iw."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < T
     rows64 = rows.to(tl.int64)
@@ -179,8 +180,7 @@ def _indexer_key_kernel(ik_ptr, g_ptr, b_ptr, iw_ptr, w_ptr, kpool_ptr, spool_pt
     k = k * tl.load(g_ptr + cols).to(tl.float32)[None, :] + tl.load(b_ptr + cols).to(tl.float32)[None, :]
     code, scale = _quantize_rows(_hadamard_tile(k, DI), cols[None, :] < DI, AMAX_FLOOR)
     req = tl.load(req_ptr + rows, mask=row_ok, other=0)
-    dest = tl.load(base_ptr + req, mask=row_ok, other=0) + tl.load(pos_ptr + rows, mask=row_ok, other=0)
-    dest = dest.to(tl.int64)
+    dest = rows_of(tbl_ptr + req * MB, tl.load(pos_ptr + rows, mask=row_ok, other=0), row_ok, LOG_BS)
     tl.store(kpool_ptr + dest[:, None] * stride_pool + cols[None, :], code.to(tl.uint8), mask=row_ok[:, None])
     tl.store(spool_ptr + dest, scale, mask=row_ok)
     hs = tl.arange(0, BLOCK_H)
@@ -191,7 +191,7 @@ def _indexer_key_kernel(ik_ptr, g_ptr, b_ptr, iw_ptr, w_ptr, kpool_ptr, spool_pt
 
 
 INDEXER_FRONT_OPERANDS = ("c_q", "wq_b", "ik", "k_norm_w", "k_norm_b", "iw", "key_pool", "scale_pool",
-                          "token_req", "token_pos", "req_base")
+                          "token_req", "token_pos", "block_table")
 
 
 def indexer_front(ops: list, attrs: dict, config: dict):
@@ -199,7 +199,7 @@ def indexer_front(ops: list, attrs: dict, config: dict):
     (q8 [T,HI,DI], q_scale [T,HI], w [T,HI], key_pool, scale_pool); pools updated in place."""
     if len(ops) != len(INDEXER_FRONT_OPERANDS):
         raise ValueError(f"fused.indexer_front takes ({', '.join(INDEXER_FRONT_OPERANDS)}), got {len(ops)} operands")
-    c_q, wq_b, ik, g, b, iw, key_pool, scale_pool, token_req, token_pos, req_base = ops
+    c_q, wq_b, ik, g, b, iw, key_pool, scale_pool, token_req, token_pos, block_table = ops
     hi, di = int(attrs["heads"]), int(attrs["head_dim"])
     if attrs.get("quant", "fp8_pow2") != "fp8_pow2":
         raise ValueError(f"fused.indexer_front: quant {attrs.get('quant')!r} is not supported (fp8_pow2 only)")
@@ -222,10 +222,11 @@ def indexer_front(ops: list, attrs: dict, config: dict):
         ikc = ik if ik.stride(-1) == 1 else ik.contiguous()
         iwc = iw if iw.stride(-1) == 1 else iw.contiguous()
         br = config["BLOCK_R"]
+        tbl, req, mb, log_bs = paging_args(block_table, token_req, int(attrs["block_size"]), dev)
         _indexer_key_kernel[(triton.cdiv(T, br),)](
-            ikc, g, b, iwc, w, key_pool.view(torch.uint8), scale_pool, token_req, token_pos, req_base,
+            ikc, g, b, iwc, w, key_pool.view(torch.uint8), scale_pool, req, token_pos, tbl, mb,
             T, hi, ikc.stride(0), iwc.stride(0), key_pool.stride(0), float(attrs["eps"]), float(attrs["weight_scale"]),
-            BLOCK_R=br, DI=di, BLOCK_H=pow2_bucket(hi), num_warps=config["num_warps"])
+            BLOCK_R=br, DI=di, BLOCK_H=pow2_bucket(hi), LOG_BS=log_bs, num_warps=config["num_warps"])
     return q8.view(torch.float8_e4m3fn), qs, w, key_pool, scale_pool
 
 

@@ -1,7 +1,7 @@
 """MLA attention, the DSA indexer and cache writes, SPEC §4–5.
 
-Caches are pools of rows; request r's position p lives at row req_base[r] + p (per-request
-contiguous caches; the block-cache pass of the runtime lowers this addressing to block tables).
+Caches are pools of rows grouped in blocks of `block_size` rows; request r's position p lives at row
+block_table[r, p // block_size] * block_size + p % block_size (paged addressing, `ir.ref.paging`).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from ..core import TensorType
 from ..dtypes import f32, f8e4m3, i64
 from ..ref import indexer as ref_indexer
 from ..ref import mla as ref_mla
+from ..ref.paging import cache_rows, check_block_size
 from ..shapes import numel, shapes_equal, sym
 from .basic import expect
 from .registry import attr, defop
@@ -20,7 +21,20 @@ from .registry import attr, defop
 CONTEXT = sym("L")  # average attended context per query token, used by costs only
 
 
+def _block_table_ok(a, at, op: str):
+    expect(a.block_table.rank == 2 and a.block_table.dtype.kind == "int",
+           f"{op}: block_table {a.block_table} must be an integer [R, MB] table")
+    try:
+        check_block_size(at["block_size"])
+    except ValueError as e:
+        raise ValueError(f"{op}: {e}") from None
+
+
+BLOCK_SIZE = {"block_size": attr(int)}
+
+
 def _cache_write_infer(a, at):
+    _block_table_ok(a, at, "cache_write")
     expect(a.values.rank == a.pool.rank and shapes_equal(a.values.shape[1:], a.pool.shape[1:]),
            f"cache_write: values {a.values} do not fit pool rows {a.pool}")
     expect(a.values.dtype == a.pool.dtype or (a.values.dtype.is_float and a.pool.dtype.is_float
@@ -30,18 +44,19 @@ def _cache_write_infer(a, at):
 
 
 def _cache_write_ref(a, at):
-    rows = a.req_base[a.token_req] + a.token_pos
+    rows = cache_rows(a.block_table, at["block_size"], a.token_req, a.token_pos)
     a.pool[rows] = a.values.to(a.pool.dtype)
     return a.pool
 
 
-defop("cache_write", ["pool", "values", "token_req", "token_pos", "req_base"], ["pool_out"],
-      _cache_write_infer, _cache_write_ref, inplace={0: "pool"},
+defop("cache_write", ["pool", "values", "token_req", "token_pos", "block_table"], ["pool_out"],
+      _cache_write_infer, _cache_write_ref, inplace={0: "pool"}, attrs=BLOCK_SIZE,
       bytes=lambda a, o, at: 2 * a.values.nbytes() + 3 * a.token_pos.nbytes(),
-      doc="pool[req_base[token_req[i]] + token_pos[i]] = values[i]")
+      doc="pool[row(token_req[i], token_pos[i])] = values[i], row(r, p) = block_table[r, p // bs] * bs + p % bs")
 
 
 def _mla_infer(a, at):
+    _block_table_ok(a, at, "mla")
     t, h, dn = a.q_nope.shape
     dr = a.q_pe.shape[2]
     kv = a.kv_b.shape[1]
@@ -59,8 +74,8 @@ def _mla_infer(a, at):
 
 
 def _mla_ref(a, at):
-    return ref_mla.mla_attention(a.q_nope, a.q_pe, a.latent, a.kv_b, a.token_pos, a.token_req, a.req_base,
-                                 at["scale"], a.selection, at["form"], at["selection_kind"])
+    return ref_mla.mla_attention(a.q_nope, a.q_pe, a.latent, a.kv_b, a.token_pos, a.token_req, a.block_table,
+                                 at["block_size"], at["scale"], a.selection, at["form"], at["selection_kind"])
 
 
 def _mla_ctx(a):
@@ -79,8 +94,8 @@ def _mla_bytes(a, o, at):
         t * _mla_ctx(a) * a.latent.shape[1] * a.latent.dtype.bits / 8
 
 
-defop("mla_attention", ["q_nope", "q_pe", "latent", "kv_b", "token_pos", "token_req", "req_base", "selection?"],
-      ["o"], _mla_infer, _mla_ref, attrs={"scale": attr(float), "form": attr(str, default="absorbed"),
+defop("mla_attention", ["q_nope", "q_pe", "latent", "kv_b", "token_pos", "token_req", "block_table", "selection?"],
+      ["o"], _mla_infer, _mla_ref, attrs={**BLOCK_SIZE, "scale": attr(float), "form": attr(str, default="absorbed"),
                                           "selection_kind": attr(str, default="positions")},
       flops=_mla_flops, bytes=_mla_bytes,
       doc="softmax(scale*(q_nope.k_nope + q_pe.k_pe)) v over the causal context (or the selected positions); "
@@ -109,6 +124,7 @@ defop("mla_value_proj", ["o_latent", "kv_b"], ["o"], _value_proj_infer,
 
 
 def _selection_rows_infer(a, at):
+    _block_table_ok(a, at, "selection_to_rows")
     expect(a.selection.dtype == i64 and a.selection.rank == 2,
            f"selection_to_rows: selection {a.selection} must be i64[T, K]")
     expect(shapes_equal(a.token_req.shape, a.selection.shape[:1]),
@@ -116,10 +132,11 @@ def _selection_rows_infer(a, at):
     return [a.selection]
 
 
-defop("selection_to_rows", ["selection", "token_req", "req_base"], ["rows"], _selection_rows_infer,
-      lambda a, at: ref_mla.selection_positions_to_rows(a.selection, a.token_req, a.req_base),
-      doc="rows[t, j] = req_base[token_req[t]] + selection[t, j] where selection[t, j] >= 0, else -1 "
-          "(request positions -> physical pool rows)")
+defop("selection_to_rows", ["selection", "token_req", "block_table"], ["rows"], _selection_rows_infer,
+      lambda a, at: ref_mla.selection_positions_to_rows(a.selection, a.token_req, a.block_table, at["block_size"]),
+      attrs=BLOCK_SIZE,
+      doc="rows[t, j] = row(token_req[t], selection[t, j]) where selection[t, j] >= 0, else -1 "
+          "(request positions -> physical pool rows through the block table)")
 
 
 def _quant_infer(a, at):
@@ -132,6 +149,7 @@ defop("quantize_fp8_pow2", ["x"], ["q", "scale"], _quant_infer, lambda a, at: fo
 
 
 def _indexer_infer(a, at):
+    _block_table_ok(a, at, "indexer")
     t, hi, di = a.q.shape
     expect(a.q.dtype == f8e4m3 and a.keys.dtype == f8e4m3, f"indexer: q {a.q} and keys {a.keys} must be f8e4m3")
     expect(shapes_equal(a.q_scale.shape, (t, hi)) and shapes_equal(a.w.shape, (t, hi)),
@@ -145,12 +163,12 @@ def _indexer_infer(a, at):
 def _indexer_ref(a, at):
     q = formats.dequantize_fp8(a.q, a.q_scale).to(a.w.dtype)
     k = formats.dequantize_fp8(a.keys, a.key_scale).to(a.w.dtype)
-    sel, _ = ref_indexer.indexer_topk(q, a.w, k, a.token_pos, a.token_req, a.req_base, at["topk"])
+    sel, _ = ref_indexer.indexer_topk(q, a.w, k, a.token_pos, a.token_req, a.block_table, at["block_size"], at["topk"])
     return sel
 
 
-defop("indexer_topk", ["q", "q_scale", "w", "keys", "key_scale", "token_pos", "token_req", "req_base"], ["selection"],
-      _indexer_infer, _indexer_ref, attrs={"topk": attr(int)},
+defop("indexer_topk", ["q", "q_scale", "w", "keys", "key_scale", "token_pos", "token_req", "block_table"], ["selection"],
+      _indexer_infer, _indexer_ref, attrs={**BLOCK_SIZE, "topk": attr(int)},
       flops=lambda a, o, at: 2 * a.q.shape[0] * a.q.shape[1] * CONTEXT * (a.q.shape[2] + 1),
       bytes=lambda a, o, at: a.q.nbytes() + a.w.nbytes() + o[0].nbytes()
       + a.q.shape[0] * CONTEXT * (a.keys.shape[1] * a.keys.dtype.bits / 8 + 4),

@@ -4,12 +4,14 @@ Inputs are already rotated, quantised and dequantised (``ir.formats`` does the F
 round trip); this module does steps 6-7: I(t,s) = sum_j w_j(t) ReLU(q_j(t) . k(s)) over the
 causal context and the deterministic top-k.  Context rule as in ``ir.ref.mla``: token i
 (request token_req[i], position token_pos[i]) sees positions 0..token_pos[i], whose keys live
-at pool rows req_base[r] + p.
+at the pool rows the paged block table gives (``ir.ref.paging``).
 """
 
 from __future__ import annotations
 
 import torch
+
+from .paging import cache_rows
 
 __all__ = ["indexer_topk", "indexer_dense_scores", "indexer_scores_padded"]
 
@@ -18,10 +20,10 @@ _BLOCK_ELEMS = 1 << 26
 
 def indexer_scores_padded(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor,
                           token_pos: torch.Tensor, token_req: torch.Tensor,
-                          req_base: torch.Tensor):
+                          block_table: torch.Tensor, block_size: int):
     """(scores [B, L], valid [B, L]) with L = max(token_pos)+1; column s is position s.
 
-    scores[i, s] = sum_j w[i, j] * relu(q[i, j] . keys[req_base[r_i] + s]) for s <= token_pos[i];
+    scores[i, s] = sum_j w[i, j] * relu(q[i, j] . keys[row(r_i, s)]) for s <= token_pos[i];
     invalid (non-causal) entries are -inf.  Computed in q's dtype.
     """
     B, HI, DI = q.shape
@@ -30,14 +32,13 @@ def indexer_scores_padded(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor,
     L = int(tp.max().item()) + 1 if B else 0
     pos = torch.arange(L, device=dev, dtype=torch.int64)
     valid = pos.unsqueeze(0) <= tp.unsqueeze(1)
-    base = req_base.to(device=dev, dtype=torch.int64)[token_req.to(device=dev,
-                                                                  dtype=torch.int64)]
+    req = token_req.to(device=dev, dtype=torch.int64)
     w = w.to(dt)
     scores = q.new_full((B, L), float("-inf"))
     bs = max(1, _BLOCK_ELEMS // max(1, L * (DI + HI)))
     for s in range(0, B, bs):
         e = min(B, s + bs)
-        rows = base[s:e].unsqueeze(1) + torch.where(valid[s:e], pos, 0)   # [b, L]
+        rows = cache_rows(block_table, block_size, req[s:e].unsqueeze(1), torch.where(valid[s:e], pos, 0))  # [b, L]
         kk = keys[rows].to(dt)                                            # [b, L, DI]
         logits = torch.relu(torch.einsum("bjd,bld->bjl", q[s:e], kk))     # [b, HI, L]
         sc = torch.einsum("bj,bjl->bl", w[s:e], logits)
@@ -47,14 +48,14 @@ def indexer_scores_padded(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor,
 
 def indexer_dense_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor,
                          token_pos: torch.Tensor, token_req: torch.Tensor,
-                         req_base: torch.Tensor) -> list[torch.Tensor]:
+                         block_table: torch.Tensor, block_size: int) -> list[torch.Tensor]:
     """Per token, the full score vector I(t, 0..token_pos) (length token_pos+1)."""
-    scores, _ = indexer_scores_padded(q, w, keys, token_pos, token_req, req_base)
+    scores, _ = indexer_scores_padded(q, w, keys, token_pos, token_req, block_table, block_size)
     return [scores[i, : int(p) + 1] for i, p in enumerate(token_pos.tolist())]
 
 
 def indexer_topk(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, token_pos: torch.Tensor,
-                 token_req: torch.Tensor, req_base: torch.Tensor, topk: int):
+                 token_req: torch.Tensor, block_table: torch.Tensor, block_size: int, topk: int):
     """Sel(t) = top-k of I(t, .) over the causal context, k = min(topk, pos+1).
 
     Ties are broken by the LOWER position: a stable descending sort over scores laid out by
@@ -64,7 +65,7 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, token_pos
     """
     if topk < 1:
         raise ValueError("topk must be >= 1")
-    scores, valid = indexer_scores_padded(q, w, keys, token_pos, token_req, req_base)
+    scores, valid = indexer_scores_padded(q, w, keys, token_pos, token_req, block_table, block_size)
     B, L = scores.shape
     dev = scores.device
     if L < topk:

@@ -1,16 +1,18 @@
 """Literal torch reference semantics of MLA attention over a latent cache pool (SPEC §4).
 
 Context rule (shared with ``ir.ref.indexer``): token i of request r = token_req[i] at position
-p_i = token_pos[i] attends to positions 0..p_i of its request, stored at pool rows
-req_base[r] + p; or, when ``selection`` is given, exactly the positions listed in selection[i]
-(entries -1 are padding; entries are positions, must be distinct and <= p_i).  With
-``selection_kind="rows"`` the entries are the physical pool rows req_base[r] + p instead (what the
-fused indexer emits); ``selection_rows_to_positions`` maps them back.
+p_i = token_pos[i] attends to positions 0..p_i of its request, stored at the pool rows the paged
+block table gives (``ir.ref.paging``: row = block_table[r, p // bs] * bs + p % bs); or, when
+``selection`` is given, exactly the positions listed in selection[i] (entries -1 are padding; entries
+are positions, must be distinct and <= p_i).  With ``selection_kind="rows"`` the entries are the
+physical pool rows instead (what the fused indexer emits); ``selection_rows_to_positions`` maps them back.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .paging import cache_rows, rows_to_positions
 
 __all__ = ["mla_attention", "mla_value_proj", "context_positions", "selection_positions_to_rows",
            "selection_rows_to_positions"]
@@ -42,27 +44,21 @@ def context_positions(token_pos: torch.Tensor, selection: torch.Tensor | None):
     return sel, valid
 
 
-def selection_positions_to_rows(selection: torch.Tensor, token_req: torch.Tensor,
-                                req_base: torch.Tensor) -> torch.Tensor:
-    """rows[i, j] = req_base[token_req[i]] + selection[i, j] where selection[i, j] >= 0, else -1."""
-    base = req_base.to(device=selection.device, dtype=torch.int64)[token_req.to(device=selection.device,
-                                                                              dtype=torch.int64)]
+def selection_positions_to_rows(selection: torch.Tensor, token_req: torch.Tensor, block_table: torch.Tensor,
+                                block_size: int) -> torch.Tensor:
+    """rows[i, j] = row(token_req[i], selection[i, j]) where selection[i, j] >= 0, else -1."""
     sel = selection.to(torch.int64)
-    return torch.where(sel >= 0, sel + base.unsqueeze(1), torch.full_like(sel, -1))
+    valid = sel >= 0
+    req = token_req.to(device=sel.device, dtype=torch.int64).unsqueeze(1)
+    rows = cache_rows(block_table, block_size, req, torch.where(valid, sel, 0))
+    return torch.where(valid, rows, torch.full_like(sel, -1))
 
 
-def selection_rows_to_positions(rows: torch.Tensor, token_req: torch.Tensor,
-                                req_base: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``selection_positions_to_rows``; raises ValueError for a valid row that lies
-    before its token's request base (a row of another request)."""
-    base = req_base.to(device=rows.device, dtype=torch.int64)[token_req.to(device=rows.device,
-                                                                         dtype=torch.int64)]
-    rows = rows.to(torch.int64)
-    valid = rows >= 0
-    pos = rows - base.unsqueeze(1)
-    if bool((valid & (pos < 0)).any()):
-        raise ValueError("selection holds a pool row before its request's base row")
-    return torch.where(valid, pos, torch.full_like(rows, -1))
+def selection_rows_to_positions(rows: torch.Tensor, token_req: torch.Tensor, block_table: torch.Tensor,
+                                block_size: int) -> torch.Tensor:
+    """Inverse of ``selection_positions_to_rows``; raises ValueError for a valid row in a block its
+    token's request does not own (a row of another request)."""
+    return rows_to_positions(rows, block_table, block_size, token_req)
 
 
 def mla_value_proj(o_latent: torch.Tensor, kv_b_w: torch.Tensor, nope_dim: int) -> torch.Tensor:
@@ -87,13 +83,14 @@ def _token_blocks(n_tokens: int, per_token: int):
 
 def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
                   kv_b_w: torch.Tensor, token_pos: torch.Tensor, token_req: torch.Tensor,
-                  req_base: torch.Tensor, scale: float, selection: torch.Tensor | None = None,
+                  block_table: torch.Tensor, block_size: int, scale: float, selection: torch.Tensor | None = None,
                   form: str = "absorbed", selection_kind: str = "positions") -> torch.Tensor:
     """MLA attention for a ragged batch of tokens against a latent cache pool.
 
     q_nope [B, H, dn], q_pe [B, H, dr]; latent [N, kv+dr] pool rows = [c_KV (normalised); k_pe];
     kv_b_w [H*(dn+dv), kv] in DeepSeek's kv_b_proj layout (view(H, dn+dv, kv): first dn rows of
-    head h are W_UK^h, next dv rows W_UV^h).  token_pos/token_req [B], req_base [R].
+    head h are W_UK^h, next dv rows W_UV^h).  token_pos/token_req [B], block_table [R, MB] with
+    block_size rows per block (``ir.ref.paging``).
 
     score_h(t,s) = scale*(q_nope^h . W_UK^h c(s) + q_pe^h . k_pe(s)); p = softmax over the
     context; o^h = sum_s p(s) W_UV^h c(s).
@@ -110,7 +107,7 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor
     if selection_kind not in ("positions", "rows"):
         raise ValueError(f"selection_kind must be 'positions' or 'rows', got {selection_kind!r}")
     if selection is not None and selection_kind == "rows":
-        selection = selection_rows_to_positions(selection, token_req, req_base)
+        selection = selection_rows_to_positions(selection, token_req, block_table, block_size)
     B, H, dn = q_nope.shape
     dr = q_pe.shape[-1]
     dt, dev = q_nope.dtype, q_nope.device
@@ -127,14 +124,13 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor
     pos, valid = context_positions(token_pos.to(dev), selection)
     if B and not bool(valid.any(dim=1).all()):
         raise ValueError("a token has an empty attention context")
-    base = req_base.to(device=dev, dtype=torch.int64)[token_req.to(device=dev,
-                                                                  dtype=torch.int64)]
+    req = token_req.to(device=dev, dtype=torch.int64)
     o = q_nope.new_zeros(B, H, kv if form == "latent" else dv)
     L = pos.shape[1]
     per_tok = L * (kv + dr + H * (dn + dv + 1))
     for s, e in _token_blocks(B, per_tok):
         m = valid[s:e]
-        rows = base[s:e].unsqueeze(1) + torch.where(m, pos[s:e], 0)     # [b, L]
+        rows = cache_rows(block_table, block_size, req[s:e].unsqueeze(1), torch.where(m, pos[s:e], 0))  # [b, L]
         ctx = latent[rows].to(dt)                                        # [b, L, kv+dr]
         c, kpe = ctx[..., :kv], ctx[..., kv:]
         rope_part = torch.einsum("bhr,blr->bhl", q_pe[s:e], kpe)

@@ -6,8 +6,9 @@ Entry functions (one body, three shape regimes):
 - `verify`:  1–8 tokens per request (speculative verification).
 
 Inputs, in order: `tokens i64[T]`, `token_pos i64[T]` (position in the request), `token_req i64[T]`
-(request index), `cu_seqlens i64[R+1]` (request r's tokens are rows cu[r]:cu[r+1]), `req_base i64[R]`
-(pool row of the request's position 0), `state_slot i64[R]` (row in the KDA state pools), then the cache
+(request index), `cu_seqlens i64[R+1]` (request r's tokens are rows cu[r]:cu[r+1]), `block_table i32[R, MB]`
+(the request's cache blocks: position p lives at pool row block_table[r, p // bs] * bs + p % bs, bs the
+module's `block_size`), `state_slot i64[R]` (row in the KDA state pools), then the cache
 pools of every layer: MLA `latent.{i} [N, kv_lora+rope]` (+ indexer `index_keys.{i} f8e4m3[N, D_I]`,
 `index_scales.{i} f32[N]`), KDA `conv_state.{i} f32[S, K-1, 3P]`, `kda_state.{i} f32[S, H, D, D]`.
 Outputs: `logits f32[T, vocab]`, then every pool (updated in place) in input order.
@@ -29,16 +30,18 @@ ENTRY_FUNCTIONS = {  # name -> (token-count symbol, MLA form, KDA form, max toke
     "decode": ("R", "absorbed", "recurrent", 1),
     "verify": ("B", "absorbed", "recurrent", 8),
 }
-METADATA_INPUTS = ("tokens", "token_pos", "token_req", "cu_seqlens", "req_base", "state_slot")
+METADATA_INPUTS = ("tokens", "token_pos", "token_req", "cu_seqlens", "block_table", "state_slot")
 
 
 @dataclass(frozen=True)
 class BuildOptions:
     act_dtype: str = "bf16"  # storage dtype of activations between ops at run time
     latent_cache_dtype: str = "bf16"
+    block_size: int = 16  # cache rows per block (a power of two); the plan's --block-size
 
     def to_attrs(self) -> dict:
-        return {"act_dtype": self.act_dtype, "latent_cache_dtype": self.latent_cache_dtype}
+        return {"act_dtype": self.act_dtype, "latent_cache_dtype": self.latent_cache_dtype,
+                "block_size": self.block_size}
 
 
 def pool_inputs(cfg: ModelConfig, opts: BuildOptions = BuildOptions()) -> list[tuple[str, str, tuple]]:
@@ -78,7 +81,7 @@ class _ModelWriter:
         self.token_pos = b.input("token_pos", "i64", (tsym,))
         self.token_req = b.input("token_req", "i64", (tsym,))
         self.cu_seqlens = b.input("cu_seqlens", "i64", ("R+1",))
-        self.req_base = b.input("req_base", "i64", ("R",))
+        self.block_table = b.input("block_table", "i32", ("R", "MB"))
         self.state_slot = b.input("state_slot", "i64", ("R",))
         self.pools = {name: b.input(name, dt, dims) for name, dt, dims in pool_inputs(cfg, opts)}
 
@@ -174,7 +177,7 @@ class _ModelWriter:
     def _mla(self, i: int, h: Value) -> Value:
         cfg, a = self.cfg, layer_prefix(i) + "self_attn."
         H, dn, dr, kv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
-        meta = (self.token_pos, self.token_req, self.req_base)
+        meta = (self.token_pos, self.token_req, self.block_table)
         cq = None
         if cfg.q_lora_rank is None:
             q = self._linear(h, a + "q_proj.weight", "q")
@@ -192,13 +195,13 @@ class _ModelWriter:
         latent = self.op("concat", c, k_pe, axis=1, name="latent")
         if self.opts.latent_cache_dtype != latent.type.dtype.name:
             latent = self.op("cast", latent, dtype=self.opts.latent_cache_dtype, name="latent")
-        pool = self.op("cache_write", self.pools[f"latent.{i}"], latent, self.token_req, self.token_pos, self.req_base,
-                       name="latent_cache")
+        pool = self.op("cache_write", self.pools[f"latent.{i}"], latent, self.token_req, self.token_pos, self.block_table,
+                       block_size=self.opts.block_size, name="latent_cache")
         self._pool_update(f"latent.{i}", pool)
         selection = self._indexer(i, h, cq) if cfg.has_indexer else None
         extra = [selection] if selection is not None else []
         o = self.op("mla_attention", q_nope, q_pe, pool, self.p(a + "kv_b_proj.weight"), *meta, *extra,
-                    scale=(dn + dr) ** -0.5, form=self.mla_form, name="mla")
+                    block_size=self.opts.block_size, scale=(dn + dr) ** -0.5, form=self.mla_form, name="mla")
         o = self.op("reshape", o, shape=[-1, H * cfg.v_head_dim], name="o")
         if cfg.mla_use_output_gate:
             o = self.op("mul", o, self.op("sigmoid", self._linear(h, a + "g_proj.weight", "gate"), name="gate"),
@@ -213,15 +216,16 @@ class _ModelWriter:
         ki = self.op("layer_norm", self._linear(h, a + "wk.weight", "ik"), self.p(a + "k_norm.weight"),
                      self.p(a + "k_norm.bias"), eps=1e-6, name="ik")
         k8, ks = self.op("quantize_fp8_pow2", self.op("hadamard", ki, name="ik_rot"), name="ik8")
-        meta = (self.token_req, self.token_pos, self.req_base)
-        keys = self.op("cache_write", self.pools[f"index_keys.{i}"], k8, *meta, name="index_keys")
-        scales = self.op("cache_write", self.pools[f"index_scales.{i}"], ks, *meta, name="index_scales")
+        meta = (self.token_req, self.token_pos, self.block_table)
+        bs = self.opts.block_size
+        keys = self.op("cache_write", self.pools[f"index_keys.{i}"], k8, *meta, block_size=bs, name="index_keys")
+        scales = self.op("cache_write", self.pools[f"index_scales.{i}"], ks, *meta, block_size=bs, name="index_scales")
         self._pool_update(f"index_keys.{i}", keys)
         self._pool_update(f"index_scales.{i}", scales)
         w = self.op("scale", self._linear(h, a + "weights_proj.weight", "iw"), factor=(hi ** -0.5) * (di ** -0.5),
                     name="iw")
-        return self.op("indexer_topk", q8, qs, w, keys, scales, self.token_pos, self.token_req, self.req_base,
-                       topk=cfg.index_topk, name="selection")
+        return self.op("indexer_topk", q8, qs, w, keys, scales, self.token_pos, self.token_req, self.block_table,
+                       block_size=bs, topk=cfg.index_topk, name="selection")
 
     # ---- FFN (SPEC §6) -----------------------------------------------------------------------
     def _glu(self, a: Value, u: Value) -> Value:

@@ -70,10 +70,10 @@ def attention_step_cost(opts, tokens: int, heads: int, context: int = 0) -> dict
     i64 = lambda *d: TensorType.of("i64", d)  # noqa: E731
     mla_in = [TensorType.of("bf16", (t, heads, dn)), TensorType.of("bf16", (t, heads, dr)),
               TensorType.of("bf16", ("N", kv + dr)), TensorType.of("bf16", (heads * (dn + dv), kv)),
-              i64(t), i64(t), i64("R")]
+              i64(t), i64(t), TensorType.of("i32", ("R", "MB"))]
     if cfg.has_indexer:
         mla_in.append(i64(t, "K"))
-    mla_flops = _ir_flops("mla_attention", mla_in, {"scale": 1.0, "form": "absorbed"}, env)
+    mla_flops = _ir_flops("mla_attention", mla_in, {"scale": 1.0, "form": "absorbed", "block_size": opts.block_size}, env)
     act = t * heads * (dn + dr + dv) * 2
     if cfg.has_indexer:
         mla_bytes = sum_k * cb["latent_per_layer"] + act
@@ -83,8 +83,9 @@ def attention_step_cost(opts, tokens: int, heads: int, context: int = 0) -> dict
     if cfg.has_indexer:
         hi, di, d, q = cfg.index_n_heads, cfg.index_head_dim, cfg.hidden_size, cfg.q_lora_rank
         ix_in = [TensorType.of("f8e4m3", (t, hi, di)), TensorType.of("f32", (t, hi)), TensorType.of("f32", (t, hi)),
-                 TensorType.of("f8e4m3", ("N", di)), TensorType.of("f32", ("N",)), i64(t), i64(t), i64("R")]
-        fl = _ir_flops("indexer_topk", ix_in, {"topk": cfg.index_topk}, env)
+                 TensorType.of("f8e4m3", ("N", di)), TensorType.of("f32", ("N",)), i64(t), i64(t),
+                 TensorType.of("i32", ("R", "MB"))]
+        fl = _ir_flops("indexer_topk", ix_in, {"topk": cfg.index_topk, "block_size": opts.block_size}, env)
         for w_shape, x_dim in (((hi * di, q), q), ((di, d), d), ((hi, d), d)):  # wq_b, wk, weights_proj
             fl += _ir_flops("linear", [TensorType.of("bf16", (t, x_dim)), TensorType.of("bf16", w_shape)], {}, env)
         out["indexer_flops"] = fl

@@ -67,19 +67,20 @@ def ir_context_bytes_per_token(cfg) -> dict:
     h, dn, dr, dv, kv = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
                          cfg.kv_lora_rank)
     i64 = lambda *d: TensorType.of("i64", d)  # noqa: E731
+    table = TensorType.of("i32", (R, sym("MB")))
     mla = [TensorType.of("bf16", (1, h, dn)), TensorType.of("bf16", (1, h, dr)),
-           TensorType.of("f8e4m3", (N, kv + dr)), TensorType.of("bf16", (h * (dn + dv), kv)), i64(1), i64(1), i64(R)]
+           TensorType.of("f8e4m3", (N, kv + dr)), TensorType.of("bf16", (h * (dn + dv), kv)), i64(1), i64(1), table]
     op = get_op("mla_attention")
-    attrs = {"scale": 1.0, "form": "absorbed"}
+    attrs = {"scale": 1.0, "form": "absorbed", "block_size": 64}
     outs = op.infer(op.bind(mla), op.full_attrs(attrs))
     _, mla_bytes = op.cost(mla, outs, attrs)
     out = {"mla_attention_dense": int(sympy.diff(mla_bytes, L))}
     if cfg.has_indexer:
         hi, di = cfg.index_n_heads, cfg.index_head_dim
         ix = [TensorType.of("f8e4m3", (1, hi, di)), TensorType.of("f32", (1, hi)), TensorType.of("f32", (1, hi)),
-              TensorType.of("f8e4m3", (N, di)), TensorType.of("f32", (N,)), i64(1), i64(1), i64(R)]
+              TensorType.of("f8e4m3", (N, di)), TensorType.of("f32", (N,)), i64(1), i64(1), table]
         op = get_op("indexer_topk")
-        attrs = {"topk": cfg.index_topk}
+        attrs = {"topk": cfg.index_topk, "block_size": 64}
         outs = op.infer(op.bind(ix), op.full_attrs(attrs))
         _, ix_bytes = op.cost(ix, outs, attrs)
         out["indexer_topk"] = int(sympy.diff(ix_bytes, L))

@@ -119,7 +119,7 @@ class Executor(Interpreter):
         decl = [x.rstrip("?").lstrip("*") for x in OPS[n.op].inputs]  # operand names as the op declares them
         names = decl[:len(n.inputs)] + [decl[-1]] * (len(n.inputs) - len(decl))
         token_ix = [i for i, v in enumerate(n.inputs) if not v.is_param and v.type.rank
-                    and v.type.shape[0] == self._token_dim and names[i] not in ("req_base", "state_slot")]
+                    and v.type.shape[0] == self._token_dim and names[i] not in ("block_table", "state_slot")]
         if not token_ix:
             return super()._execute(n, args, env)
         pieces = []
@@ -141,9 +141,9 @@ class Executor(Interpreter):
                     part[i] = args[i][row:row + 1]
                 if tok_req is not None:
                     part[names.index("token_req")] = torch.zeros_like(tok_req[:1])
-                    if "req_base" in names:
-                        base = args[names.index("req_base")]
-                        part[names.index("req_base")] = base[int(tok_req[row]):int(tok_req[row]) + 1]
+                    if "block_table" in names:
+                        tbl = args[names.index("block_table")]
+                        part[names.index("block_table")] = tbl[int(tok_req[row]):int(tok_req[row]) + 1]
                 pieces.append(super()._execute(n, part, env))
         token_out = [o.type.rank and o.type.shape[0] == self._token_dim for o in n.outputs]
         return [torch.cat([p[j] for p in pieces]) if is_tok else pieces[-1][j] for j, is_tok in enumerate(token_out)]

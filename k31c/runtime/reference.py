@@ -1,8 +1,10 @@
 """The simple runtime path: executes the model's IR with the reference interpreter.
 
-Caches are per-request contiguous: a request owns rows [base, base + capacity) of every MLA/indexer
-pool and one row (its slot) of every KDA state pool. The pools are read from the module's function
-signatures (every input after the step metadata), so this runtime knows nothing about the model.
+Caches are paged: every MLA/indexer pool is a table of rows grouped in blocks of the module's
+`block_size`; a request owns a list of blocks (its block table, `ir.ref.paging`) covering its capacity (`grow` adds more),
+and one row (its slot) of every KDA state pool. Blocks are reference-counted (`blocks.BlockAllocator`),
+so a cached prefix's blocks can be shared. The pools are read from the module's function signatures
+(every input after the step metadata), so this runtime knows nothing about the model.
 
     rt = ReferenceRuntime(module, weights, max_rows=1024, max_requests=4)
     rt.add_request("a", capacity=64)
@@ -26,7 +28,9 @@ from ir.shapes import evaluate
 
 from .sampling import Sampler, SamplingParams
 
-METADATA = ("tokens", "token_pos", "token_req", "cu_seqlens", "req_base", "state_slot")
+from .blocks import BlockAllocator, BlocksExhausted
+
+METADATA = ("tokens", "token_pos", "token_req", "cu_seqlens", "block_table", "state_slot")
 
 
 class RequestError(ValueError):
@@ -36,39 +40,10 @@ class RequestError(ValueError):
 @dataclass
 class _Request:
     rid: str
-    base: int
     slot: int
     capacity: int
+    blocks: list[int] = field(default_factory=list)
     length: int = 0
-
-
-@dataclass
-class _RowAllocator:
-    """First-fit allocator of contiguous pool rows."""
-
-    size: int
-    free: list[tuple[int, int]] = field(default_factory=list)  # (start, length), sorted
-
-    def __post_init__(self):
-        self.free = [(0, self.size)]
-
-    def alloc(self, n: int) -> int | None:
-        for i, (start, length) in enumerate(self.free):
-            if length >= n:
-                self.free[i:i + 1] = [(start + n, length - n)] if length > n else []
-                return start
-        return None
-
-    def release(self, start: int, n: int):
-        self.free.append((start, n))
-        self.free.sort()
-        merged = []
-        for s, n_ in self.free:
-            if merged and merged[-1][0] + merged[-1][1] == s:
-                merged[-1] = (merged[-1][0], merged[-1][1] + n_)
-            else:
-                merged.append((s, n_))
-        self.free = merged
 
 
 class ReferenceRuntime:
@@ -85,7 +60,12 @@ class ReferenceRuntime:
             raise RequestError(f"module @{module.name}: prefill inputs must start with {METADATA}, found {names[:6]}")
         self.vocab_size = int(fn.outputs[0].type.shape[1])
         self.max_context = int(_module_config(module).get("max_position_embeddings", 1 << 62))
-        env = {"N": max_rows, "S": max_requests}
+        self.block_size = int(module.attrs.get("block_size", 1))
+        if max_rows < 1:
+            raise RequestError(f"max_rows must be positive, found {max_rows}")
+        # max_rows tokens in all, plus one block per request slot for rounding each request to whole blocks
+        num_blocks = -(-max_rows // self.block_size) + max_requests
+        env = {"N": num_blocks * self.block_size, "S": max_requests}
         self.pools: dict[str, torch.Tensor] = {}
         for v in fn.inputs[len(METADATA):]:
             dims = [evaluate(d, env) for d in v.type.shape]
@@ -93,34 +73,47 @@ class ReferenceRuntime:
             dt = self.interp.float_dtype(name) if name in WIDENED_FLOATS else v.type.dtype.torch_dtype
             self.pools[v.name] = torch.zeros(dims, dtype=dt, device=self.device)
         self.state_pools = [n for n, t in self.pools.items() if _leading_symbol(fn, n) == "S"]
-        self.rows = _RowAllocator(max_rows)
+        self.blocks = BlockAllocator(num_blocks)
         self.free_slots = list(range(max_requests))
         self.requests: dict[str, _Request] = {}
 
     # ---- request lifetime --------------------------------------------------------------------
-    def add_request(self, rid: str, capacity: int):
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def add_request(self, rid: str, capacity: int, prefix_blocks: Sequence[int] = (), prefix_len: int = 0):
+        """Admit a request that may grow to `capacity` tokens; blocks for all of them are taken now.
+        `prefix_blocks` (already cached, whole blocks holding positions [0, prefix_len)) are shared,
+        not copied: the request starts at length `prefix_len` and its own blocks follow them."""
         if rid in self.requests:
             raise RequestError(f"request {rid!r} already exists")
         if capacity > self.max_context:
             raise RequestError(f"request {rid!r}: {capacity} tokens exceed the model context {self.max_context}")
         if not self.free_slots:
             raise RequestError(f"request {rid!r}: all {len(self.requests)} request slots are in use")
-        base = self.rows.alloc(capacity)
-        if base is None:
-            raise RequestError(f"request {rid!r}: no {capacity} contiguous free cache rows "
-                                f"(pool has {self.rows.size}; free ranges {self.rows.free})")
+        if prefix_len > len(prefix_blocks) * self.block_size or prefix_len > capacity:
+            raise RequestError(f"request {rid!r}: a prefix of {prefix_len} tokens does not fit its "
+                               f"{len(prefix_blocks)} blocks / capacity {capacity}")
+        need = self.blocks_for(capacity) - len(prefix_blocks)
+        try:
+            own = self.blocks.allocate(max(0, need))
+        except BlocksExhausted as e:
+            raise RequestError(f"request {rid!r}: {capacity} tokens need {self.blocks_for(capacity)} cache blocks "
+                               f"of {self.block_size} rows: {e}") from e
+        self.blocks.share(prefix_blocks)
         slot = self.free_slots.pop(0)
         for name in self.state_pools:
             self.pools[name][slot].zero_()
-        self.requests[rid] = _Request(rid, base, slot, capacity)
+        self.requests[rid] = _Request(rid, slot, capacity, list(prefix_blocks) + own, prefix_len)
 
-    def release(self, rid: str):
+    def release(self, rid: str) -> list[int]:
+        """End a request; returns the blocks that became free."""
         r = self.requests.pop(rid, None)
         if r is None:
             raise RequestError(f"unknown request {rid!r}")
-        self.rows.release(r.base, r.capacity)
         self.free_slots.append(r.slot)
         self.free_slots.sort()
+        return self.blocks.release(r.blocks)
 
     def length(self, rid: str) -> int:
         return self.requests[rid].length
@@ -150,7 +143,7 @@ class ReferenceRuntime:
         if not chunks:
             problems.append("a step needs at least one request")
         limit = self.module.function(fn).attrs.get("max_tokens_per_request")
-        tokens, pos, req, cu, base, slot = [], [], [], [0], [], []
+        tokens, pos, req, cu, tables, slot = [], [], [], [0], [], []
         for r_index, (rid, toks) in enumerate(chunks.items()):
             r = self.requests.get(rid)
             if r is None:
@@ -171,7 +164,7 @@ class ReferenceRuntime:
             pos += range(r.length, r.length + len(toks))
             req += [r_index] * len(toks)
             cu.append(cu[-1] + len(toks))
-            base.append(r.base)
+            tables.append(r.blocks)
             slot.append(r.slot)
         if problems:
             raise RequestError(f"{fn} step rejected: " + "; ".join(problems))
@@ -179,8 +172,10 @@ class ReferenceRuntime:
         def t(x):
             return torch.tensor(x, dtype=torch.int64, device=self.device)
 
+        width = max(len(b) for b in tables)
+        table = torch.tensor([b + [-1] * (width - len(b)) for b in tables], dtype=torch.int32, device=self.device)
         return {"tokens": t(tokens), "token_pos": t(pos), "token_req": t(req), "cu_seqlens": t(cu),
-                "req_base": t(base), "state_slot": t(slot)}
+                "block_table": table, "state_slot": t(slot)}
 
 
 def generate(rt: ReferenceRuntime, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],

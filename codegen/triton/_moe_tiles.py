@@ -1,13 +1,55 @@
 """Device helpers of the grouped expert GEMMs (moe_grouped_gemm.py): expert tile lookup, raster
-swizzle, in-register MXFP4 decode (see moe_grouped_gemm's docstring for the bit tricks), the MMA step
-over dense or packed weights, and the GLU epilogue. Not a kernel family (no TEMPLATES)."""
+swizzle, MXFP4 decode (pure Triton, or PTX that decodes two bytes per instance), the MMA step over
+dense or packed weights in the swapped orientation (weights as the MMA's M side, tokens as N), and
+the GLU epilogue. Not a kernel family (no TEMPLATES).
+
+Tiles are computed transposed: acc[n, m] = Σ_k W[n, k] · x[m, k] with n over BN weight rows and m
+over BM routed rows, so the weight tile is the left operand (on Hopper: wgmma with the dequantised
+weights in registers, the small activation tile from shared memory; M = BN >= 64 even when an expert
+has a handful of tokens). An MXFP4 byte j holds K columns 2j (low nibble) and 2j+1 (high nibble); the
+decode yields the even and odd columns as two [BN, BK/2] tiles, dotted with the activations' even and
+odd columns, so nothing is interleaved.
+"""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-DENSE, MX_BYTES, MX_DOT_SCALED = 0, 1, 2
+DENSE, MX_BYTES, MX_DOT_SCALED, MX_ASM = 0, 1, 2, 3     # W_FMT codes (host side)
+_DENSE, _MX_BYTES, _MX_DOT_SCALED, _MX_ASM = (tl.constexpr(c) for c in (DENSE, MX_BYTES, MX_DOT_SCALED, MX_ASM))
+
+# E2M1 -> bf16 for two packed bytes per instance (inline_asm_elementwise, pack=2): $2 holds bytes b0
+# (element j, bits 0..7) and b1 (element j+1) (the 16-bit pair, zero-extended by LLVM; ptxas drops the
+# extension after the 16-bit shared-memory load), $3 the bf16x2 block factors (f0, f1); $0 = (lo(b0),
+# lo(b1)) · f, $1 = (hi(b0), hi(b1)) · f. prmt spreads the bytes to x = [b1, 0, b0, 0] (byte 3..0),
+# so every nibble is a shift away from the bf16 field layout sign -> bit 15, e e m -> bits 8..6 (the
+# E2M1 value · 2^-126, code 1 a subnormal), per 16-bit half: lo = (x << 4 | x >> 2) & 0x81C081C0 (the
+# zero bytes keep the other nibbles out of the mask), hi = (x & 0x80008000) | (x >> 6 & 0x01C001C0);
+# then one bf16x2 multiply by f = 2^(s-1). WIDE (a scale byte > 128): first · 2^126, then f = 2^(s-127).
+# 2.25 instructions per weight element; tests/test_moe_kernels_gpu_paths.py emulates this text exactly.
+_E2M1_BODY = """
+.reg .b32 t, x, a, b, w;
+mov.b32 t, $2;
+prmt.b32 x, t, 0, 0x1404;
+shl.b32 a, x, 4;
+shr.b32 b, x, 2;
+or.b32 a, a, b;
+and.b32 a, a, 0x81C081C0;
+and.b32 w, x, 0x80008000;
+shr.b32 b, x, 6;
+and.b32 b, b, 0x01C001C0;
+or.b32 b, b, w;
+"""
+E2M1_ASM = tl.constexpr("{" + _E2M1_BODY + """mul.rn.bf16x2 $0, a, $3;
+mul.rn.bf16x2 $1, b, $3;
+}""")
+E2M1_ASM_WIDE = tl.constexpr("{" + _E2M1_BODY + """mov.b32 w, 0x7E807E80;
+mul.rn.bf16x2 a, a, w;
+mul.rn.bf16x2 b, b, w;
+mul.rn.bf16x2 $0, a, $3;
+mul.rn.bf16x2 $1, b, $3;
+}""")
 
 
 @triton.jit
@@ -36,7 +78,7 @@ def _swizzle(pid, n_m, n_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _scale_factor(s, DT: tl.constexpr, WIDE: tl.constexpr):
-    """E8M0 bytes (int32) -> the factor `_decode` multiplies by, built from bits (exact).
+    """E8M0 bytes (int32) -> the factor the decode multiplies by, built from bits (exact).
     bf16: 2^(s-1) (s <= 128), or 2^(s-127) when WIDE (1 <= s <= 254); else fp32 2^(s-113) (s <= 240)."""
     if DT == tl.bfloat16:
         if WIDE:
@@ -64,62 +106,67 @@ def _decode(t, f, DT: tl.constexpr, WIDE: tl.constexpr):
 
 
 @triton.jit
-def _mxfp4_halves_t(q_ptr, s_ptr, qbase, sbase, rn, n_ok, k0, K, stride_qn, stride_sn,
-                    BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, WIDE: tl.constexpr):
-    """Dequantised even and odd K columns ([BK/2, BN] each) of an MXFP4 matrix stored [N, K/2] (+ scales
-    [N, K/32]) for K columns k0 .. k0+BK: byte j holds column 2j (low nibble) and 2j+1 (high nibble).
-    Splitting by parity spares the interleave: the caller dots them with z's even and odd columns."""
+def _mxfp4_halves(q_ptr, s_ptr, qbase, sbase, rn, n_ok, k0, K, stride_qn, stride_sn, BN: tl.constexpr,
+                  BK: tl.constexpr, DT: tl.constexpr, WIDE: tl.constexpr, ASM: tl.constexpr):
+    """Dequantised even and odd K columns ([BN, BK/2] each, DT) of K columns k0 .. k0+BK of an MXFP4
+    matrix stored [N, K/2] bytes (+ E8M0 scales [N, K/32]). ASM: the PTX decode (bf16, CUDA only)."""
     G: tl.constexpr = BK // 32
     gi = k0 // 32 + tl.arange(0, G)
     g_ok = n_ok[:, None] & (gi < K // 32)[None, :]
     q = tl.load(q_ptr + qbase + rn[:, None, None].to(tl.int64) * stride_qn + gi[None, :, None] * 16
-                + tl.arange(0, 16)[None, None, :], mask=g_ok[:, :, None], other=0).to(tl.int32)   # [BN, G, 16]
+                + tl.arange(0, 16)[None, None, :], mask=g_ok[:, :, None], other=0)             # [BN, G, 16] u8
     s = tl.load(s_ptr + sbase + rn[:, None].to(tl.int64) * stride_sn + gi[None, :], mask=g_ok, other=0)
     f = _scale_factor(s.to(tl.int32), DT, WIDE)[:, :, None]
-    lo = _decode(q << 28, f, DT, WIDE)
-    hi = _decode(q << 24, f, DT, WIDE)
-    return tl.trans(tl.reshape(lo, (BN, BK // 2))), tl.trans(tl.reshape(hi, (BN, BK // 2)))
+    if ASM:
+        f = tl.broadcast_to(f, (BN, G, 16))
+        if WIDE:
+            lo, hi = tl.inline_asm_elementwise(E2M1_ASM_WIDE, "=r,=r,r,r", [q, f], dtype=(tl.bfloat16, tl.bfloat16),
+                                               is_pure=True, pack=2)
+        else:
+            lo, hi = tl.inline_asm_elementwise(E2M1_ASM, "=r,=r,r,r", [q, f], dtype=(tl.bfloat16, tl.bfloat16),
+                                               is_pure=True, pack=2)
+    else:
+        qi = q.to(tl.int32)
+        lo = _decode(qi << 28, f, DT, WIDE)
+        hi = _decode(qi << 24, f, DT, WIDE)
+    return tl.reshape(lo, (BN, BK // 2)), tl.reshape(hi, (BN, BK // 2))
 
 
 @triton.jit
-def _load_a(rows_ptr, row_ok, k0, K, W_FMT: tl.constexpr, DT: tl.constexpr, BK: tl.constexpr):
-    """Activation tile for K columns k0 .. k0+BK: ([BM, BK], same) | DEQ bytes: (even, odd) [BM, BK/2]."""
+def _load_bt(rows_ptr, row_ok, k0, K, W_FMT: tl.constexpr, DT: tl.constexpr, BK: tl.constexpr):
+    """Activation rows' K columns k0 .. k0+BK, transposed: [BK, BM] (dense weights, dot_scaled), or the
+    even and odd columns [BK/2, BM] each (decoded MXFP4)."""
     rk = k0 + tl.arange(0, BK)
     a = tl.load(rows_ptr + rk[None, :], mask=row_ok[:, None] & (rk < K)[None, :], other=0.0).to(DT)
-    if W_FMT == 1:
-        return tl.split(tl.reshape(a, (a.shape[0], BK // 2, 2)))
+    if W_FMT == _MX_BYTES or W_FMT == _MX_ASM:
+        even, odd = tl.split(tl.reshape(a, (a.shape[0], BK // 2, 2)))
+        return tl.trans(even), tl.trans(odd)
     else:
-        return a, a
+        return tl.trans(a), tl.trans(a)
 
 
 @triton.jit
-def _mma_step(acc, a, a_odd, w_ptr, s_ptr, wbase, sbase, rn, n_ok, k0, K, stride_wn, stride_sn,
-              BN: tl.constexpr, BK: tl.constexpr, W_FMT: tl.constexpr, IEEE: tl.constexpr, DT: tl.constexpr,
-              WIDE: tl.constexpr):
-    """acc += a @ W[rn, k0:k0+BK]^T for a dense (0) or MXFP4 weight: DEQ bytes (1) or dot_scaled (2)."""
-    if W_FMT == 0:
+def _mma_step_t(acc, b, b_odd, w_ptr, s_ptr, wbase, sbase, rn, n_ok, k0, K, stride_wn, stride_sn,
+                BN: tl.constexpr, BK: tl.constexpr, W_FMT: tl.constexpr, IEEE: tl.constexpr, DT: tl.constexpr,
+                WIDE: tl.constexpr):
+    """acc[BN, BM] += W[rn, k0:k0+BK] @ b for a dense or MXFP4 weight (W_FMT, see the module doc)."""
+    if W_FMT == _DENSE:
         rk = k0 + tl.arange(0, BK)
-        b = tl.load(w_ptr + wbase + rn[None, :].to(tl.int64) * stride_wn + rk[:, None],
-                    mask=n_ok[None, :] & (rk < K)[:, None], other=0.0).to(DT)
-        return _dot(a, b, acc, IEEE)
-    elif W_FMT == 1:
-        w_even, w_odd = _mxfp4_halves_t(w_ptr, s_ptr, wbase, sbase, rn, n_ok, k0, K, stride_wn, stride_sn, BN, BK,
-                                        DT, WIDE)
-        return _dot(a_odd, w_odd, _dot(a, w_even, acc, IEEE), IEEE)
+        w = tl.load(w_ptr + wbase + rn[:, None].to(tl.int64) * stride_wn + rk[None, :],
+                    mask=n_ok[:, None] & (rk < K)[None, :], other=0.0).to(DT)
+        return _dot(w, b, acc, IEEE)
+    elif W_FMT == _MX_DOT_SCALED:
+        kb = k0 // 2 + tl.arange(0, BK // 2)
+        q = tl.load(w_ptr + wbase + rn[:, None].to(tl.int64) * stride_wn + kb[None, :],
+                    mask=n_ok[:, None] & (kb < K // 2)[None, :], other=0)
+        gi = k0 // 32 + tl.arange(0, BK // 32)
+        s = tl.load(s_ptr + sbase + rn[:, None].to(tl.int64) * stride_sn + gi[None, :],
+                    mask=n_ok[:, None] & (gi < K // 32)[None, :], other=0)
+        return tl.dot_scaled(q, s, "e2m1", b, None, "bf16", acc, fast_math=True)
     else:
-        return _scaled_dot(a, w_ptr, s_ptr, wbase, sbase, rn, n_ok, k0, K, stride_wn, stride_sn, acc, BK)
-
-
-@triton.jit
-def _scaled_dot(a, q_ptr, s_ptr, qbase, sbase, rn, n_ok, k0, K, stride_qn, stride_sn, acc, BK: tl.constexpr):
-    """acc += a @ dequant(W[rn, k0:k0+BK])^T through tl.dot_scaled (bf16 a, e2m1 W)."""
-    kb = k0 // 2 + tl.arange(0, BK // 2)
-    q = tl.load(q_ptr + qbase + rn[None, :].to(tl.int64) * stride_qn + kb[:, None],
-                mask=n_ok[None, :] & (kb < K // 2)[:, None], other=0)
-    gi = k0 // 32 + tl.arange(0, BK // 32)
-    s = tl.load(s_ptr + sbase + rn[:, None].to(tl.int64) * stride_sn + gi[None, :],
-                mask=n_ok[:, None] & (gi < K // 32)[None, :], other=0)
-    return tl.dot_scaled(a, None, "bf16", q, s, "e2m1", acc, fast_math=True)
+        w_even, w_odd = _mxfp4_halves(w_ptr, s_ptr, wbase, sbase, rn, n_ok, k0, K, stride_wn, stride_sn, BN, BK,
+                                      DT, WIDE, W_FMT == _MX_ASM)
+        return _dot(w_odd, b_odd, _dot(w_even, b, acc, IEEE), IEEE)
 
 
 @triton.jit
@@ -147,6 +194,3 @@ def _glu(a, u, beta1, beta2, ACT: tl.constexpr, HAS_BETA2: tl.constexpr):
     else:
         gate = a * tl.sigmoid(a)
     return gate * u
-
-
-# ---------------------------------------------------------------------------------------- kernels

@@ -15,28 +15,31 @@ Tiles exist only for experts with tokens: program `tid` finds its expert from th
 counts ceil(count_e / BM) (a cumsum over E in registers); programs past the last tile exit at once,
 so experts with no tokens launch no work. No split-K: every output element's reduction runs over
 K in BK steps in one program, so with a config fixed independently of T (`batch_invariant`) a
-token's result does not depend on the batch.
+token's result does not depend on the batch. Tiles are computed transposed (weights × tokens, see
+_moe_tiles.py): on sm_90 a decode tile of 16 tokens still runs on wgmma (M = BN weight rows).
 
 Weights (w1, w3 [E, I, ℓ]; w2 [E, ℓ, I]) are either float tensors (bf16/fp16/fp32, cast to z's
 dtype per tile) or `PackedMXFP4` (packed u8 [E, N, K/2], low nibble = even element; scales u8
 E8M0 [E, N, K/32]), read as stored and dequantised in registers (config DEQ):
-  - "bytes": each byte's two codes become the even and odd K columns of the tile, dotted against z's
-    even and odd columns (no interleave). A code lands in the bits of a float by shifts and a mask:
-    bf16 activations: sign -> bit 15, magnitude e e m -> bits 8..6, i.e. the E2M1 value · 2^-126, then
-    one bf16 multiply by 2^(s-1) (two, 2^126 then 2^(s-127), when a scale byte exceeds 128: WIDE);
-    fp32 activations (the interpreter): magnitude -> bits 11..9 of an fp16 (value · 2^-14, exact),
-    then fp32 · 2^(s-113). Exact for scale bytes 0..240 (fp32), 0..254 (bf16; 1..254 when WIDE); the
-    NaN byte 255 is not propagated.
-  - "dot_scaled": `tl.dot_scaled(z, None, "bf16", packed, scales, "e2m1", fast_math=True)`. Triton
-    lowers it on sm_90 and on sm_100 (bf16 activations) to its own fp4->bf16 upcast and a bf16 MMA
-    (tcgen05 kind::f16 on sm_100; the block-scaled kind::mxf4 MMA needs fp8/fp4 activations, which
-    would change the numerics). The interpreter has no dot_scaled: tests compile it for sm_90/sm_100.
-    Measured on H200 (Triton 3.6) it beats "bytes" (decode 1.40 vs 1.52 ms, prefill 32.4 vs 37.2 ms),
-    so the heuristic takes it for bf16 activations from compute capability 9.0 on.
-H200, bf16, E=112, top-16, ℓ=3584, I=3072 (benches/bench_moe.py): decode T=64 reads 1.9 GB of MXFP4
-weights in 1.40 ms (1.34 TB/s, 29% of the 4.6 TB/s read ceiling: the in-register dequantisation,
-~5 instructions per weight element, bounds it; the same kernel on bf16 weights streams 7.6 GB at
-4.33 TB/s, 94%); prefill T=8192: 267 TFLOP/s MXFP4, 522 TFLOP/s bf16 weights (bf16 matmul 701).
+  - "asm" (bf16 activations, sm_90): two bytes per PTX instance (_moe_tiles.E2M1_ASM): a byte
+    permute, shifts and masks put each code's sign and e e m bits into a bf16x2 register (the E2M1
+    value · 2^-126) and one bf16x2 multiply applies the block factor 2^(s-1): 2.25 instructions per
+    weight element. Triton moves the layout conversion onto the packed bytes (cp.async to shared
+    memory, then 16-bit loads in the wgmma operand layout), so the decoded tile never leaves registers.
+  - "bytes" (any target, the interpreter): the same bit placement in Triton ops on int32 lanes;
+    fp32 activations: magnitude -> bits 11..9 of an fp16 (value · 2^-14, exact), then fp32 · 2^(s-113).
+  - "dot_scaled": `tl.dot_scaled(packed, scales, "e2m1", z, None, "bf16", fast_math=True)`: Triton's
+    own upcast (sm_100 lowers it to tcgen05 kind::f16; the block-scaled kind::mxf4 MMA needs fp8/fp4
+    activations, which would change the numerics). The heuristic takes it from sm_100 on.
+  Each byte's two codes become the even and odd K columns of the tile, dotted against the even and
+  odd activation columns (no interleave). Exact for scale bytes 0..240 (fp32), 0..128 (bf16; 1..254
+  when some byte exceeds 128: WIDE, an extra multiply by 2^126); the NaN byte 255 is not propagated.
+H200, bf16, E=112, top-16, ℓ=3584, I=3072 (benches/results/h200-2026-11-29/moe.json): decode T=64
+reads 1.9 GB of MXFP4 weights of the 108 live experts in 1.34 ms (1.42 TB/s, 31% of the 4.61 TB/s
+read ceiling; "bytes" 1.51 ms, "dot_scaled" 2.14 ms; the same tiling on bf16 weights streams 7.1 GB
+at 4.27 TB/s, 93%); the decode, ~3.9 instructions per weight element with the loop, leaves the SMs
+issue-bound at low IPC, each tile waiting on its register-operand wgmma. Prefill T=8192: 328 TFLOP/s
+MXFP4 (47% of the 694 TFLOP/s bf16 matmul, 26% of fp8's 1270), 472 TFLOP/s on bf16 weights.
 """
 
 from __future__ import annotations
@@ -46,11 +49,12 @@ import triton
 import triton.language as tl
 
 from codegen.kernel import KernelTemplate, Tunable, pow2_bucket
-from codegen.triton._moe_tiles import DENSE, MX_BYTES, MX_DOT_SCALED, _glu, _load_a, _locate_tile, _mma_step, _swizzle
+from codegen.triton._moe_tiles import (DENSE, MX_ASM, MX_BYTES, MX_DOT_SCALED, _glu, _load_bt, _locate_tile,
+                                      _mma_step_t, _swizzle)
 from codegen.triton.moe_router import ExpertSegments, permute_tokens
 from ir.packed import PackedMXFP4
 
-DEQ_MODES = {"bytes": MX_BYTES, "dot_scaled": MX_DOT_SCALED}
+DEQ_MODES = {"bytes": MX_BYTES, "dot_scaled": MX_DOT_SCALED, "asm": MX_ASM}
 
 
 @triton.jit
@@ -73,17 +77,17 @@ def _moe_gate_up_kernel(z_ptr, pair_ptr, counts_ptr, offsets_ptr, w1_ptr, w3_ptr
     rows_ptr = z_ptr + tok.to(tl.int64)[:, None] * stride_z
     wbase = e.to(tl.int64) * stride_we
     sbase = e.to(tl.int64) * stride_se
-    acc1 = tl.zeros([BM, BN], dtype=tl.float32)
-    acc3 = tl.zeros([BM, BN], dtype=tl.float32)
+    acc1 = tl.zeros([BN, BM], dtype=tl.float32)
+    acc3 = tl.zeros([BN, BM], dtype=tl.float32)
     for k0 in range(0, ELL, BK):
-        a, a_odd = _load_a(rows_ptr, row_ok, k0, ELL, W_FMT, DT, BK)
-        acc1 = _mma_step(acc1, a, a_odd, w1_ptr, s1_ptr, wbase, sbase, rn, n_ok, k0, ELL, stride_wn, stride_sn,
-                         BN, BK, W_FMT, IEEE, DT, WIDE)
-        acc3 = _mma_step(acc3, a, a_odd, w3_ptr, s3_ptr, wbase, sbase, rn, n_ok, k0, ELL, stride_wn, stride_sn,
-                         BN, BK, W_FMT, IEEE, DT, WIDE)
-    h = _glu(acc1, acc3, beta1, beta2, ACT, HAS_BETA2)
-    tl.store(h_ptr + pos.to(tl.int64)[:, None] * stride_h + rn[None, :], h.to(DT),
-             mask=row_ok[:, None] & n_ok[None, :])
+        b, b_odd = _load_bt(rows_ptr, row_ok, k0, ELL, W_FMT, DT, BK)
+        acc1 = _mma_step_t(acc1, b, b_odd, w1_ptr, s1_ptr, wbase, sbase, rn, n_ok, k0, ELL, stride_wn, stride_sn,
+                           BN, BK, W_FMT, IEEE, DT, WIDE)
+        acc3 = _mma_step_t(acc3, b, b_odd, w3_ptr, s3_ptr, wbase, sbase, rn, n_ok, k0, ELL, stride_wn, stride_sn,
+                           BN, BK, W_FMT, IEEE, DT, WIDE)
+    h = _glu(acc1, acc3, beta1, beta2, ACT, HAS_BETA2)                                   # [BN, BM]
+    tl.store(h_ptr + pos.to(tl.int64)[None, :] * stride_h + rn[:, None], h.to(DT),
+             mask=n_ok[:, None] & row_ok[None, :])
 
 
 @triton.jit
@@ -105,13 +109,13 @@ def _moe_down_kernel(h_ptr, pair_ptr, counts_ptr, offsets_ptr, w2_ptr, s2_ptr, o
     rows_ptr = h_ptr + pos.to(tl.int64)[:, None] * stride_h
     wbase = e.to(tl.int64) * stride_we
     sbase = e.to(tl.int64) * stride_se
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    acc = tl.zeros([BN, BM], dtype=tl.float32)
     for k0 in range(0, INTER, BK):
-        a, a_odd = _load_a(rows_ptr, row_ok, k0, INTER, W_FMT, DT, BK)
-        acc = _mma_step(acc, a, a_odd, w2_ptr, s2_ptr, wbase, sbase, rn, n_ok, k0, INTER, stride_wn, stride_sn,
-                        BN, BK, W_FMT, IEEE, DT, WIDE)
-    tl.store(o_ptr + pair.to(tl.int64)[:, None] * stride_o + rn[None, :], acc.to(o_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & n_ok[None, :])
+        b, b_odd = _load_bt(rows_ptr, row_ok, k0, INTER, W_FMT, DT, BK)
+        acc = _mma_step_t(acc, b, b_odd, w2_ptr, s2_ptr, wbase, sbase, rn, n_ok, k0, INTER, stride_wn, stride_sn,
+                          BN, BK, W_FMT, IEEE, DT, WIDE)
+    tl.store(o_ptr + pair.to(tl.int64)[None, :] * stride_o + rn[:, None], acc.to(o_ptr.dtype.element_ty),
+             mask=n_ok[:, None] & row_ok[None, :])
 
 
 # ------------------------------------------------------------------------------------------ host
@@ -157,8 +161,8 @@ def _kernel_weight(fmt: str, q: torch.Tensor, s: torch.Tensor | None, deq: str, 
     if deq not in DEQ_MODES:
         raise ValueError(f"DEQ must be one of {sorted(DEQ_MODES)}, found {deq!r}")
     code = DEQ_MODES[deq]
-    if code == MX_DOT_SCALED and act_dtype != torch.bfloat16:
-        raise ValueError(f"DEQ=dot_scaled needs bf16 activations, found {act_dtype}")
+    if code in (MX_DOT_SCALED, MX_ASM) and act_dtype != torch.bfloat16:
+        raise ValueError(f"DEQ={deq} needs bf16 activations, found {act_dtype}")
     wide = act_dtype == torch.bfloat16 and code != MX_DOT_SCALED and _wide_scales(s)
     return code, q, s, (q.stride(0), q.stride(1), s.stride(0), s.stride(1)), wide
 
@@ -282,21 +286,26 @@ def _fit_bk(bk: int, K: int, mx: bool) -> int:
 
 
 def heuristic(key: dict, target=None) -> dict:
-    """Tiles by tokens per expert (decode: one BM=16 tile per expert; prefill: 128×128 tiles), measured
-    best on H200; in batch-invariant mode one fixed tiling. DEQ depends on the target only."""
+    """Tiles by tokens per expert (decode: one BM=16 tile of tokens per expert against 128 weight rows;
+    prefill: 128 tokens × 64 weight rows), measured best on H200 (benches/bench_moe.py sweeps); in batch-invariant mode one fixed tiling. DEQ for MXFP4
+    weights with bf16 activations: the PTX decode on sm_90 (wgmma takes the decoded tile from
+    registers), tl.dot_scaled from sm_100 on; the pure-Triton decode elsewhere."""
     if key.get("BI"):
         cfg = dict(BATCH_INVARIANT_CONFIG)
     else:
         per_expert = key["T"] * key["K"] / max(1, key["E"])
         if per_expert <= 16:    # decode: weight-bandwidth bound, one tile of tokens per expert
-            cfg = {"BM": 16, "BN": 64, "BK": 128, "BN2": 64, "BK2": 128, "num_warps": 4, "num_stages": 3}
+            cfg = {"BM": 16, "BN": 128, "BK": 64, "BN2": 128, "BK2": 64, "num_warps": 4, "num_stages": 4}
         elif per_expert <= 96:
-            cfg = {"BM": 64, "BN": 64, "BK": 64, "BN2": 128, "BK2": 64, "num_warps": 4, "num_stages": 3}
+            cfg = {"BM": 64, "BN": 128, "BK": 64, "BN2": 128, "BK2": 64, "num_warps": 4, "num_stages": 3}
         else:                   # prefill: tensor-core bound
-            cfg = {"BM": 128, "BN": 128, "BK": 64, "BN2": 128, "BK2": 64, "num_warps": 8, "num_stages": 3}
+            cfg = {"BM": 128, "BN": 64, "BK": 64, "BN2": 128, "BK2": 64, "num_warps": 4, "num_stages": 3}
         cfg["GROUP_M"] = 8
     cc = target_cc(target)
-    cfg["DEQ"] = "dot_scaled" if key["MX"] and key["BF16"] and cc is not None and cc >= 90 else "bytes"
+    if key["MX"] and key["BF16"] and cc is not None and cc >= 90:
+        cfg["DEQ"] = "asm" if cc < 100 else "dot_scaled"     # sm_100's tcgen05 takes no register operand
+    else:
+        cfg["DEQ"] = "bytes"
     cfg["BK"] = _fit_bk(cfg["BK"], key["L"], key["MX"])
     cfg["BK2"] = _fit_bk(cfg["BK2"], key["I"], key["MX"])
     return cfg
@@ -308,15 +317,18 @@ def constraints(config: dict, key: dict, target=None) -> list[str]:
     for bk in ("BK", "BK2"):
         if mx and config[bk] % 32:
             out.append(f"{bk}={config[bk]} must be a multiple of the MXFP4 block (32)")
-    if config["DEQ"] == "dot_scaled":
+    if config["DEQ"] in ("dot_scaled", "asm"):
         cc = target_cc(target)
         if not (mx and key["BF16"]):
-            out.append("DEQ=dot_scaled needs MXFP4 weights and bf16 activations")
+            out.append(f"DEQ={config['DEQ']} needs MXFP4 weights and bf16 activations")
         if cc is None or cc < 90:
-            out.append(f"DEQ=dot_scaled needs a CUDA target of compute capability >= 9.0, found {cc}")
+            out.append(f"DEQ={config['DEQ']} needs a CUDA target of compute capability >= 9.0, found {cc}")
     if key.get("BI") and any(config[k] != v for k, v in BATCH_INVARIANT_CONFIG.items()):
         out.append("batch_invariant: tiles are fixed to BATCH_INVARIANT_CONFIG")
-    smem = config["num_stages"] * (config["BM"] * config["BK"] * 2 + 2 * config["BN"] * config["BK"] * 2)
+    # per stage: the activation tile (twice for MXFP4: as loaded and split into even/odd columns) and the
+    # w1, w3 tiles (MXFP4 half a byte per element, bf16 weights two)
+    stage = config["BM"] * config["BK"] * 2 * (2 if mx else 1) + config["BN"] * config["BK"] * (1 if mx else 4)
+    smem = config["num_stages"] * stage
     if smem > 220 * 1024:
         out.append(f"gate-up pipeline needs ~{smem // 1024} KiB of shared memory (> 220)")
     return out
@@ -351,6 +363,6 @@ TEMPLATES = [KernelTemplate(
     tunables=(Tunable("BM", (16, 32, 64, 128)), Tunable("BN", (32, 64, 128)), Tunable("BK", (32, 64, 128, 256)),
               Tunable("BN2", (32, 64, 128, 256)), Tunable("BK2", (32, 64, 128, 256)), Tunable("num_warps", (4, 8)),
               Tunable("num_stages", (2, 3, 4, 5)), Tunable("GROUP_M", (1, 4, 8, 16)),
-              Tunable("DEQ", ("bytes", "dot_scaled"))),
+              Tunable("DEQ", ("asm", "bytes", "dot_scaled"))),
     doc="grouped expert GEMMs: permutation, gate+up with fused SiTU-GLU/SwiGLU, down, fp32 slot-order combine; "
         "MXFP4 dequantised in registers (or tl.dot_scaled)")]

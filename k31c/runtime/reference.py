@@ -37,6 +37,10 @@ class RequestError(ValueError):
     """A request or step the runtime cannot serve; the message says which and why."""
 
 
+class PoolFull(RequestError):
+    """Not enough free cache blocks right now (a scheduler may free some and retry)."""
+
+
 @dataclass
 class _Request:
     rid: str
@@ -98,7 +102,7 @@ class ReferenceRuntime:
         try:
             own = self.blocks.allocate(max(0, need))
         except BlocksExhausted as e:
-            raise RequestError(f"request {rid!r}: {capacity} tokens need {self.blocks_for(capacity)} cache blocks "
+            raise PoolFull(f"request {rid!r}: {capacity} tokens need {self.blocks_for(capacity)} cache blocks "
                                f"of {self.block_size} rows: {e}") from e
         self.blocks.share(prefix_blocks)
         slot = self.free_slots.pop(0)
@@ -117,6 +121,34 @@ class ReferenceRuntime:
 
     def length(self, rid: str) -> int:
         return self.requests[rid].length
+
+    def grow(self, rid: str, capacity: int):
+        """Let request `rid` hold `capacity` tokens: takes the extra blocks now (RequestError, with the
+        allocator's BlocksExhausted as cause, when the pool has too few; nothing changes then)."""
+        r = self.requests[rid]
+        if capacity > self.max_context:
+            raise RequestError(f"request {rid!r}: {capacity} tokens exceed the model context {self.max_context}")
+        need = self.blocks_for(capacity) - len(r.blocks)
+        if need > 0:
+            try:
+                r.blocks += self.blocks.allocate(need)
+            except BlocksExhausted as e:
+                raise PoolFull(f"request {rid!r}: growing to {capacity} tokens needs {need} more cache "
+                                   f"blocks: {e}") from e
+        r.capacity = max(r.capacity, capacity)
+
+    def blocks_of(self, rid: str) -> list[int]:
+        return list(self.requests[rid].blocks)
+
+    def snapshot_state(self, rid: str) -> dict[str, torch.Tensor]:
+        """Copies of the request's recurrent state (every KDA state and conv-tail pool row)."""
+        slot = self.requests[rid].slot
+        return {name: self.pools[name][slot].clone() for name in self.state_pools}
+
+    def restore_state(self, rid: str, snapshot: dict[str, torch.Tensor]):
+        slot = self.requests[rid].slot
+        for name in self.state_pools:
+            self.pools[name][slot].copy_(snapshot[name])
 
     # ---- steps -------------------------------------------------------------------------------
     def prefill(self, chunks: Mapping[str, Sequence[int]]) -> torch.Tensor:

@@ -1,0 +1,172 @@
+"""The serving engine (k31c/runtime/engine.py) and hybrid prefix cache (prefix_cache.py) on a 4-layer
+hybrid model (KDA + MLA with indexer, top-k 4 so contexts go sparse), paged in blocks of 4 rows.
+
+Greedy outputs must not depend on how the work is scheduled: prefix caching on/off, chunked/unchunked
+prefill and preemption give the same tokens, and the logits they were sampled from agree to fp32
+rounding (different chunkings sum in a different order). The soak runs random arrivals, lengths and
+cancellations through a pool too small for all of them and checks every request ends exactly once and
+no block leaks."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import random
+
+import pytest
+import torch
+
+from k31c.model.build import BuildOptions, build_module
+from k31c.model.init_weights import random_weights
+from k31c.model.presets import get_preset
+from k31c.runtime.engine import Engine
+from k31c.runtime.reference import ReferenceRuntime, RequestError
+from k31c.runtime.sampling import SamplingParams
+from k31c.runtime.tokenizer import ByteTokenizer
+
+try:
+    from tests.helpers import assert_close_rel
+except ImportError:  # bare `pytest` without the repo root on sys.path
+    from helpers import assert_close_rel
+
+BS = 4
+
+
+@functools.lru_cache(maxsize=None)
+def _model():
+    cfg = dataclasses.replace(get_preset("k31-tiny"), name="engine-tiny", num_hidden_layers=4,
+                              full_attn_layers=(1, 3), index_topk=4)
+    return build_module(cfg, BuildOptions(block_size=BS)), random_weights(cfg, 0)
+
+
+def _engine(rows=256, requests=4, **kw):
+    m, w = _model()
+    return Engine(ReferenceRuntime(m, w, max_rows=rows, max_requests=requests), keep_logits=True, **kw)
+
+
+def _prompts(n, shared=10, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    sys_prompt = torch.randint(0, 256, (shared,), generator=g).tolist()
+    return [sys_prompt + torch.randint(0, 256, (3 + 2 * i,), generator=g).tolist() for i in range(n)]
+
+
+def _run(eng, prompts, new=4):
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, SamplingParams(max_new_tokens=new))
+    final = eng.run_to_completion()
+    return {rid: o.tokens for rid, o in final.items()}, eng.kept_logits
+
+
+@functools.lru_cache(maxsize=None)
+def _baseline():
+    return _run(_engine(), _prompts(3))
+
+
+@pytest.mark.parametrize("variant", ["prefix_cache", "chunked", "preemption"])
+def test_greedy_outputs_do_not_depend_on_scheduling(variant):
+    want_tokens, want_logits = _baseline()
+    kw = {"prefix_cache": dict(prefix_caching=True, max_num_seqs=1),
+          "chunked": dict(prefill_chunk=3, max_batched_tokens=7),
+          "preemption": dict(rows=8 * BS, requests=3)}[variant]
+    eng = _engine(**kw)
+    tokens, logits = _run(eng, _prompts(3))
+    assert tokens == want_tokens
+    for rid in want_logits:
+        for a, b in zip(logits[rid], want_logits[rid]):
+            assert_close_rel(a, b, 2e-5, f"{variant} {rid}")
+    if variant == "preemption":
+        assert eng.counters["preemptions"] > 0, "the pool should have been too small for all three"
+    if variant == "prefix_cache":
+        st = eng.stats()["prefix_cache"]
+        assert st["hit_rate"]["latent_pages"] > 0 and st["hit_rate"]["reused_tokens"] > 0, st
+    assert eng.rt.blocks.num_free + (eng.cache.held_blocks if eng.cache else 0) == eng.rt.blocks.num_blocks
+
+
+def test_shared_prefix_hits_even_without_interval_checkpoints():
+    """A 10-token system prompt (2 full blocks) then unique text: no interval checkpoint lies inside the
+    shared part, yet from the third request on the shared blocks AND the KDA state are reused."""
+    eng = _engine(prefix_caching=True, max_num_seqs=1, kda_checkpoint_interval=0)
+    prompts = _prompts(4)
+    _run(eng, prompts, new=1)
+    st = eng.cache.stats
+    assert st.checkpoints_stored >= 1
+    assert st.reused_blocks >= 2 * 2, st   # requests 3 and 4 each skip the two shared blocks
+    assert eng.stats()["prefix_cache"]["hit_rate"]["kda_state"] > 0
+    eng.cache.clear()
+    assert eng.rt.blocks.num_free == eng.rt.blocks.num_blocks and eng.rt.blocks.check() == []
+
+
+def test_prefix_cache_eviction_frees_only_unreferenced_blocks():
+    eng = _engine(rows=12 * BS, requests=2, prefix_caching=True, max_num_seqs=2)
+    _run(eng, _prompts(4, seed=3), new=2)         # more prompt blocks than the pool: the cache must evict
+    assert eng.cache.stats.evicted_blocks > 0
+    assert eng.rt.blocks.check() == []
+    assert eng.rt.blocks.num_free + eng.cache.held_blocks == eng.rt.blocks.num_blocks
+
+
+def test_soak_random_arrivals_cancellations_small_pool():
+    rnd = random.Random(7)
+    eng = _engine(rows=10 * BS, requests=3, prefix_caching=True, max_batched_tokens=12, prefill_chunk=5,
+                  tokenizer=ByteTokenizer(512))
+    eng.keep_logits = False
+    added, ended, cancelled, refused, t = [], {}, set(), [], 0
+    prompts = _prompts(10, shared=6, seed=11)
+    while len(added) + len(refused) < len(prompts) or eng.has_unfinished():
+        if len(added) + len(refused) < len(prompts) and rnd.random() < 0.6:
+            i = len(added) + len(refused)
+            p = SamplingParams(max_new_tokens=rnd.randint(1, 5), temperature=rnd.choice([0.0, 0.8]), seed=i)
+            try:
+                eng.add_request(f"s{i}", prompts[i][:rnd.randint(1, len(prompts[i]))], p,
+                                stop=["\x00"] if i % 4 == 0 else ())
+                added.append(f"s{i}")
+            except RequestError:
+                refused.append(i)
+        live = [r for r in added if r not in ended and r not in cancelled]
+        if live and rnd.random() < 0.1:
+            victim = rnd.choice(live)
+            eng.cancel(victim)
+            cancelled.add(victim)
+        for out in eng.step():
+            assert out.rid not in ended, f"{out.rid} reported finished twice"
+            if out.finished:
+                ended[out.rid] = out
+        t += 1
+        assert t < 400, "soak did not drain"
+    assert set(ended) == set(added), "every admitted request ends exactly once"
+    for rid, out in ended.items():
+        assert (out.finish_reason == "cancelled") == (rid in cancelled)
+        assert out.finish_reason in ("stop", "length", "stop_string", "cancelled")
+    assert not refused, "every prompt here fits the pool"
+    assert eng.counters["preemptions"] > 0
+    eng.cache.clear()
+    assert eng.rt.blocks.num_free == eng.rt.blocks.num_blocks and eng.rt.blocks.check() == []
+    assert not eng.rt.requests and len(eng.rt.free_slots) == 3
+
+
+def test_bad_requests_are_refused_and_others_keep_running():
+    eng = _engine(rows=8 * BS, requests=2)
+    eng.add_request("ok", [1, 2, 3], SamplingParams(max_new_tokens=2))
+    with pytest.raises(RequestError, match=r"exceed the model context"):
+        eng.add_request("long", [1] * 10, SamplingParams(max_new_tokens=eng.rt.max_context))
+    with pytest.raises(RequestError, match=r"cache blocks of 4; the whole pool has"):
+        eng.add_request("big", [1] * 60, SamplingParams(max_new_tokens=2))
+    with pytest.raises(RequestError, match=r"outside the vocabulary.*top_p must be in \(0, 1\]"):
+        eng.add_request("bad", [1, 99999], SamplingParams(top_p=0.0))
+    with pytest.raises(RequestError, match="already in use"):
+        eng.add_request("ok", [4], SamplingParams())
+    with pytest.raises(RequestError, match="unknown request id 'ghost'"):
+        eng.cancel("ghost")
+    final = eng.run_to_completion()
+    assert list(final) == ["ok"] and len(final["ok"].tokens) == 2 and final["ok"].finish_reason == "length"
+
+
+def test_streaming_yields_each_token_once_and_stop_tokens_end_early():
+    eng = _engine()
+    want, _ = _baseline()
+    toks = want["r0"]
+    j = next(j for j in range(1, len(toks)) if toks[j] not in toks[:j])  # first new token value after the first
+    eng.add_request("r0", _prompts(3)[0], SamplingParams(max_new_tokens=4, stop_token_ids=(toks[j],)))
+    seen = []
+    for out in eng.stream():
+        seen += out.new_tokens
+    assert seen == toks[:j + 1] and out.finished and out.finish_reason == "stop"

@@ -60,12 +60,17 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (byte-level tokenizer)")
     src.add_argument("--prompt-tokens", help="comma-separated token ids")
-    src.add_argument("--prompts-file", help="file with one prompt per line (run together as a batch)")
+    src.add_argument("--prompts-file", help="file with one prompt per line (served together by the engine: "
+                                            "continuous batching)")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--sample-seed", type=int, default=0, help="seed of the sampler")
     p.add_argument("--prefill-chunk", type=int, default=None, help="prefill in chunks of this many tokens")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="requests running at once (default: all prompts)")
+    p.add_argument("--max-batched-tokens", type=int, default=512, help="token budget of one engine step")
+    p.add_argument("--prefix-caching", action="store_true", help="reuse cached prompt prefixes (T8)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.set_defaults(func=cmd_run)
 
@@ -231,7 +236,7 @@ def cmd_logits(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from .runtime.reference import generate
+    from .runtime.engine import Engine
     from .runtime.sampling import SamplingParams
     from .runtime.tokenizer import ByteTokenizer
 
@@ -239,8 +244,10 @@ def cmd_run(args) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.sample_seed,
                             max_new_tokens=args.max_new_tokens)
     problems += params.problems()
-    if args.prefill_chunk is not None and args.prefill_chunk <= 0:
-        problems.append(f"--prefill-chunk must be positive, found {args.prefill_chunk}")
+    for flag, v in (("--prefill-chunk", args.prefill_chunk), ("--max-num-seqs", args.max_num_seqs),
+                    ("--max-batched-tokens", args.max_batched_tokens)):
+        if v is not None and v <= 0:
+            problems.append(f"{flag} must be positive, found {v}")
     src = _resolve_source(args, args.artifact, problems)
     tok = None
     if src is not None:
@@ -272,9 +279,17 @@ def cmd_run(args) -> int:
     longest = max(len(p) for p in prompts) + args.max_new_tokens
     _say(f"k31c run: {src.description}; {len(prompts)} prompt(s), up to {args.max_new_tokens} new tokens, "
          f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature}, top-p {args.top_p}'}")
-    rt = src.make_runtime(longest * len(prompts), len(prompts))
+    seqs = min(len(prompts), args.max_num_seqs or len(prompts))
+    rt = src.make_runtime(longest * seqs, seqs)
+    eng = Engine(rt, max_num_seqs=seqs, max_batched_tokens=args.max_batched_tokens, prefill_chunk=args.prefill_chunk,
+                 prefix_caching=args.prefix_caching, tokenizer=tok)
     t0 = time.perf_counter()
-    outs = generate(rt, prompts, params, prefill_chunk=args.prefill_chunk)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"p{i}", p, SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                                                    seed=args.sample_seed + i, max_new_tokens=args.max_new_tokens),
+                        stop=args.stop)
+    final = eng.run_to_completion()
+    outs = [final[f"p{i}"].tokens for i in range(len(prompts))]
     dt = time.perf_counter() - t0
     for p, o in zip(prompts, outs):
         if args.json:
@@ -282,7 +297,10 @@ def cmd_run(args) -> int:
         else:
             print(f"{tok.decode(p)}\x1b[1m{tok.decode(o)}\x1b[0m" if sys.stdout.isatty() else tok.decode(p) + tok.decode(o))
             print(f"  tokens: {o}")
-    _say(f"generated {sum(map(len, outs))} tokens in {dt:.2f} s")
+    st = eng.stats()
+    _say(f"generated {sum(map(len, outs))} tokens in {dt:.2f} s ({st['steps']} engine steps, "
+         f"{st['preemptions']} preemptions" + (f", prefix-cache hit rates {st['prefix_cache']['hit_rate']}"
+                                                if "prefix_cache" in st else "") + ")")
     return 0
 
 

@@ -140,3 +140,29 @@ def test_runtime_rejects_bad_steps(tiny):
         rt.add_request("b", 100)
     with pytest.raises(RequestError, match="exceed the model context"):
         rt.add_request("c", cfg.max_position_embeddings + 1)
+
+
+def test_fp8_latent_cache_stores_the_saturated_e4m3_rounding():
+    """BuildOptions(latent_cache_dtype="f8e4m3"): the pool holds fp8 codes, and the first MLA layer's rows
+    are exactly the e4m3 rounding of what the f32-cache model stores (nothing before it differs)."""
+    from k31c.model.build import BuildOptions, build_module
+    from k31c.model.init_weights import random_weights
+    from k31c.model.presets import get_preset
+    from k31c.runtime.reference import ReferenceRuntime
+
+    cfg = get_preset("k31-tiny")
+    w = random_weights(cfg, 0)
+    first_mla = next(i for i in range(cfg.num_hidden_layers) if cfg.layer_kind(i) == "mla")
+    pools, logits = {}, {}
+    for dt in ("f32", "f8e4m3"):
+        rt = ReferenceRuntime(build_module(cfg, BuildOptions(act_dtype="f32", latent_cache_dtype=dt, block_size=4)),
+                              w, max_rows=32, max_requests=1)
+        rt.add_request("a", 12)
+        logits[dt] = rt.prefill({"a": list(range(3, 14))})
+        rows = torch.tensor(rt.blocks_of("a")).repeat_interleave(4) * 4 + torch.arange(4).repeat(3)
+        pools[dt] = rt.pools[f"latent.{first_mla}"][rows[:11]]
+    assert pools["f8e4m3"].dtype == torch.float8_e4m3fn
+    want = pools["f32"].clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(pools["f8e4m3"].view(torch.uint8), want.view(torch.uint8))
+    err = ((logits["f8e4m3"] - logits["f32"]).norm() / logits["f32"].norm()).item()
+    assert 0 < err < 0.5, err   # really quantised; random tiny weights amplify rounding (README: bf16 storage 0.48)

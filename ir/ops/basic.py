@@ -119,7 +119,15 @@ def _cast_infer(a, at):
     return [a.x.with_dtype(at["dtype"])]
 
 
-defop("cast", ["x"], ["y"], _cast_infer, lambda a, at: a.x, attrs={"dtype": attr(str)},
+def _cast_ref(a, at):
+    """Widened floats are converted by the interpreter; FP8 is part of the semantics: saturate to +-448,
+    then round to e4m3 (SPEC §8: e4m3fn has no inf)."""
+    if at["dtype"] == "f8e4m3":
+        return a.x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return a.x
+
+
+defop("cast", ["x"], ["y"], _cast_infer, _cast_ref, attrs={"dtype": attr(str)},
       doc="change storage dtype; the reference computes every float in its compute dtype, so it is the identity")
 
 

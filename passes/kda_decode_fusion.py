@@ -28,28 +28,45 @@ The fused op (`a.operands` in this order):
     o_norm_w [D]                gated RMSNorm weight
     state_slot [R], cu_seqlens [R+1]   request r owns tokens cu[r]:cu[r+1] (1 in decode, 1–8 in verify)
   attrs: heads=H, head_dim=D, scale (q scale, D^-1/2), lower_bound (float, or none for the softplus gate),
-    l2_eps (q/k L2 norm), norm_eps (gated RMSNorm)
-  results: out [T, P], conv_state (updated), kda_state (updated)
+    l2_eps (q/k L2 norm), norm_eps (gated RMSNorm), keep_states (true in verify)
+  results: out [T, P], conv_state (updated), kda_state (updated); with keep_states (verify) also
+    kda_states f32[T, H, D, D] and conv_states [T, K-1, 3P], the states after each token
   per token, in request order: [q;k;v]_conv = silu(conv over the request's last K inputs); q, k <- L2 per head;
   g = kda_gate(W_fb f_a); beta = sigmoid(b); S' = diag(exp g) S; S = S' + beta k (v - S'^T k)^T;
   o = S^T (q*scale); out = rmsnorm(o; o_norm_w) * sigmoid(gate) per head, flattened.
 
+Verification keeps per-token states. In functions of kind verify the pass first turns on keep_states on
+the layer's conv and recurrence (unless the model already did), so both also yield the state after every
+token of the step, and returns those as extra function results after the existing ones, per KDA layer
+in layer order:
+    %kda_state.{i}.per_token  f32[B, H, D, D]     recurrent state after token b (b = the token's row)
+    %conv_state.{i}.per_token f32[B, K-1, 3P]     conv tail after token b
+(named after the layer's pool inputs). The fused node then has attr keep_states=true and results
+(out, conv_state, kda_state, kda_states, conv_states). After verification accepts the first a_r >= 1
+tokens of request r, the runtime rolls back by copying row cu_seqlens[r] + a_r - 1 of both into the
+request's pool rows (state_slot[r]); the pools themselves hold the state after all of the step's tokens.
+The first token of a verify request (the last accepted one) is always kept, so a_r >= 1.
+
 Preconditions (PassError otherwise, naming the nodes): the conv and the recurrence address their state
 pools with the same state_slot and cu_seqlens (the kernel walks each request once for both). Layers whose
-graph differs from the pattern (intermediates read elsewhere) are left unfused.
-Postconditions: one fused.kda_decode per KDA layer in decode and verify; numerics unchanged.
+graph differs from the pattern (intermediates read elsewhere) are left unfused (in verify they then keep
+no per-token states: the counter shows the miss).
+Postconditions: one fused.kda_decode per KDA layer in decode and verify; in verify every KDA layer's
+per-token states are function results; numerics of the existing results unchanged.
 """
 
 from __future__ import annotations
 
-from ir.core import Function, Module, Node
+from ir.core import Function, Module, Node, Value
+from ir.ops import OPS
 
 from .base import PassContext, PassError
-from .rewrite import fuse, group_escapes, order_signature, producers
+from .rewrite import fresh_name, fuse, group_escapes, order_signature, producers
 
 NAME = "kda_decode_fusion"
 FUSED_OP = "fused.kda_decode"
 KINDS = ("decode", "verify")
+KEEP_KINDS = ("verify",)  # functions whose fused layers keep the per-token states
 
 
 def _op(prod: dict, v, op: str) -> Node | None:
@@ -98,6 +115,10 @@ def _match(fn: Function, kda: Node):
         return None
     nodes = [qkv, cw, conv, *(n for hn, _ in heads for n in hn), f, g, beta, kda, grs, norm, out_rs[0]]
     results = [out_rs[0].output, conv.outputs[1], kda.outputs[1]]
+    if kda.attrs.get("keep_states") != conv.attrs.get("keep_states"):
+        return None  # one kernel keeps both or neither
+    if kda.attrs.get("keep_states"):
+        results += [kda.outputs[2], conv.outputs[2]]
     if group_escapes(fn, nodes) != {id(v) for v in results}:
         return None
     return {"qkv": qkv, "cw": cw, "conv": conv, "f": f, "g": g, "beta": beta, "grs": grs, "norm": norm,
@@ -111,6 +132,18 @@ def _check_slots(fn: Function, conv: Node, kda: Node):
                         f"({kda.inputs[6].ref}, {kda.inputs[7].ref}): one fused kernel needs one request layout")
 
 
+def _keep_states(fn: Function, node: Node, pool: Value) -> Value:
+    """Turn on keep_states of a conv / recurrence node: its per-token states become a new result, named
+    after the pool and returned by the function."""
+    node.attrs["keep_states"] = True
+    op = OPS[node.op]
+    kept_type = op.infer(op.bind([v.type for v in node.inputs]), op.full_attrs(node.attrs))[2]
+    kept = Value(fresh_name(fn, f"{pool.name}.per_token"), kept_type, node)
+    node.outputs.append(kept)
+    fn.outputs.append(kept)
+    return kept
+
+
 def _rewrite(fn: Function, kda: Node) -> bool:
     if kda.attrs.get("form", "recurrent") != "recurrent":
         return False
@@ -119,9 +152,14 @@ def _rewrite(fn: Function, kda: Node) -> bool:
         return False
     conv, g, norm = m["conv"], m["g"], m["norm"]
     _check_slots(fn, conv, kda)
+    keep = fn.attrs.get("kind") in KEEP_KINDS or bool(kda.attrs.get("keep_states"))
+    if keep and not kda.attrs.get("keep_states"):
+        m["results"] += [_keep_states(fn, kda, kda.inputs[5]), _keep_states(fn, conv, conv.inputs[2])]
     h, d = (int(x) for x in kda.inputs[0].type.shape[1:])
     attrs = {"heads": h, "head_dim": d, "scale": kda.attrs["scale"], "lower_bound": g.attrs["lower_bound"],
              "l2_eps": m["l2"].attrs["eps"], "norm_eps": norm.attrs["eps"]}
+    if keep:
+        attrs["keep_states"] = True
     operands = [*m["qkv"].inputs, *m["cw"].inputs, conv.inputs[2], m["f"].inputs[0], m["f"].inputs[1],
                 g.inputs[1], g.inputs[2], m["beta"].inputs[0], kda.inputs[5], m["grs"].inputs[0], norm.inputs[2],
                 kda.inputs[6], kda.inputs[7]]

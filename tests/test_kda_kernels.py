@@ -178,6 +178,7 @@ def test_prefill_and_gate_templates_drop_in():
     assert t_kda.supports(OPS["kda"].bind([qt] * 8), {}, "cpu") is None  # symbolic token count is fine
     bad = OPS["kda"].bind([qt, qt, TensorType.of("f32", ("B", H, 3))] + [qt] * 5)
     assert "powers of two" in t_kda.supports(bad, {}, "cpu")
+    assert "fused kda_decode" in t_kda.supports(OPS["kda"].bind([qt] * 8), {"keep_states": True}, "cpu")
     f, A_log = torch.randn(5, H * D, generator=g), torch.randn(H, generator=g)
     a = OPS["kda_gate"].bind([f, A_log, None])
     attrs = OPS["kda_gate"].full_attrs({"lower_bound": -5.0})
@@ -203,7 +204,7 @@ def _unfused(ops, scale, lb, eps):
     D = P // H
     y = ref.causal_conv1d(torch.cat([q, k, v], 1), torch.cat([qc, kc, vc], 0), conv, slots, cu)
     qh, kh = l2_norm(y[:, :P].reshape(T, H, D), 1e-6), l2_norm(y[:, P:2 * P].reshape(T, H, D), 1e-6)
-    g = ref.kda_gate(f_a @ f_b.T, A_log, dt_bias, lb)
+    g = ref.kda_gate(f_a @ f_b.T if f_b is not None else f_a, A_log, dt_bias, lb)
     o, states = ref.kda_recurrence(qh, kh, y[:, 2 * P:].reshape(T, H, D), g, torch.sigmoid(b), state, slots, cu,
                                    scale, keep_states=True)
     return gated_rms_norm(o, gate.reshape(T, H, D), w, eps).reshape(T, P), states
@@ -221,20 +222,26 @@ def _conv_tails(ops, lengths):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("H,D,lengths,lb,rank,block_v", [
-    (2, 16, [1, 3, 8, 2], -5.0, 3, 16),          # verification: 1..8 tokens per request, K3 gate
-    (2, 32, [1, 2, 0, 5, 7, 4, 6, 8], None, 32, 16),  # q_len 0..8, Kimi-Linear softplus gate
-    (1, 64, [2, 1], -5.0, 64, 32),                # the tiny model's head size
-    (1, 16, [17, 1], -5.0, 16, 16),               # more tokens than one group of 8
+@pytest.mark.parametrize("H,D,lengths,lb,rank,block_v,split,prefetch", [
+    (2, 16, [1, 3, 8, 2], -5.0, 3, 16, 1, True),          # verification: 1..8 tokens per request, K3 gate
+    (2, 32, [1, 2, 0, 5, 7, 4, 6, 8], None, 32, 16, 1, True),  # q_len 0..8, Kimi-Linear softplus gate
+    (1, 64, [2, 1], -5.0, 64, 32, 1, False),               # the tiny model's head size, no prefetch
+    (1, 16, [17, 1], -5.0, 16, 16, 1, True),               # more tokens than one group of 8
+    (2, 32, [1, 3, 0, 8], -5.0, 32, 8, 2, True),           # head columns split over 2 programs (2 blocks each)
+    (2, 32, [2, 8], -5.0, 32, 8, 2, False),                # the same without the one-block-ahead loads
+    (1, 64, [1, 9], None, None, 16, 4, True),              # split 4, gate input f given whole (f_b None)
 ])
-def test_decode_vs_unfused_sequence(H, D, lengths, lb, rank, block_v):
+def test_decode_vs_unfused_sequence(H, D, lengths, lb, rank, block_v, split, prefetch):
     g = _gen(7)
     S = len(lengths) + 2
-    ops = _decode_operands(g, H, D, lengths, rank, S, with_bias=lb is not None)
+    ops = _decode_operands(g, H, D, lengths, rank or 8, S, with_bias=lb is not None)
+    if rank is None:  # the kernel's f input: f = f_a f_b^T computed outside
+        ops[7], ops[8] = ops[7] @ ops[8].T, None
     mine = [x.clone() if isinstance(x, torch.Tensor) else x for x in ops]
     want = [x.clone() if isinstance(x, torch.Tensor) else x for x in ops]
     out, conv, state, states, tails = kda_decode(*mine, scale=D ** -0.5, lower_bound=lb, norm_eps=1e-5,
-                                                  keep_states=True, block_v=block_v)
+                                                  keep_states=True, block_v=block_v, split=split,
+                                                  prefetch=prefetch)
     y_ref, states_ref = _unfused(want, D ** -0.5, lb, 1e-5)
     assert conv is mine[6] and state is mine[12]
     assert_close_rel(out, y_ref, 1e-5, "fused decode output")
@@ -244,6 +251,10 @@ def test_decode_vs_unfused_sequence(H, D, lengths, lb, rank, block_v):
     assert torch.equal(state[others], ops[12][others]) and torch.equal(conv[others], ops[6][others])
     assert_close_rel(states, states_ref, 1e-5, "per-token states")
     assert torch.equal(tails, _conv_tails(ops, lengths)), "per-token conv tails"
+    q, k, v, qc, kc, vc, conv0 = ops[:7]  # the reference conv's own per-token tails (ir.ref keep_states)
+    _, ref_tails = ref.causal_conv1d(torch.cat([q, k, v], 1), torch.cat([qc, kc, vc], 0), conv0.clone(), ops[15],
+                                     ops[16], keep_states=True)
+    assert torch.equal(ref_tails, tails), "ir.ref causal_conv1d keep_states tails"
 
 
 def test_decode_template_drop_in():
@@ -270,7 +281,7 @@ def test_decode_template_drop_in():
 def test_tiny_model_prefill_decode_verify_through_the_kernels():
     """k31-tiny (D=64) after passes/kda_decode_fusion.py: the compiled executor runs every `kda` of
     prefill through kda_prefill and every fused.kda_decode of decode/verify through kda_decode; logits of
-    a ragged prefill (70 + 5 tokens), a decode and a verification step equal the unfused reference."""
+    a ragged prefill (66 + 3 tokens), a decode and a verification step equal the unfused reference."""
     from codegen.registry import templates_for
     from codegen.select import Choice
     from k31c.model.build import build_module
@@ -293,7 +304,7 @@ def test_tiny_model_prefill_decode_verify_through_the_kernels():
         rt = ReferenceRuntime(module, weights, max_rows=256, max_requests=2, engine=eng)
         rt.add_request("a", 128)
         rt.add_request("b", 128)
-        logits.append([rt.prefill({"a": list(range(1, 71)), "b": list(range(5, 10))}), rt.decode({"a": 3, "b": 4}),
+        logits.append([rt.prefill({"a": list(range(1, 67)), "b": list(range(5, 8))}), rt.decode({"a": 3, "b": 4}),
                        rt.verify({"a": [5, 6, 7], "b": [8]})])
     n_kda = sum(cfg.layer_kind(i) == "kda" for i in range(cfg.num_hidden_layers))
     assert engine.calls["kda_prefill"] == n_kda and engine.calls["kda_decode"] == 2 * n_kda

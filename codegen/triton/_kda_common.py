@@ -55,19 +55,44 @@ def kda_gate(f, A_log, dt_bias, lower_bound, block: int = 1024):
     return g
 
 
+@triton.jit
+def _chunk_table_kernel(cu, start, length, req_chunks, R, n_max, RB: tl.constexpr, CB: tl.constexpr,
+                        CHUNK: tl.constexpr):
+    """One program: req_chunks = [0, cumsum(ceil(len_r / 64))], then every request's chunks (start, length)
+    and length 0 for the unused tail of the n_max entries."""
+    r = tl.arange(0, RB)
+    lo = tl.load(cu + r, mask=r < R, other=0)
+    hi = tl.load(cu + r + 1, mask=r < R, other=0)
+    n_r = (hi - lo + CHUNK - 1) // CHUNK
+    ends = tl.cumsum(n_r, axis=0)
+    tl.store(req_chunks + r + 1, ends.to(tl.int32), mask=r < R)
+    tl.store(req_chunks + r, 0, mask=r == 0)
+    total = tl.sum(n_r, axis=0)
+    c = tl.arange(0, CB)
+    for rr in range(0, R):
+        a = tl.load(cu + rr)
+        b = tl.load(cu + rr + 1)
+        first = tl.sum(tl.where(r == rr, ends - n_r, 0), axis=0)
+        for c0 in range(0, (b - a + CHUNK - 1) // CHUNK, CB):
+            s = a + (c0 + c) * CHUNK
+            m = s < b
+            tl.store(start + first + c0 + c, s.to(tl.int32), mask=m)
+            tl.store(length + first + c0 + c, tl.minimum(b - s, CHUNK).to(tl.int32), mask=m)
+    for c0 in range(total, n_max, CB):
+        tl.store(length + c0 + c, 0, mask=c0 + c < n_max)
+        tl.store(start + c0 + c, 0, mask=c0 + c < n_max)
+
+
 def device_chunk_table(cu: torch.Tensor, n_tokens: int):
-    """Chunks cut every 64 tokens from each request's start, built on the device (no host sync):
-    (chunk_start[N], chunk_len[N] (0 for the unused tail of the upper bound N), req_chunks[R+1])."""
+    """Chunks cut every 64 tokens from each request's start, built on the device by one kernel (no host
+    sync): (chunk_start[N], chunk_len[N] (0 for the unused tail of the upper bound N), req_chunks[R+1])."""
     R = cu.numel() - 1
-    lens = cu[1:] - cu[:-1]
-    req_chunks = torch.zeros(R + 1, dtype=torch.int64, device=cu.device)
-    req_chunks[1:] = torch.cumsum((lens + CHUNK - 1) // CHUNK, 0)
     n_max = max(1, (n_tokens + (CHUNK - 1) * R) // CHUNK)  # >= sum_r ceil(len_r / 64)
-    idx = torch.arange(n_max, device=cu.device)
-    req = torch.searchsorted(req_chunks[1:].contiguous(), idx, right=True).clamp(max=max(R - 1, 0))
-    start = cu[req] + (idx - req_chunks[req]) * CHUNK
-    length = torch.where(idx < req_chunks[-1], torch.clamp(cu[req + 1] - start, max=CHUNK), 0)
-    return start.to(torch.int32), length.to(torch.int32), req_chunks.to(torch.int32)
+    buf = torch.empty(2 * n_max + R + 1, dtype=torch.int32, device=cu.device)
+    start, length, req_chunks = buf[:n_max], buf[n_max:2 * n_max], buf[2 * n_max:]
+    _chunk_table_kernel[(1,)](cu, start, length, req_chunks, R, n_max, RB=triton.next_power_of_2(max(R, 1)),
+                              CB=256 if n_max > 64 else 64, CHUNK=CHUNK)
+    return start, length, req_chunks
 
 
 def host_chunk_table(cu: list[int], positions: list[list[int]], device):

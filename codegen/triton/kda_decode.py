@@ -22,11 +22,15 @@ keep_states (default False). Results: (out [T, P], conv_state, state); with keep
 Per token: S' = diag(e^g) S; S = S' + beta k (v - S'^T k)^T; o = S^T (q*scale);
 out = rmsnorm(o) * o_norm_w * sigmoid(gate), per head.
 
-One program per (request, head). Its tokens' front (conv, L2, gate, beta) is computed for groups of
-MAXT tokens at once as [MAXT, D] tiles (MAXT = min(8, pow2(T/R)): 1 in decode, 8 in 8-token
-verification; f_a f_b^T as one 16-row tensor-core dot); the recurrence then walks the
-head's D x D state in [D, BV] column blocks (state columns are independent), so the state is read and
-written once per step and the registers hold one block.
+Programs: (request, head, column split). Each computes its tokens' front (conv, L2, gate, beta) for
+groups of MAXT tokens at once as [MAXT, D] tiles (MAXT = min(8, pow2(T/R)): 1 in decode, 8 in 8-token
+verification; f_a f_b^T as one 16-row tensor-core dot), then walks its D/SPLIT state columns in [D, BV]
+blocks (state columns are independent; with PREFETCH the next block's load is issued before the current
+block's update), so the state is read and written once per step. SPLIT > 1 (small batches: more programs
+than R*H) shares a head's columns among SPLIT programs: each stores its slice of o (fp32 workspace) and
+counts itself on a per-(request, head) atomic counter (acq_rel); the last to arrive applies the gated
+RMSNorm over the head's D outputs, writes the q/k conv tails (every program has read them by then) and
+resets the counter to 0. Per-token states are written by every program for its columns.
 """
 
 from __future__ import annotations
@@ -82,59 +86,79 @@ def _row(x2, t):
 
 
 @triton.jit
+def _gated_rms_store(o2, rows, rm, gate, s_gt, onw, out, ch, dd, norm_eps, D: tl.constexpr, P: tl.constexpr,
+                     HAS_NW: tl.constexpr):
+    """out = rmsnorm(o2) * o_norm_w * sigmoid(gate) for the [MAXT, D] outputs of one head."""
+    z = tl.load(gate + rows[:, None] * s_gt + ch[None, :], mask=rm, other=0.0).to(tl.float32)
+    y = o2 / tl.sqrt(tl.sum(o2 * o2, axis=1) / D + norm_eps)[:, None] * tl.sigmoid(z)
+    if HAS_NW:
+        y = y * tl.load(onw + dd).to(tl.float32)[None, :]
+    tl.store(out + rows[:, None] * P + ch[None, :], y.to(out.dtype.element_ty), mask=rm)
+
+
+@triton.jit
 def _kda_decode_kernel(q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, fa, s_fa, fb, alog, dtb, bl, s_bl, st, gate,
-                       s_gt, onw, out, slots, cu, st_keep, cs_keep, scale, lower_bound, l2_eps, norm_eps,
+                       s_gt, onw, out, slots, cu, st_keep, cs_keep, ows, ctr, scale, lower_bound, l2_eps, norm_eps,
                        H: tl.constexpr, D: tl.constexpr, KW: tl.constexpr, KWP: tl.constexpr, RL: tl.constexpr,
-                       RB: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       HAS_NW: tl.constexpr, KEEP: tl.constexpr, MAXT: tl.constexpr, PREC: tl.constexpr):
-    r, h = tl.program_id(0), tl.program_id(1)
+                       RB: tl.constexpr, BV: tl.constexpr, SPLIT: tl.constexpr, GATE: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, HAS_NW: tl.constexpr, KEEP: tl.constexpr, LOWRANK: tl.constexpr,
+                       MAXT: tl.constexpr, PREFETCH: tl.constexpr, PREC: tl.constexpr):
+    r, h, vs = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(cu + r).to(tl.int64)
     n = tl.load(cu + r + 1).to(tl.int64) - bos
     slot = tl.load(slots + r).to(tl.int64)
     P: tl.constexpr = H * D
     C3: tl.constexpr = 3 * H * D
-    NV: tl.constexpr = D // BV
+    DVP: tl.constexpr = D // SPLIT  # state columns of this program
+    NV: tl.constexpr = DVP // BV
+    c0 = vs * DVP
     dd = tl.arange(0, D)
     tt = tl.arange(0, MAXT)
     ch = h * D + dd
+    cvp = h * D + c0 + tl.arange(0, DVP)  # this program's v / output channels
     cst = cstate + slot * (KW - 1) * C3
     a_h = tl.exp(tl.load(alog + h).to(tl.float32))
     st_h = st + (slot * H + h) * D * D
     tg = tl.arange(0, 16)
-    sp0 = st_h + dd[:, None] * D + tl.arange(0, BV)[None, :]
-    s_first = tl.load(sp0).to(tl.float32)  # issued first: its latency hides behind the front
+    sp0 = st_h + dd[:, None] * D + c0 + tl.arange(0, BV)[None, :]
     for t0 in range(0, n, MAXT):  # token groups of MAXT (a power of two <= 16; verification: 1-8)
         nt = n - t0
         rows = bos + t0 + tt
         rm = (tt < nt)[:, None]
+        if PREFETCH:  # the first state block, issued before the front so its latency hides behind it
+            s_next = tl.load(sp0, eviction_policy="evict_first")
         # token-parallel front: conv + SiLU + L2 of q, k; gate from f_a f_b^T; beta  -> [MAXT, D] tiles
         xq = _conv_silu(q, s_q, cst, C3, qw, bos, t0, nt, ch, KW, MAXT)
         xk = _conv_silu(k, s_k, cst + P, C3, kw, bos, t0, nt, ch, KW, MAXT)
         qn = xq / tl.sqrt(tl.sum(xq * xq, axis=1) + l2_eps)[:, None] * scale
         kn = xk / tl.sqrt(tl.sum(xk * xk, axis=1) + l2_eps)[:, None]
-        fx = tl.zeros([16, D], dtype=tl.float32)  # f_a f_b^T on tensor cores (16 rows, >= MAXT used)
-        for jb in tl.static_range(0, RL, RB):
-            jj = jb + tl.arange(0, RB)
-            fm = ((tg < nt) & (tg < MAXT))[:, None] & (jj < RL)[None, :]
-            fa_t = tl.load(fa + (bos + t0 + tg)[:, None] * s_fa + jj[None, :], mask=fm, other=0.0)
-            fb_t = tl.load(fb + ch[None, :] * RL + jj[:, None], mask=(jj < RL)[:, None], other=0.0)
-            fx = tl.dot(fa_t.to(fb_t.dtype), fb_t, fx, input_precision=PREC)
-        fx = tl.sum(tl.reshape(fx, [16 // MAXT, MAXT, D]), axis=0)  # rows >= MAXT are zero
+        if LOWRANK:
+            fx = tl.zeros([16, D], dtype=tl.float32)  # f_a f_b^T on tensor cores (16 rows, >= MAXT used)
+            for jb in tl.static_range(0, RL, RB):
+                jj = jb + tl.arange(0, RB)
+                fm = ((tg < nt) & (tg < MAXT))[:, None] & (jj < RL)[None, :]
+                fa_t = tl.load(fa + (bos + t0 + tg)[:, None] * s_fa + jj[None, :], mask=fm, other=0.0)
+                fb_t = tl.load(fb + ch[None, :] * RL + jj[:, None], mask=(jj < RL)[:, None], other=0.0,
+                               eviction_policy="evict_last")
+                fx = tl.dot(fa_t.to(fb_t.dtype), fb_t, fx, input_precision=PREC)
+            fx = tl.sum(tl.reshape(fx, [16 // MAXT, MAXT, D]), axis=0)  # rows >= MAXT are zero
+        else:  # f given whole [T, P]
+            fx = tl.load(fa + rows[:, None] * s_fa + ch[None, :], mask=rm, other=0.0).to(tl.float32)
         if HAS_BIAS:
             fx += tl.load(dtb + ch).to(tl.float32)[None, :]
         eg = tl.exp(kda_gate_math(fx, a_h, lower_bound, GATE))
         bt = tl.sigmoid(tl.load(bl + rows * s_bl + h, mask=tt < nt, other=0.0).to(tl.float32))
         o3 = tl.zeros([MAXT, NV, BV], dtype=tl.float32)
         # the recurrence, one [D, BV] column block of the state at a time
-        for vb in tl.static_range(NV):
-            cv = vb * BV + tl.arange(0, BV)
+        for vb in range(NV):
+            cv = c0 + vb * BV + tl.arange(0, BV)
             sp = sp0 + vb * BV
-            if vb == 0:
-                S = s_first
+            if PREFETCH:  # block vb was loaded one step ahead; issue block vb+1 before computing on vb
+                S = s_next.to(tl.float32)
+                s_next = tl.load(sp + BV, mask=(vb + 1 < NV) & (dd < D)[:, None], other=0.0,
+                                 eviction_policy="evict_first")
             else:
-                S = s_next
-            if vb + 1 < NV:  # prefetch the next column block (columns are independent)
-                s_next = tl.load(sp + BV).to(tl.float32)
+                S = tl.load(sp, eviction_policy="evict_first").to(tl.float32)
             xv = _conv_silu(v, s_v, cst + 2 * P, C3, vw, bos, t0, nt, h * D + cv, KW, MAXT)
             for t in range(0, tl.minimum(nt, MAXT)):
                 kt = _row(kn, t)
@@ -146,32 +170,65 @@ def _kda_decode_kernel(q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, fa, s_fa, fb,
                 put = (tt == t)[:, None] & (tl.arange(0, NV) == vb)[None, :]
                 o3 += tl.where(put[:, :, None], o[None, None, :], 0.0)
                 if KEEP:
-                    tl.store(st_keep + ((bos + t0 + t) * H + h) * D * D + dd[:, None] * D + cv[None, :], S)
-            tl.store(sp, S.to(st.dtype.element_ty))
-        if t0 + MAXT < n:  # another group follows: reload block 0 after this group's stores
+                    tl.store(st_keep + ((bos + t0 + t) * H + h) * D * D + dd[:, None] * D + cv[None, :],
+                             S.to(st_keep.dtype.element_ty))
+            tl.store(sp, S.to(st.dtype.element_ty), eviction_policy="evict_first")
+        if t0 + MAXT < n:  # another group follows: its loads come after this group's stores
             tl.debug_barrier()
-            s_first = tl.load(sp0).to(tl.float32)
-        # gated RMSNorm over the head's D outputs of each token
-        o2 = tl.reshape(o3, [MAXT, D])
-        z = tl.load(gate + rows[:, None] * s_gt + ch[None, :], mask=rm, other=0.0).to(tl.float32)
-        y = o2 / tl.sqrt(tl.sum(o2 * o2, axis=1) / D + norm_eps)[:, None] * tl.sigmoid(z)
-        if HAS_NW:
-            y = y * tl.load(onw + dd).to(tl.float32)[None, :]
-        tl.store(out + rows[:, None] * P + ch[None, :], y.to(out.dtype.element_ty), mask=rm)
-    if KEEP:  # conv tail after each token
+        o2 = tl.reshape(o3, [MAXT, DVP])
+        if SPLIT == 1:  # gated RMSNorm over the head's D outputs of each token
+            _gated_rms_store(o2, rows, rm, gate, s_gt, onw, out, ch, dd, norm_eps, D, P, HAS_NW)
+        else:  # the head's last program to finish normalises (below)
+            tl.store(ows + rows[:, None] * P + cvp[None, :], o2, mask=rm)
+    if KEEP:  # conv tail after each token (q, k channels by the head's first program)
         for t in range(0, n):
             dst = cs_keep + (bos + t) * (KW - 1) * C3
-            _put_tail(dst, C3, ch, _tail(q, s_q, cst, C3, bos, t + 2 - KW, ch, KW, KWP), KW, KWP)
-            _put_tail(dst + P, C3, ch, _tail(k, s_k, cst + P, C3, bos, t + 2 - KW, ch, KW, KWP), KW, KWP)
-            _put_tail(dst + 2 * P, C3, ch, _tail(v, s_v, cst + 2 * P, C3, bos, t + 2 - KW, ch, KW, KWP), KW, KWP)
-    # new conv tail = last K-1 context rows, all read (old state included) before any is overwritten
-    tq = _tail(q, s_q, cst, C3, bos, n + 1 - KW, ch, KW, KWP)
-    tk = _tail(k, s_k, cst + P, C3, bos, n + 1 - KW, ch, KW, KWP)
-    tv = _tail(v, s_v, cst + 2 * P, C3, bos, n + 1 - KW, ch, KW, KWP)
-    tl.debug_barrier()
-    _put_tail(cst, C3, ch, tq, KW, KWP)
-    _put_tail(cst + P, C3, ch, tk, KW, KWP)
-    _put_tail(cst + 2 * P, C3, ch, tv, KW, KWP)
+            if vs == 0:
+                _put_tail(dst, C3, ch, _tail(q, s_q, cst, C3, bos, t + 2 - KW, ch, KW, KWP), KW, KWP)
+                _put_tail(dst + P, C3, ch, _tail(k, s_k, cst + P, C3, bos, t + 2 - KW, ch, KW, KWP), KW, KWP)
+            _put_tail(dst + 2 * P, C3, cvp, _tail(v, s_v, cst + 2 * P, C3, bos, t + 2 - KW, cvp, KW, KWP), KW, KWP)
+    # new conv tail = last K-1 context rows, all read (old state included) before any is overwritten;
+    # v channels belong to this program alone, q/k channels are read by every program of the head
+    tv = _tail(v, s_v, cst + 2 * P, C3, bos, n + 1 - KW, cvp, KW, KWP)
+    if SPLIT == 1:
+        tq = _tail(q, s_q, cst, C3, bos, n + 1 - KW, ch, KW, KWP)
+        tk = _tail(k, s_k, cst + P, C3, bos, n + 1 - KW, ch, KW, KWP)
+        tl.debug_barrier()
+        _put_tail(cst, C3, ch, tq, KW, KWP)
+        _put_tail(cst + P, C3, ch, tk, KW, KWP)
+        _put_tail(cst + 2 * P, C3, cvp, tv, KW, KWP)
+    else:
+        tl.debug_barrier()
+        _put_tail(cst + 2 * P, C3, cvp, tv, KW, KWP)
+        tl.debug_barrier()  # every thread's output slices are stored before the (releasing) count
+        done = tl.atomic_add(ctr + r * H + h, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT - 1:  # last of the head's programs: the others' slices and conv reads are complete
+            tl.debug_barrier()
+            for t0 in range(0, n, MAXT):
+                rows = bos + t0 + tt
+                rm = (tt < n - t0)[:, None]
+                o2 = tl.load(ows + rows[:, None] * P + ch[None, :], mask=rm, other=0.0, cache_modifier=".cg")
+                _gated_rms_store(o2, rows, rm, gate, s_gt, onw, out, ch, dd, norm_eps, D, P, HAS_NW)
+            tq = _tail(q, s_q, cst, C3, bos, n + 1 - KW, ch, KW, KWP)
+            tk = _tail(k, s_k, cst + P, C3, bos, n + 1 - KW, ch, KW, KWP)
+            tl.debug_barrier()
+            _put_tail(cst, C3, ch, tq, KW, KWP)
+            _put_tail(cst + P, C3, ch, tk, KW, KWP)
+            tl.atomic_xchg(ctr + r * H + h, 0)  # ready for the next launch
+
+
+_COUNTERS: dict = {}  # device -> int32 arrival counters of the split-V programs, zero between launches
+
+
+def _counters(device, n: int) -> torch.Tensor:
+    """Per-(request, head) arrival counters; each launch leaves them zero, so one buffer per device serves
+    every launch that runs on one stream at a time (the executor runs KDA layers in order). Allocated by
+    the first split launch: run one eagerly before capturing a CUDA graph (graph warm-up does)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
 
 
 def _rows(x: torch.Tensor, T: int, width: int, what: str) -> torch.Tensor:
@@ -183,42 +240,57 @@ def _rows(x: torch.Tensor, T: int, width: int, what: str) -> torch.Tensor:
 
 def kda_decode(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_bias, b, state, gate, o_norm_w,
                state_slot, cu_seqlens, *, scale: float, lower_bound, norm_eps: float, l2_eps: float = 1e-6,
-               keep_states: bool = False, block_v: int = 64, num_warps: int = 8, group: int | None = None):
-    """The fused op `fused.kda_decode` (operands and results: see the module docstring). `group`
-    (tokens per front tile, a power of two <= 16) defaults to min(8, pow2(T/R)); fix it (8) for
+               keep_states: bool = False, block_v: int = 64, num_warps: int = 4, split: int = 1,
+               prefetch: bool = True, group: int | None = None):
+    """The fused op `fused.kda_decode` (operands and results: see the module docstring).
+
+    `f_b=None` takes `f_a` as the whole gate input f [T, P] (already up-projected). `split` programs share
+    one head's state columns (D/split each; the head's last program to finish normalises its outputs).
+    `group` (tokens per front tile, a power of two <= 16) defaults to min(8, pow2(T/R)); fix it (8) for
     batch-invariant results, since the tile shape sets the order of the L2 / RMS reductions."""
     T, P = q.shape
     H = A_log.numel()
     D = P // H
     KW = q_conv.shape[-1]
-    RL = f_b.shape[-1]
+    RL = f_b.shape[-1] if f_b is not None else P
     R = state_slot.numel()
-    conv_ws = [w.reshape(P, KW).contiguous() for w in (q_conv, k_conv, v_conv)]
-    if P != H * D or conv_state.shape[1:] != (KW - 1, 3 * P) or f_b.shape != (P, RL) or KW < 2:
+    conv_ws = [w if w.is_contiguous() else w.contiguous() for w in (q_conv, k_conv, v_conv)]
+    if P != H * D or conv_state.shape[1:] != (KW - 1, 3 * P) or KW < 2 or \
+            any(w.numel() != P * KW for w in conv_ws) or (f_b is not None and f_b.shape != (P, RL)):
         raise ValueError(f"kda_decode: q {tuple(q.shape)}, conv weights [{P}, {KW}], conv_state "
-                         f"{tuple(conv_state.shape)}, f_b {tuple(f_b.shape)} do not fit H={H} heads of D={D}")
+                         f"{tuple(conv_state.shape)}, f_b {None if f_b is None else tuple(f_b.shape)} do not fit "
+                         f"H={H} heads of D={D}")
     if state.shape[1:] != (H, D, D) or not (state.is_contiguous() and conv_state.is_contiguous()):
         raise ValueError(f"kda_decode: state pool {tuple(state.shape)} must be contiguous [S, {H}, {D}, {D}]")
+    bv_ = min(block_v, D // split)
+    if split < 1 or D % split or (D // split) % bv_:
+        raise ValueError(f"kda_decode: split={split} and block_v={block_v} must divide head dim {D} into blocks")
     qv, kv_, vv = _rows(q, T, P, "q"), _rows(k, T, P, "k"), _rows(v, T, P, "v")
-    fav, bv, gv = _rows(f_a, T, RL, "f_a"), _rows(b, T, H, "b"), _rows(gate, T, P, "gate")
-    fbc = f_b.contiguous()
+    fav, bv, gv = _rows(f_a, T, RL, "f_a" if f_b is not None else "f"), _rows(b, T, H, "b"), _rows(gate, T, P, "gate")
+    fbc = (f_b if f_b.is_contiguous() else f_b.contiguous()) if f_b is not None else fav
     dev = q.device
     out = torch.empty(T, P, device=dev, dtype=q.dtype)
     group = group or (min(8, triton.next_power_of_2(-(-T // R))) if R and T else 1)
     if group & (group - 1) or not 1 <= group <= 16:
         raise ValueError(f"kda_decode: group must be a power of two in 1..16, got {group}")
-    keep_s = torch.empty(T if keep_states else 1, H, D, D, device=dev, dtype=torch.float32)
-    keep_c = torch.empty(T if keep_states else 1, KW - 1, 3 * P, device=dev, dtype=conv_state.dtype)
+    if keep_states:
+        keep_s = torch.empty(T, H, D, D, device=dev, dtype=torch.float32)
+        keep_c = torch.empty(T, KW - 1, 3 * P, device=dev, dtype=conv_state.dtype)
+    else:
+        keep_s = keep_c = out  # never written
+    ows = torch.empty(T, P, device=dev, dtype=torch.float32) if split > 1 else out
+    ctr = _counters(dev, R * H) if split > 1 else state_slot
     low = fbc.dtype in (torch.bfloat16, torch.float16)
     if R > 0:
-        _kda_decode_kernel[(R, H)](
+        _kda_decode_kernel[(R, H, split)](
             qv, kv_, vv, qv.stride(0), kv_.stride(0), vv.stride(0), *conv_ws, conv_state, fav, fav.stride(0), fbc,
             A_log, dt_bias if dt_bias is not None else A_log, bv, bv.stride(0), state, gv, gv.stride(0),
-            o_norm_w if o_norm_w is not None else A_log, out, state_slot, cu_seqlens, keep_s, keep_c, float(scale),
-            float(lower_bound) if lower_bound is not None else 0.0, float(l2_eps), float(norm_eps),
+            o_norm_w if o_norm_w is not None else A_log, out, state_slot, cu_seqlens, keep_s, keep_c, ows, ctr,
+            float(scale), float(lower_bound) if lower_bound is not None else 0.0, float(l2_eps), float(norm_eps),
             H=H, D=D, KW=KW, KWP=triton.next_power_of_2(KW), RL=RL, RB=max(16, min(32, triton.next_power_of_2(RL))),
-            BV=min(block_v, D), GATE=1 if lower_bound is not None else 2, HAS_BIAS=dt_bias is not None,
-            HAS_NW=o_norm_w is not None, KEEP=bool(keep_states), MAXT=group,
+            BV=bv_, SPLIT=split, GATE=1 if lower_bound is not None else 2, HAS_BIAS=dt_bias is not None,
+            HAS_NW=o_norm_w is not None, KEEP=bool(keep_states), LOWRANK=f_b is not None, MAXT=group,
+            PREFETCH=bool(prefetch),
             PREC="tf32" if low else "ieee", num_warps=num_warps)
     res = (out, conv_state, state)
     return res + (keep_s, keep_c) if keep_states else res
@@ -239,11 +311,12 @@ def _launch(a, attrs, config):
     o = _operands(a)
     group = None
     if attrs.get("batch_invariant"):  # a fixed tile shape and config: reductions independent of the batch
-        group, config = 8, heuristic(key_dims(a, attrs), "cuda" if o["q"].is_cuda else "cpu")
+        key = key_dims(a, attrs)
+        group, config = 8, heuristic({**key, "R": 1 << 20}, "cuda" if o["q"].is_cuda else "cpu")
     return kda_decode(*(o[n] for n in OPERANDS), scale=attrs["scale"], lower_bound=attrs.get("lower_bound"),
                       norm_eps=attrs["norm_eps"], l2_eps=attrs.get("l2_eps", 1e-6),
                       keep_states=attrs.get("keep_states", False), block_v=config["BV"], num_warps=config["WARPS"],
-                      group=group)
+                      split=config.get("SPLIT", 1), prefetch=bool(config.get("PREFETCH", 1)), group=group)
 
 
 def key_dims(a, attrs):
@@ -252,12 +325,29 @@ def key_dims(a, attrs):
     return {"H": H, "D": int(o["q"].shape[1]) // H, "T": int(o["q"].shape[0]), "R": int(o["state_slot"].shape[0])}
 
 
+_SMS = 132  # H200 multiprocessors: the split aims at >= 2 programs per SM
+
+
 def heuristic(key, target):
-    """GPU: BV 64 with 4 warps, the fastest of the H200 sweep (B=64, H=32, D=128: 126 µs vs 200 µs with 8
-    warps); CPU: one block."""
+    """GPU: one program per (request, head) when R*H fills the GPU twice, else the head's columns split
+    over 2-4 programs; BV 64 (or the program's columns), 4 warps, one block loaded ahead. Measured on the
+    H200 (benches/results/h200-2026-11-29/kda.json, H=32, D=128): B=64 111 us (BV 32: 126-142 us, 8 warps
+    194-204 us, split 2: 181 us); B=1 split 4 x BV 32 13.8 us per graph replay (split 2: 14.7-15.6 us).
+    CPU: one block."""
+    D = key["D"]
     if str(target).startswith("cpu"):
-        return {"BV": key["D"], "WARPS": 4}
-    return {"BV": min(64, key["D"]), "WARPS": 4}
+        return {"BV": D, "WARPS": 4, "SPLIT": 1, "PREFETCH": 1}
+    split = 1
+    while key["R"] * key["H"] * split < 2 * _SMS and D // (2 * split) >= 32:
+        split *= 2
+    return {"BV": min(64, D // split), "WARPS": 4, "SPLIT": split, "PREFETCH": 1}
+
+
+def constraints(config, key, target):
+    cols = key["D"] // config.get("SPLIT", 1)
+    if key["D"] % config.get("SPLIT", 1) or cols % config["BV"] or config["BV"] > cols:
+        return [f"SPLIT={config.get('SPLIT', 1)} and BV={config['BV']} must cut D={key['D']} into blocks"]
+    return []
 
 
 def supports(a, attrs, target):
@@ -277,8 +367,8 @@ TEMPLATES = [
     KernelTemplate(
         family="kda_decode", backend="triton", ops=(FUSED_OP,), launch=_launch, key_dims=key_dims,
         heuristic=heuristic, bucket=lambda key: {**key, "T": pow2_bucket(key["T"]), "R": pow2_bucket(key["R"])},
-        constraints=lambda config, key, target: [] if key["D"] % config["BV"] == 0 else
-        [f"BV={config['BV']} must divide D={key['D']}"],
-        supports=supports, tunables=(Tunable("BV", (32, 64)), Tunable("WARPS", (4, 8))), batch_invariant=True,
+        constraints=constraints, supports=supports, batch_invariant=True,
+        tunables=(Tunable("BV", (16, 32, 64)), Tunable("WARPS", (2, 4, 8)), Tunable("SPLIT", (1, 2, 4)),
+                  Tunable("PREFETCH", (0, 1))),
         doc="fused KDA decode/verify: conv + SiLU + L2 + gate + recurrence + gated RMSNorm, per-token states"),
 ]

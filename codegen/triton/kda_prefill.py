@@ -20,7 +20,8 @@ Two kernels:
   2. `_kda_state_kernel`, one program per (request, head, Dv block), sequential over the request's
      chunks with S in registers (fp32): d, o and the next S; writes o, optional checkpoint states,
      and the final state back to the pool row `state_slot[r]` in place.
-Chunks are cut from each request's first token (the last one partial; padded rows are exact no-ops).
+Chunks are cut from each request's first token (the last one partial; padded rows are exact no-ops); the
+chunk table is built on the device by one kernel (`_kda_common.device_chunk_table`).
 `kda_prefill(..., checkpoint_positions=...)` also cuts chunks at the requested positions, so the
 states there come out of kernel 2 exactly. The optional fused gate computes g from raw f while loading
 (lower_bound*sigmoid(exp(A_log)(f+dt_bias)), or -exp(A_log) softplus(f+dt_bias) without lower_bound).
@@ -223,8 +224,7 @@ def _rows_view(x: torch.Tensor, T: int, width: int, what: str) -> torch.Tensor:
     """[T, ...] as [T, width] with unit stride inside a token (token stride free)."""
     if x.shape[0] != T or x.numel() != T * width:
         raise ValueError(f"kda_prefill: {what} has shape {tuple(x.shape)}, expected {T} tokens of {width}")
-    x = x.reshape(T, width)
-    return x if x.stride(1) == 1 else x.contiguous()
+    return x.reshape(T, width) if x.reshape(T, width).stride(1) == 1 else x.reshape(T, width).contiguous()
 
 
 def run_intra(q, k, v, graw, beta, starts, lens, scale, cfg, *, gate_mode=0, A_log=None, dt_bias=None,
@@ -242,13 +242,13 @@ def run_intra(q, k, v, graw, beta, starts, lens, scale, cfg, *, gate_mode=0, A_l
           torch.empty(N, H, CHUNK, CHUNK, device=dev, dtype=ws_dt),
           torch.empty(N, H, D, device=dev, dtype=torch.float32))
     gw = torch.empty(N, H, CHUNK, D, device=dev, dtype=torch.float32)  # lc per chunk, kernel-internal
-    dummy = torch.zeros(1, device=dev, dtype=torch.float32)
+    dummy = ws[5]  # any fp32 tensor stands in for an absent A_log / dt_bias (never read then)
     _kda_intra_kernel[(N, H)](
         qv, kv_, vv, gv, bv, dt_bias if dt_bias is not None else dummy, A_log if A_log is not None else dummy,
         starts, lens, *ws, gw, qv.stride(0), kv_.stride(0), vv.stride(0), gv.stride(0), bv.stride(0), float(scale),
         float(lower_bound) if lower_bound is not None else 0.0, H=H, D=D, DV=Dv, BK=min(cfg["BK"], D),
         BV=min(cfg["BV_INTRA"], Dv), GATE=gate_mode, HAS_BIAS=dt_bias is not None, PREC="tf32" if low else "ieee",
-        num_warps=cfg["WARPS_INTRA"])
+        num_warps=cfg["WARPS_INTRA"], num_stages=cfg.get("STAGES_INTRA", 3))
     return ws
 
 
@@ -292,8 +292,8 @@ def kda_prefill(q, k, v, g, beta, state, state_slot, cu_seqlens, scale: float, *
     if g is None and (f is None or A_log is None):
         raise ValueError("kda_prefill: pass g, or the raw gate input f with A_log (fused gate)")
     gate_mode = 0 if g is not None else (1 if lower_bound is not None else 2)
-    cu = cu_seqlens.to(device=q.device, dtype=torch.int64)
-    slots = state_slot.to(device=q.device, dtype=torch.int32)
+    cu = cu_seqlens if cu_seqlens.dtype == torch.int64 else cu_seqlens.to(torch.int64)
+    slots = state_slot  # any integer dtype: the kernel widens it
     if checkpoint_positions is None:
         starts, lens, req_chunks = device_chunk_table(cu, T)
         ck_index, n_ck, rows_of = None, 0, None
@@ -312,8 +312,7 @@ def kda_prefill(q, k, v, g, beta, state, state_slot, cu_seqlens, scale: float, *
 
 
 # ---------------------------------------------------------------------------------- templates
-def _dims(x, i):
-    return int(x.shape[i])
+_dims = lambda x, i: int(x.shape[i])  # noqa: E731
 
 
 def key_dims(a, attrs):
@@ -326,16 +325,23 @@ def bucket(key):
 
 
 def heuristic(key, target):
-    """CPU interpreter: big tiles (cost is per program step). GPU (D=128, ptxas sm_90): kernel 1 with
-    BK 16 and 4 warps stays spill-free (4 warps beat 8 on the H200 for the first version too); kernel 2
-    with BV 32, 8 warps (182 registers, no spills; B=1, H=32 gives 128 programs for 132 SMs) and a
-    3-stage pipeline measured best (0.26 ms at T=8192, vs 0.37 ms with 2 stages)."""
+    """CPU interpreter: big tiles (cost is per program step). GPU, D=128, as measured on the H200
+    (benches/results/h200-2026-11-29/kda.json, B=1, T=8192, H=32): kernel 1 BK 32 / 4 warps / 2 stages
+    0.81 ms (3 stages 0.82, 1 stage 0.93; BK 16 with Aqk and A in separate passes 1.3-1.5 ms), kernel 2
+    BV 32 / 4 warps / 3 stages 0.20 ms (BV 32 / 8 warps / 3 stages or 4 stages exceed shared memory)."""
     D, Dv = key["D"], key["Dv"]
     if str(target).startswith("cpu"):
-        return {"BK": D, "BV_INTRA": Dv, "WARPS_INTRA": 4, "BV": Dv, "WARPS": 4, "STAGES": 2}
-    # measured best on the H200 (final bench run, D=128): kernel 1 BK 32 / 4 warps 0.82 ms, kernel 2 BV 32 /
-    # 4 warps / 3 stages 0.20 ms at B=1, T=8192; BV 32 / 8 warps / 3 stages needs 256 KiB of shared memory
-    return {"BK": min(32, D), "BV_INTRA": min(64, Dv), "WARPS_INTRA": 4, "BV": min(32, Dv), "WARPS": 4, "STAGES": 3}
+        return {"BK": D, "BV_INTRA": Dv, "WARPS_INTRA": 4, "STAGES_INTRA": 1, "BV": Dv, "WARPS": 4, "STAGES": 2}
+    return {"BK": min(32, D), "BV_INTRA": min(64, Dv), "WARPS_INTRA": 4, "STAGES_INTRA": 2, "BV": min(32, Dv),
+            "WARPS": 4, "STAGES": 3}
+
+
+_SMEM_BYTES = 232448  # per block on the H200 (sm_90)
+
+
+def state_kernel_smem(config, key, itemsize: int = 2) -> int:
+    """Kernel 2's pipeline: per stage W, QG, KG [64, D], U [64, BV], Aqk [64, 64] + 8 KiB (192.5 KiB at BV 32 x 3)."""
+    return config["STAGES"] * (3 * 64 * key["D"] + 64 * config["BV"] + 64 * 64) * itemsize + 8192
 
 
 def constraints(config, key, target):
@@ -343,6 +349,9 @@ def constraints(config, key, target):
     for name, dim in (("BK", "D"), ("BV_INTRA", "Dv"), ("BV", "Dv")):
         if config[name] > key[dim] or key[dim] % config[name]:
             out.append(f"{name}={config[name]} must divide {dim}={key[dim]}")
+    if not str(target).startswith("cpu") and state_kernel_smem(config, key) > _SMEM_BYTES:
+        out.append(f"kernel 2 needs {state_kernel_smem(config, key)} B of shared memory with "
+                   f"STAGES={config['STAGES']}, BV={config['BV']} (limit {_SMEM_BYTES})")
     return out
 
 
@@ -356,9 +365,10 @@ def _static_pow2(dim) -> int | None:
 
 def supports(a, attrs, target):
     D, Dv = _static_pow2(a.q.shape[2]), _static_pow2(a.v.shape[2])
+    if attrs.get("keep_states"):
+        return "per-token states (keep_states, verification) come from the fused kda_decode kernel only"
     if D is None or Dv is None or D > 256 or Dv > 256:
         return f"head dims must be static powers of two in 16..256, got D={a.q.shape[2]}, Dv={a.v.shape[2]}"
-    return None
 
 
 def _launch_kda(a, attrs, config):
@@ -377,7 +387,8 @@ TEMPLATES = [
         family="kda_prefill", backend="triton", ops=("kda",), launch=_launch_kda, key_dims=key_dims,
         heuristic=heuristic, bucket=bucket, constraints=constraints, supports=supports, batch_invariant=True,
         tunables=(Tunable("BK", (16, 32, 64)), Tunable("BV_INTRA", (32, 64)), Tunable("WARPS_INTRA", (2, 4, 8)),
-                  Tunable("BV", (16, 32, 64)), Tunable("WARPS", (4, 8)), Tunable("STAGES", (2, 3))),
+                  Tunable("STAGES_INTRA", (1, 2, 3)), Tunable("BV", (16, 32, 64)), Tunable("WARPS", (4, 8)),
+                  Tunable("STAGES", (2, 3, 4))),
         doc="chunked (64) WY/UT KDA over ragged requests; form recurrent|chunked give the same result"),
     KernelTemplate(
         family="kda_gate", backend="triton", ops=("kda_gate",), launch=_launch_gate,

@@ -21,19 +21,28 @@ def _conv_infer(a, at):
     k = a.weight.shape[1]
     expect(a.conv_state.rank == 3 and shapes_equal(a.conv_state.shape[1:], (k - 1, c)),
            f"conv_state {a.conv_state} must be [S, {k - 1}, {c}]")
-    return [a.x, a.conv_state]
+    kept = [TensorType(a.conv_state.dtype, (t, k - 1, c))] if at.get("keep_states") else []
+    return [a.x, a.conv_state] + kept
 
 
-defop("causal_conv1d", ["x", "weight", "conv_state", "state_slot", "cu_seqlens"], ["y", "conv_state_out"],
-      _conv_infer,
-      lambda a, at: (ref.causal_conv1d(a.x, a.weight, a.conv_state, a.state_slot, a.cu_seqlens), a.conv_state),
+def _conv_ref(a, at):
+    if at.get("keep_states"):
+        y, tails = ref.causal_conv1d(a.x, a.weight, a.conv_state, a.state_slot, a.cu_seqlens, keep_states=True)
+        return y, a.conv_state, tails
+    return ref.causal_conv1d(a.x, a.weight, a.conv_state, a.state_slot, a.cu_seqlens), a.conv_state
+
+
+defop("causal_conv1d", ["x", "weight", "conv_state", "state_slot", "cu_seqlens"],
+      ["y", "conv_state_out", "conv_states"], _conv_infer, _conv_ref,
+      attrs={"keep_states": attr(bool, default=False)},
       flops=lambda a, o, at: 2 * a.x.numel() * a.weight.shape[1] + 5 * a.x.numel(),
       # the R = len(cu_seqlens) - 1 state rows of the step are read and written, not the whole pool
       bytes=lambda a, o, at: 2 * a.x.nbytes() + a.weight.nbytes() + a.state_slot.nbytes() + a.cu_seqlens.nbytes()
-      + 2 * a.conv_state.nbytes() * (a.cu_seqlens.shape[0] - 1) / a.conv_state.shape[0],
+      + 2 * a.conv_state.nbytes() * (a.cu_seqlens.shape[0] - 1) / a.conv_state.shape[0]
+      + sum((t.nbytes() for t in o[2:]), sympy.Integer(0)),
       inplace={1: "conv_state"},
       doc="depthwise causal conv per request continuing from its conv_state row, then SiLU; "
-          "conv_state[state_slot[r]] <- last K-1 inputs")
+          "conv_state[state_slot[r]] <- last K-1 inputs; keep_states: also the conv tail after every token")
 
 
 def _gate_infer(a, at):
@@ -56,11 +65,17 @@ def _kda_infer(a, at):
     dv = a.v.shape[2]
     expect(a.state.rank == 4 and shapes_equal(a.state.shape[1:], (h, d, dv)), f"kda: state {a.state} must be [S,{h},{d},{dv}]")
     expect(at["form"] in ("recurrent", "chunked"), f"kda: form must be recurrent|chunked, found {at['form']!r}")
+    if at.get("keep_states"):
+        expect(at["form"] == "recurrent", "kda: keep_states (per-token states) needs form=recurrent")
+        return [a.v, a.state, TensorType(f32, (t, h, d, dv))]
     return [a.v, a.state]
 
 
 def _kda_ref(a, at):
     args = (a.q, a.k, a.v, a.g, a.beta, a.state, a.state_slot, a.cu_seqlens)
+    if at.get("keep_states"):
+        o, states = ref.kda_recurrence(*args, scale=at["scale"], keep_states=True)
+        return o, a.state, states
     if at["form"] == "chunked":
         o = ref.kda_chunked(*args, scale=at["scale"])
     else:
@@ -68,11 +83,14 @@ def _kda_ref(a, at):
     return o, a.state
 
 
-defop("kda", ["q", "k", "v", "g", "beta", "state", "state_slot", "cu_seqlens"], ["o", "state_out"], _kda_infer, _kda_ref,
-      attrs={"scale": attr(float), "form": attr(str, default="recurrent")},
+defop("kda", ["q", "k", "v", "g", "beta", "state", "state_slot", "cu_seqlens"], ["o", "state_out", "states"],
+      _kda_infer, _kda_ref,
+      attrs={"scale": attr(float), "form": attr(str, default="recurrent"), "keep_states": attr(bool, default=False)},
       flops=lambda a, o, at: 6 * a.q.numel() * a.v.shape[2],
       bytes=lambda a, o, at: sum((x.nbytes() for x in (a.q, a.k, a.v, a.g, a.beta)), sympy.Integer(0))
-      + o[0].nbytes() + 2 * a.state.nbytes() * a.cu_seqlens.shape[0] / a.state.shape[0],
+      + o[0].nbytes() + 2 * a.state.nbytes() * a.cu_seqlens.shape[0] / a.state.shape[0]
+      + sum((t.nbytes() for t in o[2:]), sympy.Integer(0)),
       inplace={1: "state"},
       doc="S' = diag(exp g) S; S = S' + beta k (v - S'^T k)^T; o = S^T (q*scale), per request from "
-          "state[state_slot[r]], final state written back (form: recurrent | chunked WY, equal results)")
+          "state[state_slot[r]], final state written back (form: recurrent | chunked WY, equal results); "
+          "keep_states (recurrent): also the state after every token, f32[T, H, D, Dv] (verification)")

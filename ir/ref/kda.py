@@ -36,7 +36,7 @@ def _seq_meta(cu_seqlens: torch.Tensor, n_tokens: int):
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
-                  state_slot: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+                  state_slot: torch.Tensor, cu_seqlens: torch.Tensor, keep_states: bool = False):
     """Depthwise causal conv (no bias) followed by SiLU, per request.
 
     x: [B, C]; weight: [C, K] (tap K-1 multiplies the current token, tap 0 the oldest, as
@@ -48,6 +48,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
 
     In place: conv_state[state_slot[r]] <- the last K-1 inputs of request r's context (old
     state included when the request has fewer than K-1 new tokens).
+    With keep_states=True returns (y, tails): tails [B, K-1, C] in conv_state's dtype, row t the
+    conv tail after token t (what conv_state would hold had the step stopped there).
     """
     B, C = x.shape
     K = weight.shape[-1]
@@ -79,7 +81,15 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
         m = torch.arange(K - 1, device=x.device).repeat(R)
         src = lengths.to(x.device)[req] - (K - 1) + m        # last K-1 local indices
         new = gather_ctx(req, src).view(R, K - 1, C)
+        tails = None
+        if keep_states:  # computed before the pool rows are overwritten
+            tok = torch.arange(B, device=x.device).repeat_interleave(K - 1)
+            src_t = local[tok] - (K - 2) + torch.arange(K - 1, device=x.device).repeat(B)
+            tails = gather_ctx(token_req[tok], src_t).view(B, K - 1, C).to(conv_state.dtype)
         conv_state[slots] = new.to(conv_state.dtype)
+        return (y, tails) if keep_states else y
+    if keep_states:
+        return y, x.new_zeros(B, max(K - 1, 0), C).to(conv_state.dtype)
     return y
 
 

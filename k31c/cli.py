@@ -46,6 +46,7 @@ def _add_model_args(p: argparse.ArgumentParser, required: bool = True):
 
 def build_parser() -> argparse.ArgumentParser:
     from .model.init_weights import add_init_weights_parser
+    from .parallel.launch import add_launch_args
     from .plan import add_plan_args
     from .plan.cli import add_explain_parser, add_export_onnx_parser, add_inspect_parser
 
@@ -72,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-caching", action="store_true", help="reuse cached prompt prefixes (T8)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.add_argument("--jit-fallback", action="store_true",
+                   help="on a GPU, JIT-compile kernels the artifact has no stored binary for (else refuse)")
+    add_launch_args(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("logits", help="write the logits of a prompt to a safetensors file",
@@ -80,8 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--artifact", default=None, help="run a compiled artifact (its kernels) instead of --model")
     p.add_argument("--tokens", required=True, help="comma-separated token ids")
     p.add_argument("--out", required=True, help="output .safetensors (tensor `logits`, fp32 [T, vocab])")
+    p.add_argument("--jit-fallback", action="store_true",
+                   help="on a GPU, JIT-compile kernels the artifact has no stored binary for (else refuse)")
     p.add_argument("--decode-from", type=int, default=None,
                    help="prefill the first N tokens, compute the rest by decode steps")
+    add_launch_args(p)
     p.set_defaults(func=cmd_logits)
 
     p = sub.add_parser("ir", help="print the model's IR (text form)", epilog=EXAMPLES["ir"], formatter_class=fmt)
@@ -102,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--print-after", action="append", default=[], metavar="NAME", help="print the IR after a pass")
     p.add_argument("--dump-ir", default=None, metavar="DIR",
                    help="also copy the IR after every pass (NNN_<pass>.ir) to DIR (the artifact always has ir/)")
+    p.add_argument("--aot", action="store_true",
+                   help="also build every Triton kernel ahead of time for the target (no GPU needed): "
+                        "kernels/bin/<arch>/ (see codegen/aot)")
+    from codegen.aot.__main__ import add_build_args
+
+    add_build_args(p)
     p.set_defaults(func=cmd_compile)
 
     add_explain_parser(sub)
@@ -160,6 +173,7 @@ def _resolve_source(args, artifact: str | None, problems: list[str]) -> _Source 
     from .compiler import ArtifactError, artifact_config, load_artifact
     from .model import load_model
     from .model.build import build_module
+    from .parallel.serving import parallel_runtime
     from .runtime.executor import Executor
     from .runtime.reference import ReferenceRuntime
 
@@ -179,12 +193,23 @@ def _resolve_source(args, artifact: str | None, problems: list[str]) -> _Source 
             return None
         cfg = artifact_config(artifact)
         target = art.manifest["target"]["name"]
+        if args.device.startswith("cuda"):
+            from codegen.aot import AOTError, install, stored_archs
+
+            if stored_archs(artifact):  # compiled with --aot (without: the plain JIT, as before)
+                try:  # launches use kernels/bin/<arch>/; a foreign arch / Triton is refused unless --jit-fallback
+                    install(artifact, jit_fallback=args.jit_fallback)
+                except AOTError as e:
+                    problems.append(str(e))
+                    return None
 
         def make(rows, requests):
-            engine = Executor(art.module, art.weights, art.choices, target=target, configs=art.configs,
-                              batch_invariant=art.manifest["options"].get("batch_invariant", False),
-                              compute_dtype=dtype, device=args.device)
-            return ReferenceRuntime(art.module, art.weights, max_rows=rows, max_requests=requests, engine=engine)
+            def build(module, weights):
+                engine = Executor(module, weights, art.choices, target=target, configs=art.configs,
+                                  batch_invariant=art.manifest["options"].get("batch_invariant", False),
+                                  compute_dtype=dtype, device=args.device)
+                return ReferenceRuntime(module, weights, max_rows=rows, max_requests=requests, engine=engine)
+            return parallel_runtime(getattr(args, "parallel", None), art.module, art.weights, build)
 
         return _Source(cfg, f"artifact {artifact} (target {target}, compiled kernels)", make)
     if not args.model:
@@ -197,14 +222,26 @@ def _resolve_source(args, artifact: str | None, problems: list[str]) -> _Source 
         return None
 
     def make(rows, requests):
-        return ReferenceRuntime(build_module(model.config), model.weights, max_rows=rows, max_requests=requests,
-                                compute_dtype=dtype, device=args.device)
+        def build(module, weights):
+            return ReferenceRuntime(module, weights, max_rows=rows, max_requests=requests,
+                                    compute_dtype=dtype, device=args.device)
+        return parallel_runtime(getattr(args, "parallel", None), build_module(model.config), model.weights, build)
 
     return _Source(model.config, f"{model.source}, reference interpreter ({args.dtype}, {args.device})", make)
 
 
 def _say(msg: str):
     print(msg, file=sys.stderr)
+
+
+def _say_aot():
+    """What the artifact's stored Triton binaries did (loaded, JIT fallbacks), when they were in use."""
+    if "codegen.aot" in sys.modules:
+        from codegen.aot import installed_summary
+
+        line = installed_summary()
+        if line:
+            _say(line)
 
 
 # ---- commands ----------------------------------------------------------------------------------
@@ -232,6 +269,7 @@ def cmd_logits(args) -> int:
     save_file({"logits": logits}, args.out, metadata={"model": src.description, "tokens": ",".join(map(str, tokens)),
                                                       "decode_from": str(n)})
     _say(f"wrote {args.out}: logits fp32 {list(logits.shape)}")
+    _say_aot()
     return 0
 
 
@@ -301,6 +339,7 @@ def cmd_run(args) -> int:
     _say(f"generated {sum(map(len, outs))} tokens in {dt:.2f} s ({st['steps']} engine steps, "
          f"{st['preemptions']} preemptions" + (f", prefix-cache hit rates {st['prefix_cache']['hit_rate']}"
                                                 if "prefix_cache" in st else "") + ")")
+    _say_aot()
     return 0
 
 
@@ -335,6 +374,17 @@ def cmd_compile(args) -> int:
 
         shutil.copytree(os.path.join(args.out, "ir"), args.dump_ir, dirs_exist_ok=True)
     _say(summary)
+    if args.aot:
+        from codegen.aot import AOTError
+        from codegen.aot.__main__ import run_build
+
+        if weights is None:
+            raise UsageError([f"--aot needs the model's weights (its launches are recorded by running it); "
+                              f"{cfg.name} was compiled without them"])
+        try:
+            run_build(args.out, args)
+        except AOTError as e:
+            raise UsageError([str(e)]) from None
     _say(f"wrote {args.out}")
     return 0
 
@@ -367,6 +417,16 @@ def cmd_ir(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command in ("run", "logits"):  # --tp N: N ranks (or this rank under torchrun); rank 0 prints
+        from .parallel.launch import launch_main
+
+        return launch_main(args, dispatch)
+    return dispatch(args)
+
+
+def dispatch(args) -> int:
+    """Run the parsed command, turning the library's configuration errors into exit code 2."""
     from ir.verifier import VerifyError
 
     from .model.checkpoint import CheckpointError
@@ -379,7 +439,6 @@ def main(argv: list[str] | None = None) -> int:
     from .targets import TargetError
     from .runtime.reference import RequestError
 
-    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (UsageError, ConfigError, CheckpointError, RequestError, VerifyError, ArtifactError, PassError,

@@ -74,6 +74,7 @@ def compile_model(config: ModelConfig, weights: dict | None, out_dir: str, opts:
     """Build, optimise, select kernels, plan, and write the artifact. Returns (artifact, summary)."""
     from .artifact import write_manifest
     from .plan import make_plan, plan_json
+    from .plan.sharding_cost import prefill_sharding
 
     if os.path.exists(out_dir) and os.listdir(out_dir) and not os.path.isfile(os.path.join(out_dir, "manifest.json")):
         raise ArtifactError(["exists, is not empty and is not a k31c artifact; choose another folder"], f"-o {out_dir}")
@@ -81,7 +82,11 @@ def compile_model(config: ModelConfig, weights: dict | None, out_dir: str, opts:
         shutil.rmtree(out_dir)
     os.makedirs(out_dir)
     module = build_module(config, BuildOptions(block_size=opts.plan.block_size))
-    ctx = PassContext(target=opts.target, batch_invariant=opts.batch_invariant)
+    p = opts.plan
+    crossover = prefill_sharding(p)["crossover_tokens"] if p.tp > 1 else None
+    ctx = PassContext(target=opts.target, batch_invariant=opts.batch_invariant,
+                      options={"tp": p.tp, "ep": p.ep, "dcp": p.dcp,
+                               "token_shard_min_tokens": crossover if crossover is not None else 2**62})
     result = run_pipeline(module, ctx, disable=opts.disable, dump_dir=os.path.join(out_dir, "ir"),
                           print_after=opts.print_after)
     verify(module)

@@ -1,8 +1,7 @@
 """The pass pipeline: the only place that orders passes. Reads as a table of contents.
 
-Phase 0  annotate          storage formats per target, sharding from --tp/--dcp/--ep  (parallel issue)
-Phase 1  fuse              the serving techniques of DESIGN §5 as fusions
-Phase 2  parallel layout   TP heads, token- vs head-sharded prefill, DCP, EP         (parallel issue)
+Phase 1  parallel layout   TP heads, EP, token-sharded prefill entry, DCP (ctx.options tp/ep/dcp; no-ops at 1)
+Phase 2  fuse              the serving techniques of DESIGN §5 as fusions (on the per-rank graph)
 Phase 3  memory            packed block-row cache plan, workspaces                    (runtime issue)
 Phase 4  select kernels    codegen/select.py (run by `k31c compile` after the passes)
 
@@ -26,6 +25,12 @@ from ir.verifier import verify
 from .base import PassContext, PassError
 
 PHASES: list[tuple[str, list[str]]] = [
+    ("parallel", [  # before the fusions: they then see per-rank shapes and the collectives
+        "shard_tp",               # TP: heads/gates/output projections split by the params' shard; all-reduce after row-parallel
+        "shard_ep",               # EP: experts split; local routing + all-reduce of the latent partial sums (before the norm)
+        "shard_tokens",           # T3: @prefill_token_sharded, all-to-all heads<->tokens around indexer + sparse MLA
+        "shard_dcp",              # T4/T5: interleaved caches, exact top-k merge + LSE combine; gathered-context prefill
+    ]),
     ("fuse", [
         "packed_projection",      # linears reading one input -> one GEMM
         "fused_indexer_front",    # indexer q projection/rotation/FP8, key norm/rotation/FP8/cache write, head weights

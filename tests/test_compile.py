@@ -27,7 +27,7 @@ def artifact(tmp_path_factory):
 
 def test_artifact_layout_and_dumps_reparse(artifact):
     for f in ("manifest.json", "module.ir", "report.txt", "kernels/selection.json", "kernels/configs.json",
-              "weights/model.safetensors", "ir/000_input.ir", "ir/001_packed_projection.ir"):
+              "weights/model.safetensors", "ir/000_input.ir", "ir/005_packed_projection.ir"):
         assert (artifact / f).is_file(), f
     for f in sorted((artifact / "ir").iterdir()):
         text = f.read_text()

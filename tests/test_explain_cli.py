@@ -117,6 +117,6 @@ def test_export_onnx_from_model_and_artifact(tmp_path, capsys):
     assert "no such IR dump" in capsys.readouterr().err
     assert run(["export-onnx", "--model", "k31-tiny", "--phase", "bogus", "-o", str(tmp_path / "no" / "x.onnx")]) == 2
     err = capsys.readouterr().err
-    assert "--phase 'bogus' is neither 'model', a phase (fuse" in err and "folder" in err
+    assert "--phase 'bogus' is neither 'model', a phase (parallel, fuse" in err and "folder" in err
     assert run(["export-onnx", "--model", "k31-tiny", "--function", "train", "-o", str(out)]) == 2
     assert "--function 'train': the module has prefill, decode, verify" in capsys.readouterr().err

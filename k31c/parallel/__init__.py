@@ -1,6 +1,12 @@
 """Collective building blocks for TP / token-sharded prefill / DCP (DESIGN §5 T3–T4, issue 8).
 
 Everything moves through torch.distributed (NCCL on GPU, gloo on CPU).
+
+Modules: dcp_topk (exact one-round global top-k), lse_combine, token_shard (causal-balanced pieces and
+the head<->token all-to-alls), dcp_attention (the DCP ops' references), weights (per-rank shards from
+the params' sharding attrs), prefill_choice (head- or token-sharded prefill per step), serving (rank 0
+schedules, the other ranks replay), launch (`--tp/--dcp/--ep`, spawn or torchrun, failure handling).
+The passes that insert the collectives: passes/shard_tp.py, shard_ep.py, shard_tokens.py, shard_dcp.py.
 """
 
 from .dcp_topk import (TopKResult, candidates_per_rank, dcp_topk, global_positions, local_count,

@@ -1,0 +1,158 @@
+"""DCP (T4, issue 8): the references of `dcp_cache_write` and `dcp_mla` (declared in ir/ops/collective.py).
+
+Layout. W ranks of the DCP group (= the TP group), interleave B: position p of a request is owned by
+rank (p // B) % W, which stores it at its *local* position lp(p) = (p // (W·B))·B + p % B of the same
+request (addressed through the request's block table like any position, so a rank needs ~1/W of the
+rows). Inverse: local index i of rank r is global position (i // B)·W·B + r·B + i % B
+(`dcp_topk.global_positions`).
+
+dcp_mla for query token t of request q at position p_t (context 0..p_t, k_t = min(topk, p_t + 1)):
+1. indexer: this rank scores its own context tokens, I(t, s) = Σ_j w_j·relu(q_j·k_s) (SPEC §5, same
+   formula and dtype as the reference), over its n_r(p_t + 1) local rows;
+2. exact global top-k: `dcp_topk` (one round of ⌈1.5·k/W⌉ 32-bit keys per rank and row, re-sends only
+   when a rank may hold more); this rank learns which of *its* tokens are selected;
+3. absorbed queries q̃^h = [W_UK^hᵀ q_nope^h ; q_pe^h] of this rank's H/W heads are all-gathered, so every
+   rank holds all H heads' queries;
+4. partial attention of all H heads over this rank's selected tokens: lse_r = log Σ exp(scale·q̃·c),
+   õ_r = Σ softmax_r · c[:kv] (an empty share gives lse = −inf, õ = 0);
+5. `lse_combine` (all-reduce max + sum) gives õ over the whole selection; this rank keeps its heads and
+   applies its W_UV: o^h = W_UV^h õ^h.
+This equals SPEC §4 over Sel(t) (softmax is a convex combination; W_UV is linear). Counters: MERGE_TRAFFIC
+accumulates dcp_topk's bytes per call (rows, first round, re-sent rows and bytes).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+from ir.formats import dequantize_fp8
+from ir.ref.paging import cache_rows
+
+from .dcp_topk import dcp_topk, global_positions, local_count
+from .lse_combine import lse_combine
+
+MERGE_TRAFFIC: Counter = Counter()
+
+
+def owner_and_local(pos: torch.Tensor, world: int, interleave: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(owning rank, local position) of global positions."""
+    pos = pos.to(torch.int64)
+    return (pos // interleave) % world, (pos // (world * interleave)) * interleave + pos % interleave
+
+
+def dcp_cache_write(pool, values, token_req, token_pos, block_table, *, block_size: int, interleave: int,
+                    rank: int, world: int):
+    """pool[row(req, lp(p))] = values for the tokens this rank owns; other tokens are not stored here."""
+    owner, lp = owner_and_local(token_pos, world, interleave)
+    mine = owner == rank
+    if bool(mine.any()):
+        rows = cache_rows(block_table, block_size, token_req[mine], lp[mine])
+        pool[rows] = values[mine].to(pool.dtype)
+    return pool
+
+
+def _local_scores(q, w, keys, token_req, block_table, block_size, n_local):
+    """scores [T, max n_local] of this rank's local context rows (columns >= n_local[t] are −inf)."""
+    T = q.shape[0]
+    L = int(n_local.max()) if T else 0
+    li = torch.arange(L, device=q.device, dtype=torch.int64)
+    valid = li[None, :] < n_local[:, None]
+    if L == 0:
+        return q.new_full((T, 0), float("-inf")), valid
+    rows = cache_rows(block_table, block_size, token_req.to(torch.int64)[:, None], torch.where(valid, li, 0))
+    kk = keys[rows]                                                     # [T, L, DI]
+    logits = torch.relu(torch.einsum("bjd,bld->bjl", q, kk))
+    sc = torch.einsum("bj,bjl->bl", w, logits)
+    return sc.masked_fill(~valid, float("-inf")), valid
+
+
+def dcp_mla(q_nope, q_pe, latent, kv_b, iq, iq_scale, iw, keys, key_scale, token_pos, token_req, block_table, *,
+            block_size: int, scale: float, topk: int, interleave: int, group=None):
+    """o [T, H/W, dv] of this rank's heads (see the module docstring)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    T, hl, dn = q_nope.shape
+    dt, dev = q_nope.dtype, q_nope.device
+    kv = kv_b.shape[1]
+    dv = kv_b.shape[0] // hl - dn
+    wkv = kv_b.to(dt).view(hl, dn + dv, kv)
+    w_uk, w_uv = wkv[:, :dn], wkv[:, dn:]
+    pos = token_pos.to(device=dev, dtype=torch.int64)
+    ctx_len = pos + 1
+
+    # 1–2: local indexer scores, exact global top-k
+    q = dequantize_fp8(iq, iq_scale).to(iw.dtype)
+    k = dequantize_fp8(keys, key_scale).to(iw.dtype)
+    n_local = local_count(ctx_len, rank, world, interleave)
+    scores, _ = _local_scores(q, iw, k, token_req, block_table, block_size, n_local)
+    if scores.shape[1] == 0:  # no rank-local context in the whole step: one dummy column keeps shapes
+        scores = scores.new_full((T, 1), float("-inf"))
+    res = dcp_topk(scores.float(), topk, ctx_len=ctx_len, interleave=interleave, group=group)
+    MERGE_TRAFFIC.update(calls=1, rows=T, first_round_bytes=res.first_round_bytes, resend_rows=res.resend_rows,
+                         resend_bytes=res.resend_bytes)
+
+    # 3: absorbed queries of every head
+    q_abs = torch.cat([torch.einsum("bhn,hnk->bhk", q_nope, w_uk), q_pe.to(dt)], dim=-1).contiguous()
+    comm = torch.float32 if dist.get_backend(group) == "gloo" and q_abs.element_size() < 4 else q_abs.dtype
+    parts = [torch.empty_like(q_abs, dtype=comm) for _ in range(world)]
+    dist.all_gather(parts, q_abs.to(comm), group=group)
+    q_all = torch.cat(parts, dim=1).to(dt)                              # [T, H, kv+dr]
+
+    # 4: partial attention over this rank's selected tokens
+    sel = res.own_positions
+    valid = sel >= 0
+    _, lp = owner_and_local(torch.where(valid, sel, 0), world, interleave)
+    rows = cache_rows(block_table, block_size, token_req.to(torch.int64)[:, None], lp)
+    ctx = latent[rows].to(dt)                                           # [T, K, kv+dr]
+    logits = scale * torch.einsum("bhk,blk->bhl", q_all, ctx)
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)                               # −inf for an empty share
+    p = torch.where(valid[:, None, :], torch.exp(logits - torch.where(torch.isfinite(lse), lse, 0)[..., None]),
+                    torch.zeros_like(logits))
+    o_lat = torch.einsum("bhl,blk->bhk", p, ctx[..., :kv])
+
+    # 5: combine over the group, keep this rank's heads, value projection
+    o_lat, _ = lse_combine(o_lat, lse, group=group)
+    mine = o_lat[:, rank * hl:(rank + 1) * hl].to(dt)
+    return torch.einsum("bhk,hvk->bhv", mine, w_uv)
+
+
+def dcp_gather_context(pool, token_pos, token_req, block_table, *, block_size: int, interleave: int, group=None):
+    """Merge-free DCP prefill (T5): a workspace shaped like `pool` whose row(q, p) holds position p of
+    request q for every p in the step's context of q (0 .. its last step position), gathered from the
+    owners' local rows. Rows move as raw bytes (exact for any dtype); other rows are zero. Every rank can
+    compute every rank's share sizes, so one padded all-gather suffices."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    req, pos = token_req.to(torch.int64), token_pos.to(torch.int64)
+    reqs = torch.unique(req)
+    ctx = torch.stack([pos[req == q].max() + 1 for q in reqs.tolist()]) if reqs.numel() else pos[:0]
+    counts = [local_count(ctx, r, world, interleave) for r in range(world)]           # [W] x [n_req]
+    sizes = [int(c.sum()) for c in counts]
+    width = pool[:1].contiguous().view(torch.uint8).shape[-1] if pool.dim() > 1 else pool.element_size()
+
+    def share(r):  # (request, local index, global position) of rank r's context rows
+        qs, li, gp = [], [], []
+        for q, n in zip(reqs.tolist(), counts[r].tolist()):
+            qs.append(torch.full((n,), q, dtype=torch.int64))
+            li.append(torch.arange(n, dtype=torch.int64))
+            gp.append(global_positions(r, n, world, interleave))
+        cat = lambda xs: torch.cat(xs).to(pool.device) if xs else torch.empty(0, dtype=torch.int64)  # noqa: E731
+        return cat(qs), cat(li), cat(gp)
+
+    q_own, li_own, _ = share(rank)
+    rows = cache_rows(block_table, block_size, q_own, li_own)
+    mine = pool[rows].contiguous().view(torch.uint8).reshape(len(rows), width)
+    pad = max(sizes) if sizes else 0
+    send = torch.zeros((pad, width), dtype=torch.uint8, device=pool.device)
+    send[:len(rows)] = mine
+    recv = [torch.empty_like(send) for _ in range(world)]
+    dist.all_gather(recv, send, group=group)
+    ws = torch.zeros_like(pool)
+    flat = ws.view(ws.shape[0], -1).view(torch.uint8) if pool.dim() > 1 else ws.view(torch.uint8).view(-1, width)
+    for r in range(world):
+        q_r, _, gp_r = share(r)
+        dest = cache_rows(block_table, block_size, q_r, gp_r)
+        flat[dest] = recv[r][:sizes[r]]
+    return ws

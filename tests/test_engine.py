@@ -170,3 +170,31 @@ def test_streaming_yields_each_token_once_and_stop_tokens_end_early():
     for out in eng.stream():
         seen += out.new_tokens
     assert seen == toks[:j + 1] and out.finished and out.finish_reason == "stop"
+
+
+def test_verify_then_accept_rolls_back_to_the_accepted_prefix():
+    """Verify 5 drafts, keep 2: the next decode equals a run that only ever saw those 2 tokens (KDA state
+    restored from the verify step's per-token states, rejected latent rows ignored)."""
+    from passes.pipeline import run_pipeline
+
+    m, w = _model()
+    fused = build_module(dataclasses.replace(get_preset("k31-tiny"), name="engine-tiny", num_hidden_layers=4,
+                                             full_attn_layers=(1, 3), index_topk=4), BuildOptions(block_size=BS))
+    run_pipeline(fused)
+    prompt, drafts = list(range(5, 15)), [7, 99, 3, 250, 41]
+    a = ReferenceRuntime(fused, w, max_rows=64, max_requests=1)
+    a.add_request("x", 32)
+    a.prefill({"x": prompt})
+    a.verify({"x": drafts})
+    a.accept("x", 2)
+    assert a.length("x") == len(prompt) + 2
+    got = a.decode({"x": 11})
+    b = ReferenceRuntime(fused, w, max_rows=64, max_requests=1)
+    b.add_request("x", 32)
+    b.prefill({"x": prompt})
+    b.verify({"x": drafts[:2]})
+    want = b.decode({"x": 11})
+    assert_close_rel(got, want, 1e-5, "decode after accept(2) vs verify of 2")
+    with pytest.raises(RequestError, match="keep 1..5"):
+        a.verify({"x": drafts})
+        a.accept("x", 6)

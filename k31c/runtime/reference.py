@@ -158,12 +158,43 @@ class ReferenceRuntime:
         return self.step("decode", {rid: [t] for rid, t in tokens.items()})
 
     def verify(self, drafts: Mapping[str, Sequence[int]]) -> torch.Tensor:
-        return self.step("verify", drafts)
+        """Score 1–8 draft tokens per request; `accept` then keeps a prefix of each request's drafts."""
+        self._last_verify = None
+        logits = self.step("verify", drafts)
+        fn = self.module.function("verify")
+        extra = {v.name: t for v, t in zip(fn.outputs[1 + len(self.pools):], self._last_outs[1 + len(self.pools):])}
+        cu = [0]
+        for toks in drafts.values():
+            cu.append(cu[-1] + len(toks))
+        self._last_verify = {"rows": {rid: (cu[i], len(t)) for i, (rid, t) in enumerate(drafts.items())},
+                             "states": extra}
+        return logits
+
+    def accept(self, rid: str, n: int):
+        """Keep the first n (>= 1) draft tokens of request rid's last verify step: its length rolls back to
+        them and every recurrent state pool row takes the state after draft token n (the verify function's
+        per-token outputs `<pool>.per_token`, returned when kda_decode_fusion ran with keep_states)."""
+        lv = getattr(self, "_last_verify", None)
+        if lv is None or rid not in lv["rows"]:
+            raise RequestError(f"accept: request {rid!r} was not in the last verify step")
+        start, count = lv["rows"][rid]
+        if not 1 <= n <= count:
+            raise RequestError(f"accept: request {rid!r} verified {count} draft tokens; keep 1..{count}, not {n}")
+        r = self.requests[rid]
+        missing = [p for p in self.state_pools if f"{p}.per_token" not in lv["states"]]
+        if missing and n < count:
+            raise RequestError(f"accept: this module's verify returns no per-token states for {missing[:2]}...; "
+                               f"compile it (the kda_decode_fusion pass keeps them) to roll back recurrent state")
+        if n < count:
+            for p in self.state_pools:
+                self.pools[p][r.slot].copy_(lv["states"][f"{p}.per_token"][start + n - 1])
+        r.length -= count - n
 
     def step(self, fn: str, chunks: Mapping[str, Sequence[int]]) -> torch.Tensor:
         """Run one entry function over {request: new tokens}; returns logits [total tokens, vocab]."""
         meta = self._metadata(fn, chunks)
         outs = self.interp.run(fn, {**meta, **self.pools})
+        self._last_outs = outs
         for name, t in zip(self.pools, outs[1:]):
             self.pools[name] = t
         for rid, toks in chunks.items():

@@ -4,6 +4,12 @@ fallback, for one target. Fallbacks are listed with their reason so nothing is s
 Selection is per node at compile time (which template can run this op with these dtypes on this
 target); the config is chosen per shape bucket at run time (tuning record if present, else the
 template's declared heuristic), see `k31c/runtime/executor.py`.
+
+Order of the candidates: the first template (in `BACKEND_ORDER[target]`, then registry order) whose
+`supports` accepts the node wins. On `cpu` the TVM templates are asked first: they run compiled llvm
+code, while Triton runs in its interpreter there. A TVM template accepts a cpu node only where the CPU
+bench measured it faster than the torch reference (`codegen/tvm/_build.cpu_rule`, data in
+benches/results/cpu-2026-11-29/tvm.json); otherwise its reason is listed and the next template runs.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from .registry import templates_for
 
 # Ops that move no data worth a kernel: views and dtype relabels run as torch ops everywhere.
 VIEW_OPS = frozenset({"reshape", "slice", "cast"})
+# Backends asked first per target (others keep registry order after them).
+BACKEND_ORDER = {"cpu": ("tvm",)}
 
 
 @dataclass
@@ -47,7 +55,8 @@ def _choose(fname: str, i: int, node: Node, target: str, backends) -> Choice:
     if node.op in VIEW_OPS:
         return Choice(fname, i, node.op, results, None, "view")
     reasons = []
-    for t in templates_for(node.op):
+    first = BACKEND_ORDER.get(target, ())
+    for t in sorted(templates_for(node.op), key=lambda t: first.index(t.backend) if t.backend in first else len(first)):
         if t.backend not in backends:
             reasons.append(f"{t.family}: backend {t.backend} not enabled")
             continue

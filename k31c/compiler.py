@@ -115,8 +115,11 @@ def compile_model(config: ModelConfig, weights: dict | None, out_dir: str, opts:
 
 
 def _kernel_list(choices: list[Choice], configs: dict) -> list[dict]:
-    out = [{"name": v["kernel_name"], "op": v["op"], "family": v["family"], "backend": "triton", "config": v["config"],
-            "cache": v["source"]} for _, v in sorted(configs.items())]
+    from codegen.registry import all_templates
+
+    backend = {t.family: t.backend for t in all_templates()}
+    out = [{"name": v["kernel_name"], "op": v["op"], "family": v["family"], "backend": backend.get(v["family"], "triton"),
+            "config": v["config"], "cache": v["source"]} for _, v in sorted(configs.items())]
     fallback = sorted({c.op for c in choices if c.template is None and c.kernel == "reference"})
     out += [{"name": f"reference:{op}", "op": op, "family": "reference", "backend": "torch", "config": {},
              "cache": "fallback"} for op in fallback]

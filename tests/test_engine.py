@@ -106,7 +106,7 @@ def test_prefix_cache_eviction_frees_only_unreferenced_blocks():
 
 def test_soak_random_arrivals_cancellations_small_pool():
     rnd = random.Random(7)
-    eng = _engine(rows=10 * BS, requests=3, prefix_caching=True, max_batched_tokens=12, prefill_chunk=5,
+    eng = _engine(rows=6 * BS, requests=3, prefix_caching=True, max_batched_tokens=12, prefill_chunk=5,
                   tokenizer=ByteTokenizer(512))
     eng.keep_logits = False
     added, ended, cancelled, refused, t = [], {}, set(), [], 0
@@ -114,9 +114,10 @@ def test_soak_random_arrivals_cancellations_small_pool():
     while len(added) + len(refused) < len(prompts) or eng.has_unfinished():
         if len(added) + len(refused) < len(prompts) and rnd.random() < 0.6:
             i = len(added) + len(refused)
-            p = SamplingParams(max_new_tokens=rnd.randint(1, 5), temperature=rnd.choice([0.0, 0.8]), seed=i)
+            p = SamplingParams(max_new_tokens=rnd.randint(3, 8), temperature=rnd.choice([0.0, 0.8]), seed=i)
+            n = len(prompts[i])
             try:
-                eng.add_request(f"s{i}", prompts[i][:rnd.randint(1, len(prompts[i]))], p,
+                eng.add_request(f"s{i}", prompts[i][:rnd.randint(n // 2, n)], p,
                                 stop=["\x00"] if i % 4 == 0 else ())
                 added.append(f"s{i}")
             except RequestError:

@@ -297,7 +297,7 @@ def kda_decode(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_
 
 
 # ---------------------------------------------------------------------------------- template
-def _operands(a) -> dict:
+def fused_operands(a) -> dict:
     """Bound operands of the fused node: `a.operands` (list, as codegen binds fused ops) or names."""
     ops = getattr(a, "operands", None)
     if ops is None:
@@ -308,7 +308,7 @@ def _operands(a) -> dict:
 
 
 def _launch(a, attrs, config):
-    o = _operands(a)
+    o = fused_operands(a)
     group = None
     if attrs.get("batch_invariant"):  # a fixed tile shape and config: reductions independent of the batch
         key = key_dims(a, attrs)
@@ -320,7 +320,7 @@ def _launch(a, attrs, config):
 
 
 def key_dims(a, attrs):
-    o = _operands(a)
+    o = fused_operands(a)
     H = int(o["A_log"].shape[0])
     return {"H": H, "D": int(o["q"].shape[1]) // H, "T": int(o["q"].shape[0]), "R": int(o["state_slot"].shape[0])}
 
@@ -351,7 +351,7 @@ def constraints(config, key, target):
 
 
 def supports(a, attrs, target):
-    o = _operands(a)
+    o = fused_operands(a)
     try:
         H, P = int(o["A_log"].shape[0]), int(o["q"].shape[1])
     except TypeError:

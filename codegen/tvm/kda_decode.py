@@ -27,14 +27,12 @@ import torch
 
 from codegen.kernel import KernelTemplate, Tunable, pow2_bucket
 
+from ..triton.kda_decode import FUSED_OP, fused_operands  # the fused node's operand order, defined once
 from ._build import ALIGN, HAVE_TVM, aligned, build, cpu_rule, largest_divisor, static_int, type_name
 
 if HAVE_TVM:
     from tvm.script import tirx as T
 
-FUSED_OP = "fused.kda_decode"
-OPERANDS = ("q", "k", "v", "q_conv", "k_conv", "v_conv", "conv_state", "f_a", "f_b", "A_log", "dt_bias", "b",
-            "state", "gate", "o_norm_w", "state_slot", "cu_seqlens")
 TUNABLES = (Tunable("VEC", (4, 8, 16)), Tunable("PAR", (1, 2)))
 F32 = "float32"
 
@@ -165,15 +163,6 @@ def _prim(H: int, D: int, KW: int, RL: int, gate_kind: int, has_bias: bool, has_
     return kda_decode
 
 
-def _operands(a) -> dict:
-    ops = getattr(a, "operands", None)
-    if ops is None:
-        return {n: getattr(a, n) for n in OPERANDS}
-    if len(ops) != len(OPERANDS):
-        raise ValueError(f"{FUSED_OP} takes {len(OPERANDS)} operands ({', '.join(OPERANDS)}), got {len(ops)}")
-    return dict(zip(OPERANDS, ops))
-
-
 def kda_decode(o: dict, attrs: dict, config: dict):
     """(out [T, P], conv_state, state[, states [T, H, D, D], conv_states [T, K-1, 3P]]) for the operands `o`
     (by name) of one fused.kda_decode node; the last two with attrs keep_states (verification)."""
@@ -216,7 +205,7 @@ def kda_decode(o: dict, attrs: dict, config: dict):
 
 # ---- template plumbing ---------------------------------------------------------------------------
 def key_dims(a, attrs) -> dict:
-    o = _operands(a)
+    o = fused_operands(a)
     H = int(o["A_log"].shape[0])
     return {"H": H, "D": int(o["q"].shape[1]) // H, "T": int(o["q"].shape[0]), "R": int(o["state_slot"].shape[0])}
 
@@ -235,7 +224,7 @@ def supports(a, attrs, target) -> str | None:
     why = cpu_rule("tvm_kda_decode", target)
     if why:
         return why
-    o = _operands(a)
+    o = fused_operands(a)
     H, P = static_int(o["A_log"].shape[0]), static_int(o["q"].shape[1])
     if H is None or P is None or P % H or (P // H) % 4:
         return f"head count and width must be static with D a multiple of 4, found H={H}, P={P}"
@@ -248,7 +237,7 @@ def supports(a, attrs, target) -> str | None:
 TEMPLATES = [] if not HAVE_TVM else [
     KernelTemplate(
         family="tvm_kda_decode", backend="tvm", ops=(FUSED_OP,),
-        launch=lambda a, attrs, config: kda_decode(_operands(a), attrs, config), key_dims=key_dims,
+        launch=lambda a, attrs, config: kda_decode(fused_operands(a), attrs, config), key_dims=key_dims,
         heuristic=heuristic, tunables=TUNABLES,
         bucket=lambda key: {**key, "T": pow2_bucket(key["T"]), "R": pow2_bucket(key["R"])},
         constraints=constraints, supports=supports, batch_invariant=True,

@@ -21,6 +21,7 @@ import torch
 
 from codegen.kernel import KernelTemplate, Tunable, pow2_bucket
 
+from ..triton.attn_res import split_fused  # the fused node's operand order, defined once
 from ._build import HAVE_TVM, aligned, build, cpu_rule, dtype_of, largest_divisor, static_int, type_name
 
 if HAVE_TVM:
@@ -224,17 +225,6 @@ def _supports(family: str, x, target) -> str | None:
     if type_name(x) not in ("f32", "bf16", "f16", "f64"):
         return f"dtype {type_name(x)} is not a float"
     return None
-
-
-def split_fused(operands, attrs):
-    """fused.attn_res_mix_norm operands -> (proj, mix_norm, norm_w, bank, last, part or None)."""
-    nb = int(attrs["bank"])
-    want = 3 + nb + (2 if attrs["prefix_add"] else 1)
-    if len(operands) != want:
-        raise ValueError(f"fused.attn_res_mix_norm with bank={nb}, prefix_add={attrs['prefix_add']} takes {want} "
-                         f"operands (proj, mix_norm, norm_w, bank.., prev, part | prefix), got {len(operands)}")
-    tail = operands[3 + nb:]
-    return (*operands[:3], list(operands[3:3 + nb]), tail[0], tail[1] if attrs["prefix_add"] else None)
 
 
 def _launch_rms(a, attrs, config):

@@ -7,10 +7,13 @@ Sections run in subprocesses (a crash loses one section); every kernel variant i
 same sections run in parallel on batch-2 inputs of otherwise identical shapes.
   hbm      ceilings: device copy (read + write) and a streaming read (torch sum); the larger is the floor
   indexer  decode, context 128K, batch 32, 32 x 128 heads, top-2048, FP8 (and MXFP4) keys: full-shape check
-           vs the IR reference, configs, torch eager peer
+           vs the IR reference, configs (+ the score kernel alone: what the top-k merge costs), torch eager peer
   mla      sparse absorbed decode, batch 64, 12 heads, top-2048 of FP8 latents (also NVFP4, bf16 pools):
            check vs the IR reference on the dequantised pool + float64 LSE, configs, torch eager peer
-  step     decode step, batch 16, FP8 caches: indexer + sparse MLA vs dense MLA at 32K, 128K, 1M
+  step     decode step, batch 16, FP8 caches: indexer + sparse MLA vs dense MLA at 32K, 128K, 1M (the
+           structural knobs of the best indexer / MLA configs measured above, context-dependent ones from
+           the heuristics)
+Every cache is paged: block_size 64 (BLOCK_SIZE), each request's blocks a random permutation of the pool's.
   prefill  decompressed MLA prefill, bf16 check + time;  peers: torch.compile of both reference formulas
 Times: medians of do_bench_cudagraph (kernel time; bandwidth fractions) and do_bench (plain launches;
 ratios against the peers, which launch plainly too).
@@ -35,8 +38,10 @@ if SMOKE:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 DEV = "cpu" if SMOKE else "cuda"
 SECTIONS = ("hbm", "indexer", "mla", "step", "prefill", "peers")
-WARM_PARTS = {"indexer": 2, "mla": 2, "step": 2, "prefill": 1}
+WARM_PARTS = {"indexer": 3, "mla": 3, "step": 2, "prefill": 1}
+WARM_CAP_S = 80   # the parallel compile phase ends by then (the rest compiles on first use)
 SCALE = 192 ** -0.5
+BLOCK_SIZE = 64
 
 
 def _sync():
@@ -68,8 +73,8 @@ def _time(fn, graph):
 
 def _rec(res, name, fn, bytes_=0.0, flops=0.0, peer=False, optional=False, graph=True, **extra):
     """Time fn (warm mode: run once to compile) and append a measurement; errors are recorded, never
-    raised. Optional measurements are skipped when less than 60 s of the global budget is left."""
-    if optional and _left() < 60 and not res["warm"]:
+    raised. Optional measurements are skipped when less than 25 s of the global budget is left."""
+    if optional and _left() < 25 and not res["warm"]:
         res.setdefault("skipped", []).append(name)
         return None
     try:
@@ -141,6 +146,19 @@ def sec_hbm(res):
     res["read_TBps"] = n / (_time(lambda: xf.sum(), True) * 1e-3) / 1e12
 
 
+# ------------------------------------------------------------------------------------------ paging
+def _table(T, L, g):
+    """Block table int32 [T, L/BLOCK_SIZE]: the pool's T*L/BLOCK_SIZE blocks in random order."""
+    nb = T * (-(-L // BLOCK_SIZE))
+    return torch.randperm(nb, device=DEV, generator=g).to(torch.int32).view(T, -1)
+
+
+def _all_rows(tbl, L):
+    """Pool rows [T, L] of every position of every request (peers and checks gather through them)."""
+    p = torch.arange(L, device=tbl.device)
+    return tbl.long()[:, p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+
+
 # -------------------------------------------------------------------------------------- indexer
 def _indexer_inputs(T, L, HI=32, DI=128, fmt="fp8", seed=0):
     from ir import formats
@@ -155,13 +173,14 @@ def _indexer_inputs(T, L, HI=32, DI=128, fmt="fp8", seed=0):
         ks = torch.randint(118, 126, (N, DI // 32), device=DEV, dtype=torch.uint8, generator=g)
     w = (torch.randn(T, HI, device=DEV, generator=g) * (HI * DI) ** -0.5).to(torch.bfloat16)
     return dict(q8=q8, qs=qs, w=w, keys=keys, ks=ks, pos=torch.full((T,), L - 1, device=DEV, dtype=torch.int64),
-                req=torch.arange(T, device=DEV), base=torch.arange(T, device=DEV) * L, L=L, fmt=fmt)
+                req=torch.arange(T, device=DEV), tbl=_table(T, L, g), L=L, fmt=fmt)
 
 
-def _indexer_call(d, K, config=None, output="positions", stats=None):
+def _indexer_call(d, K, config=None, output="positions", stats=None, stop_after=None):
     from codegen.triton.indexer_topk import indexer_topk
-    return lambda: indexer_topk(d["q8"], d["qs"], d["w"], d["keys"], d["ks"], d["pos"], d["req"], d["base"], K,
-                                key_format=d["fmt"], output=output, config=config, max_context=d["L"], stats=stats)
+    return lambda: indexer_topk(d["q8"], d["qs"], d["w"], d["keys"], d["ks"], d["pos"], d["req"], d["tbl"],
+                                BLOCK_SIZE, K, key_format=d["fmt"], output=output, config=config,
+                                max_context=d["L"], stats=stats, stop_after=stop_after)
 
 
 def _indexer_bytes(d, K):
@@ -172,38 +191,52 @@ def _indexer_bytes(d, K):
 
 def _indexer_check(d, K, cfg):
     from ir import formats
+    from ir.ops.attention import dequantize_index_keys
     from ir.ref import indexer as ref
     sel = _indexer_call(d, K, cfg)()
     qd = formats.dequantize_fp8(d["q8"], d["qs"])
-    kd = formats.dequantize_fp8(d["keys"], d["ks"]) if d["fmt"] == "fp8" else formats.dequantize_mxfp4(d["keys"], d["ks"])
-    want, _ = ref.indexer_topk(qd, d["w"].float(), kd, d["pos"], d["req"], d["base"], K)
-    scores, _ = ref.indexer_scores_padded(qd, d["w"].float(), kd, d["pos"], d["req"], d["base"])
+    kd = dequantize_index_keys(d["keys"], d["ks"], d["fmt"])
+    args = (qd, d["w"].float(), kd, d["pos"], d["req"], d["tbl"], BLOCK_SIZE)
+    want, _ = ref.indexer_topk(*args, K)
+    scores, _ = ref.indexer_scores_padded(*args)
     kth = scores.topk(K, dim=1).values[:, -1]
     eps = 1e-4 * scores.abs().amax(1)
     chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, sel.clamp(min=0), True)
     lo = scores.masked_fill(~chosen, float("inf")).amin(1)
     hi = scores.masked_fill(chosen, float("-inf")).amax(1)
     ok = bool(((lo >= kth - eps) & (hi <= kth + eps)).all()) and bool((sel[:, 1:] > sel[:, :-1]).all())
-    return {"ok": ok, "exact_match_rows": int((sel == want).all(1).sum()), "rows": int(sel.shape[0]),
+    return {"ok": ok, "config": cfg, "exact_match_rows": int((sel == want).all(1).sum()), "rows": int(sel.shape[0]),
             "same_positions_frac": float((sel == want).float().mean())}
 
 
 def _indexer_eager(d, K):
-    """The reference formula in torch: dequantise, scores for every position, top-k, sort."""
-    T, L = d["q8"].shape[0], d["L"]
-    rows = torch.arange(T, device=DEV)[:, None] * L
+    """The reference formula in torch: gather the paged keys, dequantise, score every position, top-k, sort."""
+    rows = _all_rows(d["tbl"], d["L"])
 
     def eager():
-        kd = d["keys"].view(T, L, -1).to(torch.bfloat16) * d["ks"].view(T, L, 1).to(torch.bfloat16)
+        kd = d["keys"][rows].to(torch.bfloat16) * d["ks"][rows].unsqueeze(-1).to(torch.bfloat16)
         qd = d["q8"].to(torch.bfloat16) * d["qs"][..., None].to(torch.bfloat16)
         s = torch.einsum("thd,tld->thl", qd, kd).relu_()
         sc = torch.einsum("th,thl->tl", d["w"].float(), s.float())
-        return torch.sort(torch.topk(sc, K, dim=1).indices, dim=1).values + rows
+        return torch.sort(torch.topk(sc, K, dim=1).indices, dim=1).values
     return eager
 
 
 def _indexer_shape(res):
     return (2, 1024, 64) if SMOKE else ((2 if res["warm"] else 32), 128 * 1024, 2048)
+
+
+def _indexer_configs(base, fmt):
+    """Swept configs: the heuristic, the last session's default (no prefetch, the compiler's pipeliner),
+    and the candidate (CAND 1: group top-2) / occupancy / tile-size variants around them."""
+    from codegen.triton.indexer_topk import default_kt
+    old = dict(base, CAND=0, PREFETCH=0, num_stages=3)
+    pairs = dict(base, KT=32, CAND=1, PREFETCH=1, num_stages=1)
+    if fmt != "fp8":
+        return [base, old, pairs]
+    return [base, old, dict(base, SPLITS=2 * base["SPLITS"]), pairs, dict(pairs, SPLITS=2 * base["SPLITS"]),
+            dict(pairs, BLOCK_N=64, KT=16, SPLITS=2 * base["SPLITS"]), dict(pairs, KT=64),
+            dict(base, BLOCK_N=64, KT=default_kt(64, 2048, 1 << 17), SPLITS=2 * base["SPLITS"])]
 
 
 def sec_indexer(res):
@@ -212,11 +245,7 @@ def sec_indexer(res):
     for fmt in ("fp8", "mxfp4"):
         d = _indexer_inputs(T, L, fmt=fmt)
         base_cfg = heuristic({"T": 32, "L": L, "K": K}, "h200")
-        configs = [base_cfg]
-        if fmt == "fp8":
-            configs += [dict(base_cfg, BLOCK_N=256, KT=16, num_warps=8, SPLITS=32),   # 230 registers: 1 per SM
-                        dict(base_cfg, KT=16), dict(base_cfg, SPLITS=2 * base_cfg["SPLITS"]),
-                        dict(base_cfg, num_stages=2)]
+        configs = _indexer_configs(base_cfg, fmt)
         for i, cfg in enumerate(configs):
             m = _rec(res, f"indexer_decode_{fmt}_cfg{i}", _indexer_call(d, K, cfg), _indexer_bytes(d, K),
                      2 * T * 32 * L * 128, optional=i > 0 or fmt != "fp8", config=cfg, T=T, L=L, topk=K)
@@ -224,7 +253,11 @@ def sec_indexer(res):
                 stats = {}
                 _indexer_call(d, K, cfg, stats=stats)()
                 m["overflow"] = stats
-        _check(res, f"indexer_decode_{fmt}_vs_ir_reference", lambda: _indexer_check(d, K, base_cfg))
+        for i in (0, 3 if fmt == "fp8" else 2):   # the score kernel alone: the rest is the candidates' merge
+            _rec(res, f"indexer_decode_{fmt}_score_only_cfg{i}", _indexer_call(d, K, configs[i], stop_after="score"),
+                 _indexer_bytes(d, K), optional=True, config=configs[i])
+        for i, cfg in enumerate(configs[:2]):
+            _check(res, f"indexer_decode_{fmt}_cfg{i}_vs_ir_reference", lambda: _indexer_check(d, K, cfg))
         if fmt == "fp8":
             _rec(res, "indexer_decode_fp8_peer_torch_eager", _indexer_eager(d, K), _indexer_bytes(d, K), peer=True)
         del d
@@ -234,6 +267,7 @@ def sec_indexer(res):
 # ------------------------------------------------------------------------------------------ mla
 def _mla_inputs(T, H, K, ctx, fmt="fp8", seed=1, raw=False):
     """raw: random e4m3 codes straight into the pool (long contexts: no fp32 copy of the pool)."""
+    from codegen.triton._paging import paging_args
     from codegen.triton.mla_prefill import quantize_latent_fp8, quantize_latent_nvfp4
     g = torch.Generator(device=DEV).manual_seed(seed)
     dn, dr, dv, kv = 128, 64, 128, 512
@@ -251,12 +285,13 @@ def _mla_inputs(T, H, K, ctx, fmt="fp8", seed=1, raw=False):
         del lat
     sels = [torch.rand(T, ctx, device=DEV, generator=g).topk(K, dim=1).indices.sort(dim=1).values if K else None
             for _ in range(3)]   # rotated so that repeated runs do not re-read rows from L2
+    tbl, req = _table(T, ctx, g), torch.arange(T, device=DEV)
     return dict(qn=torch.randn(T, H, dn, device=DEV, generator=g).to(torch.bfloat16),
                 qp=torch.randn(T, H, dr, device=DEV, generator=g).to(torch.bfloat16),
                 kvb=(torch.randn(H * (dn + dv), kv, device=DEV, generator=g) * kv ** -0.5).to(torch.bfloat16),
-                pool=pool, ls=ls, ps=ps, sels=sels, fmt=fmt, ctx=ctx, K=K, H=H,
-                pos=torch.full((T,), ctx - 1, device=DEV, dtype=torch.int64),
-                req=torch.arange(T, device=DEV), rb=torch.arange(T, device=DEV) * ctx)
+                pool=pool, ls=ls, ps=ps, sels=sels, fmt=fmt, ctx=ctx, K=K, H=H, tbl=tbl, req=req,
+                paging=paging_args(tbl, req, BLOCK_SIZE, DEV),
+                pos=torch.full((T,), ctx - 1, device=DEV, dtype=torch.int64))
 
 
 def _q_abs(d):
@@ -264,18 +299,20 @@ def _q_abs(d):
     return torch.einsum("thn,hnk->thk", d["qn"], split_kv_b(d["kvb"], d["H"], 128)[0])
 
 
-def _latent_call(d, config=None, dense=False, sel=None, base=None, sel_fn=None):
-    """The kernel part: q~ = W_UK^T q_nope precomputed, attention over latent rows only; the selection
-    is d's (rotated), `sel`, or `sel_fn()` (the indexer, for a whole decode step)."""
+def _latent_call(d, config=None, dense=False, rows=None, rows_fn=None):
+    """The kernel part: q~ = W_UK^T q_nope precomputed, attention over latent rows only. The selection
+    is d's positions (rotated, mapped through the block table in-kernel), pool `rows`, or `rows_fn()`
+    (the indexer emitting rows, for a whole decode step); dense: the whole causal context."""
     from codegen.triton.mla_sparse import sparse_latent_attention
     q_abs, it = _q_abs(d), [0]
-    base = d["rb"][d["req"]] if base is None else base
+    by_rows = rows is not None or rows_fn is not None
 
     def run():
         it[0] = (it[0] + 1) % 3
-        s = None if dense else sel_fn() if sel_fn else (sel if sel is not None else d["sels"][it[0]])
-        return sparse_latent_attention(q_abs, d["qp"], d["pool"], d["pos"], base, SCALE, s, latent_format=d["fmt"],
-                                       latent_scale=d["ls"], pe_scale=d["ps"], config=config, max_context=d["ctx"])
+        s = None if dense else rows_fn() if rows_fn else (rows if rows is not None else d["sels"][it[0]])
+        return sparse_latent_attention(q_abs, d["qp"], d["pool"], d["pos"], None if by_rows else d["paging"], SCALE, s,
+                                       latent_format=d["fmt"], latent_scale=d["ls"], pe_scale=d["ps"], config=config,
+                                       max_context=d["ctx"])
     return run
 
 
@@ -288,28 +325,29 @@ def _mla_check(d, cfg):
     from codegen.triton.mla_sparse import mla_sparse_decode
     from ir.ref import mla as ref
     sel, H = d["sels"][0], d["H"]
-    o, lse = mla_sparse_decode(d["qn"], d["qp"], d["pool"], d["kvb"], d["pos"], d["req"], d["rb"], SCALE, sel,
-                               latent_format=d["fmt"], latent_scale=d["ls"], pe_scale=d["ps"], return_lse=True,
-                               config=cfg)
+    meta = (d["pos"], d["req"], d["tbl"], BLOCK_SIZE, SCALE, sel)
+    o, lse = mla_sparse_decode(d["qn"], d["qp"], d["pool"], d["kvb"], *meta, latent_format=d["fmt"],
+                               latent_scale=d["ls"], pe_scale=d["ps"], return_lse=True, config=cfg)
     deq = dequantize_latent(d["pool"], d["fmt"], 512, d["ls"], d["ps"])
-    want = ref.mla_attention(d["qn"].float(), d["qp"].float(), deq, d["kvb"].float(), d["pos"], d["req"], d["rb"],
-                             SCALE, sel, "absorbed")
+    want = ref.mla_attention(d["qn"].float(), d["qp"].float(), deq, d["kvb"].float(), *meta, "absorbed")
     W = d["kvb"].double().view(H, 256, 512)
-    c = deq[d["rb"][:, None] + sel].double()
+    c = deq[_all_rows(d["tbl"], d["ctx"]).gather(1, sel)].double()
     z = SCALE * (torch.einsum("thk,tlk->thl", torch.einsum("thn,hnk->thk", d["qn"].double(), W[:, :128]), c[..., :512])
                  + torch.einsum("thr,tlr->thl", d["qp"].double(), c[..., 512:]))
     lse64 = torch.logsumexp(z, dim=-1)
     e_o = float((o.float() - want).norm() / want.norm())
     e_l = float((lse.double() - lse64).norm() / lse64.norm())
-    return {"ok": e_o < 2e-2 and e_l < 2e-2 and bool(torch.isfinite(o).all()), "rel_err_o": e_o, "rel_err_lse": e_l}
+    return {"ok": e_o < 2e-2 and e_l < 2e-2 and bool(torch.isfinite(o).all()), "config": cfg, "rel_err_o": e_o,
+            "rel_err_lse": e_l}
 
 
 def _mla_eager(d):
     """The reference formula in torch: gather + dequantise the selected rows, softmax, value sum."""
-    q_abs, sel0, base = _q_abs(d), d["sels"][0], d["rb"][:, None]
+    q_abs = _q_abs(d)
+    rows = _all_rows(d["tbl"], d["ctx"]).gather(1, d["sels"][0])
 
     def eager():
-        c = d["pool"].view(torch.uint8)[base + sel0].view(torch.float8_e4m3fn).to(torch.bfloat16) * d["ls"]
+        c = d["pool"].view(torch.uint8)[rows].view(torch.float8_e4m3fn).to(torch.bfloat16) * d["ls"]
         z = (torch.einsum("thk,tlk->thl", q_abs, c[..., :512]) +
              torch.einsum("thr,tlr->thl", d["qp"], c[..., 512:])).float() * SCALE
         lse = torch.logsumexp(z, -1)
@@ -322,23 +360,34 @@ def _mla_shape(res):
     return (2, H, 64, 256) if SMOKE else (T, H, K, ctx)
 
 
+def _mla_configs(base, fmt):
+    """PREFETCH 1 (rows a step ahead) is the heuristic; 0 the last session's default; 2 (raw bytes of
+    the next step in registers) spilled at BLOCK_N 64 / 4 warps (2026-11-29), so only smaller tiles."""
+    if fmt != "fp8":
+        return [base, dict(base, PREFETCH=0)]
+    return [base, dict(base, PREFETCH=0), dict(base, CHUNK=256), dict(base, BLOCK_N=32),
+            dict(base, BLOCK_N=32, PREFETCH=2), dict(base, num_warps=8, PREFETCH=2), dict(base, SUB=1, num_warps=8,
+                                                                                         num_stages=3)]
+
+
 def sec_mla(res):
     from codegen.triton.mla_sparse import heuristic
     T, H, K, ctx = _mla_shape(res)
     for fmt in ("fp8", "nvfp4", "bf16"):
         d = _mla_inputs(T, H, K, ctx, fmt)
         base_cfg = heuristic({"H": H, "L": K, "fmt": {"bf16": 0, "fp8": 1, "nvfp4": 2}[fmt]}, "h200")
-        configs = [base_cfg]
-        if fmt == "fp8":
-            configs += [dict(base_cfg, CHUNK=256), dict(base_cfg, SUB=1), dict(base_cfg, BLOCK_N=128, num_warps=8),
-                        dict(base_cfg, num_stages=2), dict(base_cfg, BLOCK_N=32),   # 168 registers: 3 per SM
-                        dict(base_cfg, BLOCK_N=32, CHUNK=384), dict(base_cfg, BLOCK_N=32, CHUNK=256)]
+        configs = _mla_configs(base_cfg, fmt)
         flops = 2 * T * H * K * (576 + 512)
         nbytes = _mla_bytes(T, H, K, d["pool"].shape[1] * d["pool"].element_size())
         for i, cfg in enumerate(configs):
             _rec(res, f"mla_sparse_decode_{fmt}_cfg{i}", _latent_call(d, cfg), nbytes, flops, config=cfg,
                  optional=i > 0 or fmt != "fp8", T=T, H=H, topk=K)
-        _check(res, f"mla_sparse_decode_{fmt}_vs_ir_reference", lambda: _mla_check(d, base_cfg))
+        if fmt == "fp8":   # the model's path: the fused indexer hands attention pool rows (no block-table read)
+            rows = _all_rows(d["tbl"], ctx).gather(1, d["sels"][0])
+            _rec(res, "mla_sparse_decode_fp8_rows_input", _latent_call(d, configs[0], rows=rows), nbytes, flops,
+                 config=configs[0], T=T, H=H, topk=K)
+        for i, cfg in enumerate(configs[:2] if fmt == "fp8" else configs[:1]):
+            _check(res, f"mla_sparse_decode_{fmt}_cfg{i}_vs_ir_reference", lambda: _mla_check(d, cfg))
         if fmt == "fp8":
             _rec(res, "mla_sparse_decode_fp8_peer_torch_eager", _mla_eager(d), nbytes, flops, peer=True)
         del d
@@ -346,24 +395,43 @@ def sec_mla(res):
 
 
 # ----------------------------------------------------------------------------------------- step
+def _best_structure(path, family, keys):
+    """The structural knobs (keys) of the fastest measured config of `family` in an earlier section."""
+    try:
+        ms = json.load(open(path)).get("measurements", [])
+        cand = [m for m in ms if m["name"].startswith(family) and "score_only" not in m["name"] and m.get("config")]
+        best = min(cand, key=lambda m: m.get("median_ms_graph", m["median_ms"]))
+        return {k: best["config"][k] for k in keys if k in best["config"]}
+    except Exception:  # noqa: BLE001  (no earlier section: heuristics alone)
+        return {}
+
+
 def sec_step(res):
     """Per decode step, one token per request: indexer + sparse MLA vs dense MLA, FP8 caches."""
+    from codegen.triton.indexer_topk import default_kt, default_kt_pairs
     from codegen.triton.indexer_topk import heuristic as ih
     from codegen.triton.mla_sparse import heuristic as mh
     B, H, K = (2 if res["warm"] else 16), 12, 2048
     lengths = (32 * 1024, 128 * 1024, 1024 * 1024)
     if SMOKE:
         B, K, lengths = 2, 64, (512, 1024)
+    here = os.path.dirname(res["path"])
+    ib = _best_structure(os.path.join(here, "indexer.json"), "indexer_decode_fp8_cfg",
+                         ("BLOCK_N", "CAND", "PREFETCH", "num_warps", "num_stages"))
+    mb = _best_structure(os.path.join(here, "mla.json"), "mla_sparse_decode_fp8_cfg",
+                         ("BLOCK_N", "SUB", "PREFETCH", "num_warps", "num_stages"))
+    res["structure"] = {"indexer": ib, "mla": mb}
     for L in lengths:
         di = _indexer_inputs(B, L, seed=2)
         dm = _mla_inputs(B, H, 0, L, "fp8", seed=3, raw=True)
-        icfg = ih({"T": B, "L": L, "K": K}, "h200")
+        dm["tbl"], dm["paging"] = di["tbl"], _paging_of(di["tbl"], B)   # one block table for both pools
+        icfg = dict(ih({"T": B, "L": L, "K": K}, "h200"), **ib)
+        icfg["KT"] = (default_kt_pairs if icfg.get("CAND") else default_kt)(icfg["BLOCK_N"], K, L)
         rows = _indexer_call(di, K, icfg, output="rows")
-        sparse_cfg, dense_cfg = mh({"H": H, "L": K, "fmt": 1}, "h200"), mh({"H": H, "L": L, "fmt": 1}, "h200")
-        zero = torch.zeros(B, dtype=torch.int64, device=DEV)
-        sel = rows()
-        sparse_mla = _latent_call(dm, sparse_cfg, sel=sel, base=zero)
-        step = _latent_call(dm, sparse_cfg, base=zero, sel_fn=rows)
+        sparse_cfg = dict(mh({"H": H, "L": K, "fmt": 1}, "h200"), **mb)
+        dense_cfg = dict(mh({"H": H, "L": L, "fmt": 1}, "h200"), **mb)
+        sparse_mla = _latent_call(dm, sparse_cfg, rows=rows())
+        step = _latent_call(dm, sparse_cfg, rows_fn=rows)
         dense = _latent_call(dm, dense_cfg, dense=True)
         b_idx = _indexer_bytes(di, K)
         b_sp, b_dn = _mla_bytes(B, H, K, 576), _mla_bytes(B, H, L, 576, 0)
@@ -382,6 +450,11 @@ def sec_step(res):
         _free()
 
 
+def _paging_of(tbl, B):
+    from codegen.triton._paging import paging_args
+    return paging_args(tbl, torch.arange(B, device=DEV), BLOCK_SIZE, DEV)
+
+
 # -------------------------------------------------------------------------------------- prefill
 def sec_prefill(res):
     from codegen.triton.mla_prefill import mla_prefill
@@ -390,17 +463,18 @@ def sec_prefill(res):
     P, H, dn, dr, dv, kv = (16 if SMOKE else 64 if res["warm"] else 1024), 16, 128, 64, 128, 512
     tp = torch.cat([torch.arange(P), torch.arange(P)]).to(DEV)
     tr = torch.cat([torch.zeros(P), torch.ones(P)]).long().to(DEV)
-    rb = torch.tensor([0, P], device=DEV)
+    tbl = _table(2, P, g)
     qn = torch.randn(2 * P, H, dn, device=DEV, generator=g).to(torch.bfloat16)
     qp = torch.randn(2 * P, H, dr, device=DEV, generator=g).to(torch.bfloat16)
-    lat = torch.randn(2 * P, kv + dr, device=DEV, generator=g).to(torch.bfloat16)
+    lat = torch.randn(tbl.numel() * BLOCK_SIZE, kv + dr, device=DEV, generator=g).to(torch.bfloat16)
     kvb = (torch.randn(H * (dn + dv), kv, device=DEV, generator=g) * kv ** -0.5).to(torch.bfloat16)
-    call = lambda: mla_prefill(qn, qp, lat, kvb, tp, tr, rb, SCALE)  # noqa: E731
+    call = lambda: mla_prefill(qn, qp, lat, kvb, tp, tr, tbl, BLOCK_SIZE, SCALE)  # noqa: E731
     _rec(res, "mla_prefill_dense_bf16", call, flops=2 * 2 * (P * P / 2) * H * (dn + dr + dv), optional=True,
          graph=False, T=2 * P, H=H)
 
     def check():
-        want = ref.mla_attention(qn.float(), qp.float(), lat.float(), kvb.float(), tp, tr, rb, SCALE, None, "decompressed")
+        want = ref.mla_attention(qn.float(), qp.float(), lat.float(), kvb.float(), tp, tr, tbl, BLOCK_SIZE, SCALE, None,
+                                 "decompressed")
         e = float((call().float() - want).norm() / want.norm())
         return {"ok": e < 1e-2, "rel_err": e}
     _check(res, "mla_prefill_dense_bf16_vs_ir_reference", check)
@@ -426,7 +500,8 @@ def sec_peers(res):
 # --------------------------------------------------------------------------------------- driver
 def run_section(name, warm, path, part=(0, 1)):
     torch.backends.cuda.matmul.allow_tf32 = False
-    res = {"section": name, "warm": warm, "warm_part": part, "measurements": [], "checks": [], "errors": []}
+    res = {"section": name, "warm": warm, "warm_part": part, "measurements": [], "checks": [], "errors": [],
+           "path": path}
     t0 = time.time()
     hbm = os.path.join(os.path.dirname(path), "hbm.json")
     if name != "hbm" and os.path.exists(hbm):
@@ -442,16 +517,20 @@ def run_section(name, warm, path, part=(0, 1)):
 
 def _summary(doc):
     ms = {m["name"]: m for sec in doc["sections"].values() for m in sec.get("measurements", [])}
-    doc["vs_peers"] = {f"{p} / {mine}": ms[p]["median_ms"] / ms[mine]["median_ms"]
-                       for mine in ("indexer_decode_fp8_cfg0", "mla_sparse_decode_fp8_cfg0")
-                       for p in (mine.replace("cfg0", "peer_torch_eager"), mine.replace("cfg0", "peer_torch_compile"))
-                       if mine in ms and p in ms}
-    for fam in ("indexer_decode_fp8_cfg", "mla_sparse_decode_fp8_cfg"):
+    for fam in ("indexer_decode_fp8_cfg", "mla_sparse_decode_fp8_cfg", "indexer_decode_mxfp4_cfg",
+                "mla_sparse_decode_nvfp4_cfg", "mla_sparse_decode_bf16_cfg"):
         cand = [m for n, m in ms.items() if n.startswith(fam) and "frac_of_measured_hbm" in m]
         if cand:
             best = max(cand, key=lambda m: m["frac_of_measured_hbm"])
             doc.setdefault("best", {})[fam[:-4]] = {k: best.get(k) for k in (
                 "name", "config", "median_ms_graph", "median_ms", "TBps", "frac_of_measured_hbm")}
+    doc["vs_peers"] = {}
+    for fam in ("indexer_decode_fp8", "mla_sparse_decode_fp8"):
+        mine = doc.get("best", {}).get(fam)
+        for peer in ("peer_torch_eager", "peer_torch_compile"):
+            p = ms.get(f"{fam}_{peer}")
+            if mine and p:   # peers launch plainly: compare plain-launch medians
+                doc["vs_peers"][f"{fam}: {peer} / {mine['name']}"] = p["median_ms"] / mine["median_ms"]
     lines = ["=== name | ms (graph) | ms (plain) | fraction of measured HBM BW ==="]
     lines += [f"{m['name']:<44} {m.get('median_ms_graph', float('nan')):9.4f} {m['median_ms']:9.4f} "
               f"{m.get('frac_of_measured_hbm', float('nan')):6.3f}" for m in ms.values()]
@@ -480,7 +559,7 @@ def main():
                              env=env) for s, n in WARM_PARTS.items() for k in range(n) if not SMOKE]
     for p in warm:
         try:
-            p.wait(timeout=max(1.0, t0 + 150 - time.time()))
+            p.wait(timeout=max(1.0, t0 + WARM_CAP_S - time.time()))
         except subprocess.TimeoutExpired:
             p.kill()
     doc["warm_compile_s"] = time.time() - t0
@@ -495,6 +574,8 @@ def main():
         for k in range(WARM_PARTS.get(s, 0)):
             if os.path.exists(f"{tmp}/{s}.warm{k}.json"):
                 doc["sections"][s].setdefault("warm_errors", []).extend(json.load(open(f"{tmp}/{s}.warm{k}.json"))["errors"])
+        if os.environ.get("OUT"):   # partial document after every section (a killed run still reports)
+            open(os.path.join(os.environ["OUT"], "attention.partial.json"), "w").write(json.dumps(doc, default=str))
     hbm = doc["sections"].get("hbm", {})
     doc["hbm"] = {"copy_TBps": hbm.get("copy_TBps"), "read_TBps": hbm.get("read_TBps")}
     doc["seconds"] = time.time() - t0

@@ -1,17 +1,19 @@
 """Fused indexer: scorer + exact top-k emitting the physical cache rows that attention reads.
 
 Pattern:
-    %sel = indexer_topk(%q8, %qs, %w, %keys, %scales, %pos, %req, %tbl) {topk, block_size}   (positions)
+    %sel = indexer_topk(%q8, %qs, %w, %keys, %scales, %pos, %req, %tbl) {topk, block_size, key_format}   (positions)
     %o = mla_attention(..., %req, %tbl, %sel) {selection_kind="positions" (default)}
 Rewrite:
-    %rows = fused.indexer_select(%q8, %qs, %w, %keys, %scales, %pos, %req, %tbl) {topk, block_size, emits="rows"}
+    %rows = fused.indexer_select(%q8, %qs, %w, %keys, %scales, %pos, %req, %tbl)
+                {topk, block_size, key_format, emits="rows"}
         body: %sel = indexer_topk(...); %rows = selection_to_rows(%sel, %req, %tbl) {block_size}
     %o = mla_attention(..., %req, %tbl, %rows) {selection_kind="rows"}
 
 The fused op (`a.operands` in this order, exactly indexer_topk's):
-    q8 f8e4m3[T, HI, DI], q_scale f32[T, HI], w [T, HI], keys f8e4m3[N, DI], key_scale f32[N],
-    token_pos [T], token_req [T], block_table [R, MB]
-  attrs: topk (int), block_size (rows per cache block), emits="rows"
+    q8 f8e4m3[T, HI, DI], q_scale f32[T, HI], w [T, HI], keys f8e4m3[N, DI] | u8[N, DI/2],
+    key_scale f32[N] | u8[N, DI/32], token_pos [T], token_req [T], block_table [R, MB]
+  attrs: topk (int), block_size (rows per cache block), key_format ("fp8" | "mxfp4", indexer_topk's),
+    emits="rows"
   result: rows i64[T, topk] — for token t of request r = token_req[t], the top-k positions s <= token_pos[t]
     of I(t, s) = sum_j w_j relu(deq(q8_j) . deq(keys[row(r, s)])) (ties to the lower position),
     emitted as their pool rows row(r, s) (`ir.ref.paging`), in ascending position order, -1 padded when
@@ -75,7 +77,8 @@ def _rewrite(fn: Function, topk: Node) -> bool:
     for r in readers:
         r.inputs[_MLA_SEL] = rows
         r.attrs["selection_kind"] = "rows"
-    fuse(fn, [topk, convert], FUSED_OP, {"topk": topk.attrs["topk"], "block_size": bs, "emits": "rows"})
+    fuse(fn, [topk, convert], FUSED_OP, {"topk": topk.attrs["topk"], "block_size": bs, "emits": "rows",
+                                         "key_format": topk.attrs.get("key_format", "fp8")})
     return True
 
 

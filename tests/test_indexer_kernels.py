@@ -5,6 +5,7 @@ score >= the topk-th best - tol, every unselected <= it + tol, ascending, -1 pad
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from codegen.triton.indexer_topk import TEMPLATES, default_kt, heuristic, indexer_topk
@@ -20,6 +21,8 @@ except ImportError:  # bare `pytest` without the repo root on sys.path
 HI, DI, K = 4, 32, 16
 SMALL = dict(BLOCK_N=16, KT=4, SPLITS=2, num_warps=4, num_stages=1, MERGE_TILE=64)  # overflow-prone
 WIDE = dict(BLOCK_N=64, KT=8, SPLITS=1, num_warps=4, num_stages=1, MERGE_TILE=128)
+# group top-2 candidates (CAND 1: 4 groups of 8 per tile) with the next tile prefetched, several programs per row
+PAIRS = dict(BLOCK_N=32, KT=8, SPLITS=2, num_warps=4, num_stages=1, MERGE_TILE=64, CAND=1, PREFETCH=1)
 
 
 def _batch(seed, lengths, key_format="fp8", keys=None, q=None):
@@ -97,7 +100,7 @@ def test_decode_contexts_below_and_above_topk():
     """One token per request; contexts < topk (select all), == topk, just above, far above."""
     b = _batch(0, [(5, 1), (16, 1), (17, 1), (40, 1), (150, 1)])
     want = _reference(b)
-    for cfg in (SMALL, WIDE, None):
+    for cfg in (SMALL, WIDE, PAIRS, None):
         got = _run(b, config=cfg)
         _check(got, b)
         assert torch.equal(got, want), f"config {cfg}"
@@ -118,11 +121,12 @@ def test_overflow_path_clustered_winners():
     keys = torch.randn(3 + 120 + 5, DI, generator=g) * 0.1
     keys[3 + 48: 3 + 80] = q[0].mean(0) * 3 + torch.randn(32, DI, generator=g) * 0.1
     b = _batch(2, [(120, 3)], keys=keys, q=q)
-    stats = {}
-    got = _run(b, config=SMALL, stats=stats)
-    assert stats["overflowed_rows"] > 0, stats
-    _check(got, b)
-    assert torch.equal(got, _reference(b))
+    for cfg in (SMALL, PAIRS):
+        stats = {}
+        got = _run(b, config=cfg, stats=stats)
+        assert stats["overflowed_rows"] > 0, (cfg, stats)
+        _check(got, b)
+        assert torch.equal(got, _reference(b))
 
 
 def test_ties_go_to_the_lower_position():
@@ -144,7 +148,7 @@ def test_ties_go_to_the_lower_position():
 
 def test_mxfp4_keys():
     b = _batch(4, [(9, 1), (60, 3), (140, 1)], key_format="mxfp4")
-    for cfg in (SMALL, WIDE):
+    for cfg in (SMALL, PAIRS):
         got = _run(b, config=cfg)
         _check(got, b)
         assert torch.equal(got, _reference(b))
@@ -178,6 +182,34 @@ def test_template_matches_ir_op_reference():
     fin = torch.isfinite(want_scores)
     assert torch.equal(fin, torch.isfinite(got_scores))
     assert_close_rel(got_scores[fin], want_scores[fin], 1e-5, "selected scores")
+
+
+def test_mxfp4_key_format_through_the_ir_op():
+    """indexer_topk {key_format="mxfp4"}: the IR reference dequantises the MXFP4 keys; the template
+    (positions) and the fused template (rows) match it; the verifier rejects mismatched key tensors."""
+    from types import SimpleNamespace
+
+    from ir.core import TensorType
+    from ir.dtypes import f8e4m3, f32, i32, i64, u8
+    from ir.ref import mla as ref_mla
+    b = _batch(11, [(50, 2), (7, 1)], key_format="mxfp4")
+    op = OPS["indexer_topk"]
+    ops = [b["q8"], b["qs"], b["w"], b["k"], b["ks"], b["tp"], b["tr"], b["tbl"]]
+    attrs = op.full_attrs({"topk": K, "block_size": b["bs"], "key_format": "mxfp4"})
+    want = op.reference(op.bind(ops), attrs)
+    assert torch.equal(want, _reference(b))
+    for t in TEMPLATES:
+        a = SimpleNamespace(operands=ops) if "fused.indexer_select" in t.ops else op.bind(ops)
+        got = t.launch(a, dict(attrs, emits="rows"), t.heuristic(t.key_dims(a, attrs), "cpu"))
+        exp = want if t.ops == ("indexer_topk",) else ref_mla.selection_positions_to_rows(want, b["tr"], b["tbl"], b["bs"])
+        assert torch.equal(got, exp), t.family
+    types = [TensorType(f8e4m3, ("T", HI, DI)), TensorType(f32, ("T", HI)), TensorType(f32, ("T", HI)),
+             TensorType(u8, ("N", DI // 2)), TensorType(u8, ("N", DI // 32)), TensorType(i64, ("T",)),
+             TensorType(i64, ("T",)), TensorType(i32, ("R", "MB"))]
+    assert op.infer(op.bind(types), attrs)[0].shape[1] == K
+    bad = types[:4] + [TensorType(u8, ("N", DI // 16))] + types[5:]
+    with pytest.raises(Exception, match="indexer: mxfp4 keys"):
+        op.infer(op.bind(bad), attrs)
 
 
 def test_fused_indexer_select_template_emits_rows():

@@ -22,8 +22,10 @@ except ImportError:  # bare `pytest` without the repo root on sys.path
 
 H, DN, DR, DV, KV, TOPK = 3, 32, 16, 32, 64, 16
 SCALE = (DN + DR) ** -0.5
-ONE_PASS = dict(BLOCK_H=16, BLOCK_N=16, CHUNK=16, num_warps=4, num_stages=1, SUB=1)   # 16-row chunks + combine
+ONE_PASS = dict(BLOCK_H=16, BLOCK_N=16, CHUNK=16, num_warps=4, num_stages=1, SUB=1,   # 16-row chunks + combine,
+                PREFETCH=1)                                                           # rows a step ahead
 TWO_PASS = dict(BLOCK_H=16, BLOCK_N=16, CHUNK=32, num_warps=4, num_stages=1, SUB=4)   # column blocks
+PREFETCHED = dict(TWO_PASS, PREFETCH=2)   # next step's bytes held in registers, each tile read once
 PREFILL = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 
 
@@ -70,7 +72,7 @@ def _lse64(b, lat):
     return out
 
 
-@pytest.mark.parametrize("config", [ONE_PASS, TWO_PASS], ids=["one_pass", "two_pass"])
+@pytest.mark.parametrize("config", [ONE_PASS, TWO_PASS, PREFETCHED], ids=["one_pass", "two_pass", "prefetched"])
 def test_sparse_decode_and_lse(config):
     """1-8 tokens per request, contexts below and above TOPK, -1 padded selections."""
     b = _batch(0, [(40, 3), (9, 1), (25, 8), (12, 1)])
@@ -80,7 +82,7 @@ def test_sparse_decode_and_lse(config):
     assert_close_rel(lse, _lse64(b, b["lat"]), 1e-5, "lse")
 
 
-@pytest.mark.parametrize("config", [ONE_PASS, TWO_PASS], ids=["one_pass", "two_pass"])
+@pytest.mark.parametrize("config", [ONE_PASS, TWO_PASS, PREFETCHED], ids=["one_pass", "two_pass", "prefetched"])
 def test_dense_decode_over_the_causal_context(config):
     b = _batch(1, [(45, 2), (7, 1), (20, 1)], with_selection=False)
     want = ref.mla_attention(*_args(b), "absorbed")
@@ -99,7 +101,7 @@ def test_selection_as_physical_rows():
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
-@pytest.mark.parametrize("config", [ONE_PASS, TWO_PASS], ids=["one_pass", "two_pass"])
+@pytest.mark.parametrize("config", [ONE_PASS, TWO_PASS, PREFETCHED], ids=["one_pass", "two_pass", "prefetched"])
 def test_quantised_latent_pools(fmt, config):
     """Dequantised in-kernel; compared with the reference run on the same quantised pool."""
     b = _batch(3, [(35, 2), (18, 1)])

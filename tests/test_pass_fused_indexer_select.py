@@ -35,7 +35,7 @@ BEFORE = HEAD + """
   }
 }"""
 EXPECTED = HEAD + """
-    %sel.rows = fused.indexer_select(%q8, %qs, %w, %keys, %scales, %pos, %req, %tbl) {topk=3, block_size=4, emits="rows"} : i64[T,3]
+    %sel.rows = fused.indexer_select(%q8, %qs, %w, %keys, %scales, %pos, %req, %tbl) {topk=3, block_size=4, emits="rows", key_format="fp8"} : i64[T,3]
         body (%in0: f8e4m3[T,2,4], %in1: f32[T,2], %in2: bf16[T,2], %in3: f8e4m3[N,4], %in4: f32[N], %in5: i64[T],
               %in6: i64[T], %in7: i32[R,MB]) {
       %sel = indexer_topk(%in0, %in1, %in2, %in3, %in4, %in5, %in6, %in7) {block_size=4, topk=3} : i64[T,3]
@@ -68,6 +68,28 @@ def test_before_expected_and_equal_results():
     before = Interpreter(parse_module(BEFORE), weights).run("decode", _inputs())
     after = Interpreter(m, weights).run("decode", _inputs())
     assert torch.equal(before[0], after[0])
+
+
+def test_mxfp4_key_format_is_carried_and_numerics_kept():
+    """key_format="mxfp4" (u8 E2M1 pairs + u8 E8M0 scales per 32) reaches the fused node; both graphs,
+    interpreted (the reference dequantises the MXFP4 keys), give the same attention output."""
+    from ir import formats
+    before = BEFORE.replace("%keys: f8e4m3[N,4], %scales: f32[N]", "%keys: u8[N,16], %scales: u8[N,1]")
+    before = before.replace("%q8: f8e4m3[T,2,4]", "%q8: f8e4m3[T,2,32]").replace("%qs: f32[T,2]", "%qs: f32[T,2]")
+    before = before.replace("{block_size=4, topk=3} : i64[T,3]", '{block_size=4, topk=3, key_format="mxfp4"} : i64[T,3]')
+    m, ctx = run_pass_on_text(NAME, before)
+    fused = [n for f in m.functions.values() for n in f.nodes if n.op == "fused.indexer_select"]
+    assert ctx.counters[NAME] == 1 and fused[0].attrs["key_format"] == "mxfp4"
+    g = torch.Generator().manual_seed(5)
+    inputs = _inputs(5)
+    inputs["q8"] = torch.randn(3, 2, 32, generator=g).to(torch.float8_e4m3fn)
+    inputs["keys"], inputs["scales"] = formats.quantize_mxfp4(torch.randn(16, 32, generator=g))
+    weights = {"kv_b": torch.randn(16, 4, generator=g)}
+    want = Interpreter(parse_module(before), weights).run("decode", inputs)
+    got = Interpreter(m, weights).run("decode", inputs)
+    assert torch.equal(want[0], got[0]) and torch.isfinite(got[0]).all()
+    with pytest.raises(VerifyError, match="key_format mxfp4 needs u8 keys"):
+        verify(parse_module(before.replace("%keys: u8[N,16]", "%keys: f8e4m3[N,16]")))
 
 
 def test_selection_read_as_positions_elsewhere_is_an_error():

@@ -10,20 +10,26 @@ dequantised in registers (exact in bf16) and dotted with the even/odd halves of 
 The [rows x context] score matrix never exists in memory. Each score becomes a unique 64-bit key
     key = (orderable(score) << 32) | (2^32 - 1 - position)            (signed int64 order)
 whose order is exactly the selection order; four kernels:
- 1. score    grid (rows, SPLITS): per tile of BLOCK_N positions, keys in registers; the tile's KT best
-             (tl.topk), re-sorted by position, go to `cand[row, tile]`, their minimum to `tmin[row, tile]`.
+ 1. score    grid (rows, SPLITS): per tile of BLOCK_N positions, keys in registers; KT candidates in
+             position order go to `cand[row, tile]`, an overflow witness to `tmin[row, tile]`:
+             CAND 0: the tile's KT best (tl.topk), witness = the KT-th best;
+             CAND 1: the best two of each of KT/2 groups of consecutive positions (max reductions, no
+             sort), witness = the best unsent key. PREFETCH: next tile's bytes (and the block ids of
+             the one after) in flight while a tile is scored.
  2. merge 1  grid (rows): theta = topk-th largest candidate, 8-bit radix select (tl.histogram, stops once
-             the boundary bucket is taken whole). A tile whose KT-th candidate is selected "overflowed"
-             (<= topk/KT tiles can). Without overflow the selected candidates ARE the exact top-k (an
-             unsent element ranks below its tile's KT-th candidate < theta, with topk elements above
-             theta); they are in position order, so compaction writes the ascending output directly.
- 3. rescore  grid (rows, topk/KT): overflowed tiles are rescored whole into `ext`, their candidates dropped.
+             the boundary bucket is taken whole). A tile whose witness is selected "overflowed" (it holds
+             >= KT (CAND 1: 2) winners, so <= topk/KT (topk/2) tiles can). Without overflow the selected
+             candidates ARE the exact top-k (an unsent element ranks at most its tile's witness < theta,
+             with topk elements above theta); they are in position order, so compaction writes the
+             ascending output directly.
+ 3. rescore  grid (rows, <= 16): overflowed tiles are rescored whole into `ext`, their candidates dropped.
  4. merge 2  rows that overflowed: radix select over candidates + ext, then one tl.sort.
 Workspace per row 8 B x (NT*(KT+1) + (topk/KT)*BLOCK_N + pow2(topk)); prefill runs in row chunks.
 
 API: `indexer_topk(...)` (positions: the IR op), `output="rows"` (the positions' pool rows, -1
 padded: what attention kernels read), `key_format="mxfp4"`. Tunables: BLOCK_N, KT, SPLITS (programs
-per row), num_warps / num_stages (score kernel), MERGE_TILE. Batch invariant (each row on its own).
+per row), CAND, PREFETCH, num_warps / num_stages (score kernel), MERGE_TILE. Batch invariant (each row
+on its own).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from .mla_sparse import e2m1_to_f32, e8m0_to_f32
 
 INVALID = tl.constexpr(-(2 ** 63))
 WORKSPACE_BYTES = 1 << 28
+RESCORE_PROGRAMS = 16   # programs per row rescoring overflowed tiles
 
 
 @triton.jit
@@ -87,34 +94,87 @@ def _load_q(q_ptr, wq_ptr, row, HI: tl.constexpr, DI: tl.constexpr, HP: tl.const
 
 
 @triton.jit
-def _tile_keys(qa, qb, wq, k_ptr, ks_ptr, tblrow, ctx, start, DI: tl.constexpr, BLOCK_N: tl.constexpr,
-               KEY_FMT: tl.constexpr, DOT_DT: tl.constexpr, LOG_BS: tl.constexpr):
-    """Keys of positions start .. start+BLOCK_N-1 (>= ctx are INVALID)."""
+def _tile_rows(tblrow, ctx, start, BLOCK_N: tl.constexpr, LOG_BS: tl.constexpr):
+    """(pool rows, valid) of positions start .. start+BLOCK_N-1 (lanes >= ctx invalid: no table read)."""
     p = start + tl.arange(0, BLOCK_N)
     valid = p < ctx
-    rows = rows_of(tblrow, p, valid, LOG_BS)
+    return rows_of(tblrow, p, valid, LOG_BS), valid
+
+
+@triton.jit
+def _tile_bytes(k_ptr, ks_ptr, rows, valid, DI: tl.constexpr, BLOCK_N: tl.constexpr, KEY_FMT: tl.constexpr):
+    """Raw key bytes and scales of the rows (invalid lanes masked: no traffic). FP8: ([BLOCK_N, DI]
+    codes, [BLOCK_N] fp32 scales); MXFP4: ([BLOCK_N, DI/2] E2M1 pairs, E8M0 scale bytes broadcast to
+    [BLOCK_N, DI/2]). A tile covers whole table blocks (BLOCK_N >= block_size) or one block's
+    contiguous part, so each key row's DI bytes are one contiguous read."""
     if KEY_FMT == 0:
         d = tl.arange(0, DI)
         kt = tl.load(k_ptr + rows[:, None] * DI + d[None, :], mask=valid[:, None], other=0)
-        acc = tl.dot(kt.to(tl.float8e4nv, bitcast=True).to(DOT_DT), qa)          # [BLOCK_N, HP]
         ks = tl.load(ks_ptr + rows, mask=valid, other=0.0)
-        s = tl.sum(tl.maximum(acc, 0.0) * wq[None, :], 1) * ks
     else:
         d = tl.arange(0, DI // 2)
-        by = tl.load(k_ptr + rows[:, None] * (DI // 2) + d[None, :], mask=valid[:, None], other=0)
-        sb = tl.load(ks_ptr + rows[:, None] * (DI // 32) + (d // 16)[None, :], mask=valid[:, None], other=127)
-        sc = e8m0_to_f32(sb)
-        lo = (e2m1_to_f32(by & 15) * sc).to(DOT_DT)
-        hi = (e2m1_to_f32(by >> 4) * sc).to(DOT_DT)
+        kt = tl.load(k_ptr + rows[:, None] * (DI // 2) + d[None, :], mask=valid[:, None], other=0)
+        ks = tl.load(ks_ptr + rows[:, None] * (DI // 32) + (d // 16)[None, :], mask=valid[:, None], other=127)
+    return kt, ks
+
+
+@triton.jit
+def _tile_score(kt, ks, qa, qb, wq, ctx, start, BLOCK_N: tl.constexpr, KEY_FMT: tl.constexpr,
+                DOT_DT: tl.constexpr):
+    """Keys (`_score_keys`) of the loaded tile; positions >= ctx are INVALID."""
+    p = start + tl.arange(0, BLOCK_N)
+    valid = p < ctx
+    if KEY_FMT == 0:
+        acc = tl.dot(kt.to(tl.float8e4nv, bitcast=True).to(DOT_DT), qa)          # [BLOCK_N, HP]
+        s = tl.sum(tl.maximum(acc, 0.0) * wq[None, :], 1) * ks
+    else:
+        sc = e8m0_to_f32(ks)
+        lo = (e2m1_to_f32(kt & 15) * sc).to(DOT_DT)
+        hi = (e2m1_to_f32(kt >> 4) * sc).to(DOT_DT)
         acc = tl.dot(lo, qa) + tl.dot(hi, qb)
         s = tl.sum(tl.maximum(acc, 0.0) * wq[None, :], 1)
     return _score_keys(s, p, valid)
 
 
 @triton.jit
+def _tile_keys(qa, qb, wq, k_ptr, ks_ptr, tblrow, ctx, start, DI: tl.constexpr, BLOCK_N: tl.constexpr,
+               KEY_FMT: tl.constexpr, DOT_DT: tl.constexpr, LOG_BS: tl.constexpr):
+    """Keys of positions start .. start+BLOCK_N-1 (>= ctx are INVALID)."""
+    rows, valid = _tile_rows(tblrow, ctx, start, BLOCK_N, LOG_BS)
+    kt, ks = _tile_bytes(k_ptr, ks_ptr, rows, valid, DI, BLOCK_N, KEY_FMT)
+    return _tile_score(kt, ks, qa, qb, wq, ctx, start, BLOCK_N, KEY_FMT, DOT_DT)
+
+
+@triton.jit
+def _candidates(key, BLOCK_N: tl.constexpr, KT: tl.constexpr, CAND: tl.constexpr):
+    """(KT candidates of a tile in position order, overflow witness). CAND 0: the tile's KT best
+    (tl.topk, a bitonic sort), witness = the KT-th best. CAND 1: the best two of each group of
+    BLOCK_N/(KT/2) consecutive positions (three max reductions), witness = the best unsent key (the
+    largest third-best): no unsent key can be selected unless the witness is."""
+    if CAND == 0:
+        top = tl.topk(key, KT)
+        witness = tl.min(top, 0)
+        cand = _rot32(tl.sort(_rot32(top), descending=True))
+    else:
+        NG: tl.constexpr = KT // 2
+        k2 = tl.reshape(key, [NG, BLOCK_N // NG])
+        m1 = tl.max(k2, 1)
+        k2 = tl.where(k2 == m1[:, None], INVALID, k2)
+        m2 = tl.max(k2, 1)
+        witness = tl.max(tl.max(tl.where(k2 == m2[:, None], INVALID, k2), 1), 0)   # best unsent key
+        m1_first = (m1 & _low32()) >= (m2 & _low32())        # larger low half = lower position
+        cand = tl.reshape(tl.join(tl.where(m1_first, m1, m2), tl.where(m1_first, m2, m1)), [KT])
+    return cand, witness
+
+
+@triton.jit
 def _score_kernel(q_ptr, wq_ptr, k_ptr, ks_ptr, tbl_ptr, req_ptr, MB, pos_ptr, cand_ptr, tmin_ptr, NT, TOPK, SPLITS,
                   HI: tl.constexpr, DI: tl.constexpr, HP: tl.constexpr, BLOCK_N: tl.constexpr,
-                  KT: tl.constexpr, KEY_FMT: tl.constexpr, DOT_DT: tl.constexpr, LOG_BS: tl.constexpr):
+                  KT: tl.constexpr, KEY_FMT: tl.constexpr, DOT_DT: tl.constexpr, LOG_BS: tl.constexpr,
+                  CAND: tl.constexpr, PREFETCH: tl.constexpr):
+    """PREFETCH: the next tile's bytes are loaded (into registers) before this tile is scored, and the
+    block ids of the tile after it are requested then too, so each program keeps a tile in flight while
+    it computes and no key load waits on a block-table read (independent of the compiler's pipeliner)."""
     row = tl.program_id(0)
     split = tl.program_id(1)
     ctx = tl.load(pos_ptr + row) + 1
@@ -123,13 +183,22 @@ def _score_kernel(q_ptr, wq_ptr, k_ptr, ks_ptr, tbl_ptr, req_ptr, MB, pos_ptr, c
         qa, qb, wq = _load_q(q_ptr, wq_ptr, row, HI, DI, HP, KEY_FMT, DOT_DT)
         n_tiles = tl.cdiv(ctx, BLOCK_N)
         crow = cand_ptr + row.to(tl.int64) * NT * KT
+        if PREFETCH:
+            rows, valid = _tile_rows(tblrow, ctx, split * BLOCK_N, BLOCK_N, LOG_BS)
+            kt, ks = _tile_bytes(k_ptr, ks_ptr, rows, valid, DI, BLOCK_N, KEY_FMT)
+            rows, valid = _tile_rows(tblrow, ctx, (split + SPLITS) * BLOCK_N, BLOCK_N, LOG_BS)
         for tile in range(split, n_tiles, SPLITS):
-            key = _tile_keys(qa, qb, wq, k_ptr, ks_ptr, tblrow, ctx, tile * BLOCK_N, DI, BLOCK_N, KEY_FMT, DOT_DT,
-                             LOG_BS)
+            if PREFETCH:   # keys of tile + SPLITS (rows known) in flight, block ids of tile + 2 SPLITS requested
+                kc, sc = kt, ks
+                kt, ks = _tile_bytes(k_ptr, ks_ptr, rows, valid, DI, BLOCK_N, KEY_FMT)
+                rows, valid = _tile_rows(tblrow, ctx, (tile + 2 * SPLITS) * BLOCK_N, BLOCK_N, LOG_BS)
+                key = _tile_score(kc, sc, qa, qb, wq, ctx, tile * BLOCK_N, BLOCK_N, KEY_FMT, DOT_DT)
+            else:
+                key = _tile_keys(qa, qb, wq, k_ptr, ks_ptr, tblrow, ctx, tile * BLOCK_N, DI, BLOCK_N, KEY_FMT,
+                                 DOT_DT, LOG_BS)
             if KT < BLOCK_N:
-                top = tl.topk(key, KT)
-                tl.store(tmin_ptr + row.to(tl.int64) * NT + tile, tl.min(top, 0))
-                key = _rot32(tl.sort(_rot32(top), descending=True))
+                key, witness = _candidates(key, BLOCK_N, KT, CAND)
+                tl.store(tmin_ptr + row.to(tl.int64) * NT + tile, witness)
             tl.store(crow + tile * KT + tl.arange(0, KT), key)
 
 
@@ -138,17 +207,20 @@ def _rescore_kernel(q_ptr, wq_ptr, k_ptr, ks_ptr, tbl_ptr, req_ptr, MB, pos_ptr,
                     NT, MAX_OVF, HI: tl.constexpr, DI: tl.constexpr, HP: tl.constexpr,
                     BLOCK_N: tl.constexpr, KT: tl.constexpr, KEY_FMT: tl.constexpr, DOT_DT: tl.constexpr,
                     LOG_BS: tl.constexpr):
+    """Program (row, i) rescores overflowed tiles i, i + P, ... of the row (P = programs per row)."""
     row = tl.program_id(0)
-    i = tl.program_id(1)
-    if i < tl.load(novf_ptr + row):
-        tile = tl.load(ovf_ptr + row * MAX_OVF + i)
+    n_ovf = tl.load(novf_ptr + row)
+    if tl.program_id(1) < n_ovf:
         ctx = tl.load(pos_ptr + row) + 1
         tblrow = tbl_ptr + tl.load(req_ptr + row) * MB
         qa, qb, wq = _load_q(q_ptr, wq_ptr, row, HI, DI, HP, KEY_FMT, DOT_DT)
-        key = _tile_keys(qa, qb, wq, k_ptr, ks_ptr, tblrow, ctx, tile * BLOCK_N, DI, BLOCK_N, KEY_FMT, DOT_DT, LOG_BS)
-        tl.store(ext_ptr + (row.to(tl.int64) * MAX_OVF + i) * BLOCK_N + tl.arange(0, BLOCK_N), key)
-        tl.store(cand_ptr + row.to(tl.int64) * NT * KT + tile * KT + tl.arange(0, KT),
-                 tl.full([KT], INVALID, tl.int64))
+        for i in range(tl.program_id(1), n_ovf, tl.num_programs(1)):
+            tile = tl.load(ovf_ptr + row * MAX_OVF + i)
+            key = _tile_keys(qa, qb, wq, k_ptr, ks_ptr, tblrow, ctx, tile * BLOCK_N, DI, BLOCK_N, KEY_FMT, DOT_DT,
+                             LOG_BS)
+            tl.store(ext_ptr + (row.to(tl.int64) * MAX_OVF + i) * BLOCK_N + tl.arange(0, BLOCK_N), key)
+            tl.store(cand_ptr + row.to(tl.int64) * NT * KT + tile * KT + tl.arange(0, KT),
+                     tl.full([KT], INVALID, tl.int64))
 
 
 @triton.jit
@@ -277,29 +349,43 @@ def default_kt(block_n: int, topk: int, context: int) -> int:
     return int(min(block_n, max(4, _pow2(math.ceil(mu + 2 * math.sqrt(mu) + 2)))))
 
 
+def default_kt_pairs(block_n: int, topk: int, context: int) -> int:
+    """CAND 1 candidates per tile: groups of G = pow2(context / (8 topk)) positions (>= 4, <= BLOCK_N/2),
+    so a group expects <= 1/8 winner and holding 3 (an overflow) is rare; KT = 2 BLOCK_N / G."""
+    g = min(block_n // 2, max(4, _pow2(max(1, context // (8 * max(1, topk))))))
+    return 2 * block_n // g
+
+
 def heuristic(key: dict, target: str) -> dict:
-    """cpu: few, big programs. GPU (measured on H200, context 128K x 32 rows): BLOCK_N 128 with 4 warps
-    (167 registers: 3 programs per SM) beat BLOCK_N 256 / 8 warps by 1.25x; SPLITS fills one wave of
-    3 x 132 programs (12 for 32 rows beat 16 and 32), at least 4 tiles per program."""
+    """cpu: few, big programs. GPU (H200, context 128K x 32 rows, paged block_size 64, 2026-11-29):
+    BLOCK_N 128 with 4 warps; SPLITS fills about one wave of 3 x 132 programs, at least 4 tiles per
+    program; PREFETCH 1 (the next tile's bytes in flight while this one is scored) beat the compiler's
+    pipeliner (num_stages 3) 0.67 vs 0.81 ms; tile top-k candidates (CAND 0, KT from `default_kt`)
+    beat group top-2 (CAND 1) whose witness then was the second best (every row overflowed; fixed since:
+    re-measure CAND 1, `default_kt_pairs`)."""
     L, K, T = max(1, key["L"]), key["K"], max(1, key["T"])
     if target == "cpu":
         bn = 32 if L <= 256 else 128
-        return dict(BLOCK_N=bn, KT=default_kt(bn, K, L), SPLITS=1, num_warps=4, num_stages=1, MERGE_TILE=256)
+        return dict(BLOCK_N=bn, KT=default_kt(bn, K, L), SPLITS=1, num_warps=4, num_stages=1, MERGE_TILE=256,
+                    CAND=0, PREFETCH=0)
     bn = 128
     splits = max(1, min(max(1, -(-L // bn) // 4), round(396 / T)))
-    return dict(BLOCK_N=bn, KT=default_kt(bn, K, L), SPLITS=splits, num_warps=4, num_stages=3, MERGE_TILE=2048)
+    return dict(BLOCK_N=bn, KT=default_kt(bn, K, L), SPLITS=splits, num_warps=4, num_stages=1, MERGE_TILE=2048,
+                CAND=0, PREFETCH=1)
 
 
 def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_table, block_size: int, topk: int, *,
                  key_format: str = "fp8", output: str = "positions", config: dict | None = None,
-                 max_context: int | None = None, stats: dict | None = None) -> torch.Tensor:
+                 max_context: int | None = None, stats: dict | None = None,
+                 stop_after: str | None = None) -> torch.Tensor:
     """Exact DSA top-k. q f8e4m3 [T, HI, DI], q_scale fp32 [T, HI], w [T, HI];
     key_format "fp8": keys f8e4m3 (or its uint8 view) [N, DI], key_scale fp32 [N];
     key_format "mxfp4": keys uint8 [N, DI/2] (low nibble = even element), key_scale uint8 E8M0 [N, DI/32].
     Keys of request r's position p are at pool row block_table[r, p // block_size] * block_size + p % block_size.
     Returns int64 [T, topk]: ascending positions (output="positions") or their pool rows
     (output="rows"), -1 padded. `max_context` (>= every token_pos + 1) avoids a host sync;
-    `stats` (a dict) receives overflowed_rows / overflowed_tiles (a host sync; tests and benches)."""
+    `stats` (a dict) receives overflowed_rows / overflowed_tiles (a host sync; tests and benches).
+    `stop_after="score"` runs the score kernel only (a profiling aid for benches: `out` is then garbage)."""
     T, HI, DI = q.shape
     fmt = {"fp8": 0, "mxfp4": 1}.get(key_format)
     width = DI if fmt == 0 else DI // 2
@@ -326,7 +412,10 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_tab
     pos = token_pos.to(device=dev, dtype=torch.int64).contiguous()
     tbl, req, MB, log_bs = paging_args(block_table, token_req, block_size, dev)
     NT = -(-L // bn)
-    max_ovf = max(1, topk // kt)
+    cand_mode, prefetch = int(cfg.get("CAND", 0)), int(cfg.get("PREFETCH", 0))
+    if cand_mode not in (0, 1) or prefetch not in (0, 1) or (cand_mode == 1 and kt < 2):
+        raise ValueError(f"indexer_topk: config {cfg} needs CAND in (0, 1), PREFETCH in (0, 1), KT >= 2 for CAND 1")
+    max_ovf = max(1, topk // (kt if cand_mode == 0 else 2))   # an overflowed tile holds >= KT (CAND 1: 2) winners
     KP = _pow2(topk)
     per_row = 8 * (NT * kt + NT + max_ovf * bn + KP) + 4 * (max_ovf + 1)
     chunk = max(1, min(T, WORKSPACE_BYTES // per_row))
@@ -342,12 +431,15 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_tab
         common = dict(HI=HI, DI=DI, HP=HP, BLOCK_N=bn, KT=kt, KEY_FMT=fmt, DOT_DT=dot_dt, LOG_BS=log_bs)
         splits = max(1, min(int(cfg["SPLITS"]), NT))
         _score_kernel[(n, splits)](qc, wc, k8, ks, tbl, rc, MB, pc, cand, tmin, NT, topk, splits,
-                                   num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]), **common)
+                                   num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
+                                   CAND=cand_mode, PREFETCH=prefetch, **common)
+        if stop_after == "score":
+            continue
         merge = dict(BLOCK_N=bn, KT=kt, KP=KP, ROWS_OUT=output == "rows", TILE=mt, LOG_BS=log_bs,
                      num_warps=8 if mt >= 1024 else 4)
         _merge_kernel[(n,)](cand, tmin, ext, ovf, novf, work, oc, tbl, rc, MB, pc, NT, topk, max_ovf, PHASE=1, **merge)
         if kt < bn and L > topk:
-            _rescore_kernel[(n, max_ovf)](qc, wc, k8, ks, tbl, rc, MB, pc, cand, ovf, novf, ext, NT, max_ovf,
+            _rescore_kernel[(n, min(max_ovf, RESCORE_PROGRAMS))](qc, wc, k8, ks, tbl, rc, MB, pc, cand, ovf, novf, ext, NT, max_ovf,
                                           num_warps=int(cfg["num_warps"]), **common)
             _merge_kernel[(n,)](cand, tmin, ext, ovf, novf, work, oc, tbl, rc, MB, pc, NT, topk, max_ovf, PHASE=2, **merge)
         if stats is not None:
@@ -401,7 +493,8 @@ def _supports(a, attrs, target) -> str | None:
 
 TUNABLES = (Tunable("BLOCK_N", (64, 128, 256)), Tunable("KT", (4, 8, 16, 32, 64)),
             Tunable("SPLITS", (1, 2, 4, 8, 12, 16, 24, 32, 64)), Tunable("num_warps", (4, 8)),
-            Tunable("num_stages", (1, 2, 3, 4)), Tunable("MERGE_TILE", (512, 1024, 2048)))
+            Tunable("num_stages", (1, 2, 3, 4)), Tunable("MERGE_TILE", (512, 1024, 2048)), Tunable("CAND", (0, 1)),
+            Tunable("PREFETCH", (0, 1)))
 
 TEMPLATES = [
     KernelTemplate(family="indexer_topk", backend="triton", ops=("indexer_topk",), launch=_launch, key_dims=_key,

@@ -26,7 +26,8 @@ them back (in torch; prefill decompresses from it).
 Selections are positions (the IR op; mapped to rows by the block table, `_paging`) or physical rows
 (`selection_rows=True`, what `indexer_topk(..., output="rows")` returns); -1 entries are skipped.
 Tunables: BLOCK_H, BLOCK_N (rows per step), CHUNK (rows per program), SUB (column blocks per row:
-1 = one pass, 4 = two passes), num_warps, num_stages.
+1 = one pass, 4 = two passes), PREFETCH (1: next step's rows resolved a step ahead; 2, SUB 4: next
+step's bytes loaded into registers before this step's dots, each tile read once), num_warps, num_stages.
 """
 
 from __future__ import annotations
@@ -52,12 +53,13 @@ def _interpreting() -> bool:
 
 @triton.jit
 def e2m1_to_f32(code):
-    """E2M1 codes (low 4 bits) -> fp32: 0, .5, 1, 1.5, 2, 3, 4, 6, bit 3 = sign."""
+    """E2M1 codes (low 4 bits) -> fp32: 0, .5, 1, 1.5, 2, 3, 4, 6, bit 3 = sign. Built from bits: a
+    magnitude code m >= 2 is the float with bits (m + 252) << 22 (exponent m>>1 + 126, mantissa bit m&1),
+    m = 1 is 0.5 (0x3F000000), m = 0 is 0."""
     c = code.to(tl.int32)
-    e = (c >> 1) & 3
-    m = (c & 1).to(tl.float32)
-    mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * (1 << e).to(tl.float32) * 0.5)
-    return tl.where((c & 8) != 0, -mag, mag)
+    m = c & 7
+    bits = tl.where(m >= 2, (m + 252) << 22, tl.where(m == 1, 0x3F000000, 0)) | ((c & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -87,37 +89,58 @@ def _load_idx(idx_ptr, t, KSEL, j, end, BLOCK_N: tl.constexpr, SPARSE: tl.conste
 
 
 @triton.jit
-def _sub_tile(lat_ptr, rows, valid, lat_stride, kb: tl.constexpr, KV: tl.constexpr, KB: tl.constexpr,
-              FMT: tl.constexpr, DOT_DT: tl.constexpr, EVICT: tl.constexpr):
-    """c_KV values kb*KB .. (kb+1)*KB-1 of the rows, dequantised (natural order, without the per-layer
-    scale) to DOT_DT: [BLOCK_N, KB]. Invalid rows read as zeros."""
+def _sub_raw(lat_ptr, rows, valid, lat_stride, kb: tl.constexpr, KV: tl.constexpr, KB: tl.constexpr,
+             FMT: tl.constexpr, EVICT: tl.constexpr):
+    """Stored bytes of c_KV values kb*KB .. (kb+1)*KB-1 of the rows: (values, block scales); the scales
+    are a [BLOCK_N, 1] placeholder unless FMT 2 (nvfp4). Invalid rows read as zeros (no traffic)."""
     rp = lat_ptr + rows[:, None] * lat_stride
     m = valid[:, None]
-    if FMT == 0:
-        x = tl.load(rp + kb * KB + tl.arange(0, KB)[None, :], mask=m, other=0.0, eviction_policy=EVICT).to(DOT_DT)
-    elif FMT == 1:
-        x = _fp8_to(tl.load(rp + kb * KB + tl.arange(0, KB)[None, :], mask=m, other=0, eviction_policy=EVICT), DOT_DT)
-    else:
-        by = tl.load(rp + kb * (KB // 2) + tl.arange(0, KB // 2)[None, :], mask=m, other=0, eviction_policy=EVICT)
+    if FMT == 2:
+        x = tl.load(rp + kb * (KB // 2) + tl.arange(0, KB // 2)[None, :], mask=m, other=0, eviction_policy=EVICT)
         sc = tl.load(rp + KV // 2 + kb * (KB // 16) + tl.arange(0, KB // 16)[None, :], mask=m, other=0,
                      eviction_policy=EVICT)
-        BN: tl.constexpr = by.shape[0]
-        v = tl.reshape(tl.join(e2m1_to_f32(by & 15), e2m1_to_f32(by >> 4)), [BN, KB // 16, 16])
-        x = tl.reshape(v * _fp8_to(sc, tl.float32)[:, :, None], [BN, KB]).to(DOT_DT)
-    return x
+    else:
+        x = tl.load(rp + kb * KB + tl.arange(0, KB)[None, :], mask=m, other=0, eviction_policy=EVICT)
+        sc = tl.zeros([x.shape[0], 1], dtype=tl.uint8)
+    return x, sc
+
+
+@triton.jit
+def _sub_deq(x, sc, KB: tl.constexpr, FMT: tl.constexpr, DOT_DT: tl.constexpr):
+    """`_sub_raw`'s bytes dequantised (natural order, without the per-layer scale) to DOT_DT [BLOCK_N, KB]."""
+    if FMT == 0:
+        return x.to(DOT_DT)
+    elif FMT == 1:
+        return _fp8_to(x, DOT_DT)
+    else:
+        BN: tl.constexpr = x.shape[0]
+        v = tl.reshape(tl.join(e2m1_to_f32(x & 15), e2m1_to_f32(x >> 4)), [BN, KB // 16, 16])
+        return tl.reshape(v * _fp8_to(sc, tl.float32)[:, :, None], [BN, KB]).to(DOT_DT)
+
+
+@triton.jit
+def _sub_tile(lat_ptr, rows, valid, lat_stride, kb: tl.constexpr, KV: tl.constexpr, KB: tl.constexpr,
+              FMT: tl.constexpr, DOT_DT: tl.constexpr, EVICT: tl.constexpr):
+    """c_KV values kb*KB .. (kb+1)*KB-1 of the rows, dequantised to DOT_DT: [BLOCK_N, KB]."""
+    x, sc = _sub_raw(lat_ptr, rows, valid, lat_stride, kb, KV, KB, FMT, EVICT)
+    return _sub_deq(x, sc, KB, FMT, DOT_DT)
+
+
+@triton.jit
+def _k_pe_raw(lat_ptr, rows, valid, lat_stride, KV: tl.constexpr, DR: tl.constexpr, FMT: tl.constexpr):
+    r = tl.arange(0, DR)
+    off = KV if FMT < 2 else KV // 2 + KV // 16
+    return tl.load(lat_ptr + rows[:, None] * lat_stride + off + r[None, :], mask=valid[:, None], other=0)
 
 
 @triton.jit
 def _k_pe(lat_ptr, rows, valid, lat_stride, KV: tl.constexpr, DR: tl.constexpr, FMT: tl.constexpr,
           DOT_DT: tl.constexpr):
-    r = tl.arange(0, DR)
-    rp = lat_ptr + rows[:, None] * lat_stride
+    x = _k_pe_raw(lat_ptr, rows, valid, lat_stride, KV, DR, FMT)
     if FMT == 0:
-        return tl.load(rp + KV + r[None, :], mask=valid[:, None], other=0.0).to(DOT_DT)
-    elif FMT == 1:
-        return _fp8_to(tl.load(rp + KV + r[None, :], mask=valid[:, None], other=0), DOT_DT)
+        return x.to(DOT_DT)
     else:
-        return _fp8_to(tl.load(rp + KV // 2 + KV // 16 + r[None, :], mask=valid[:, None], other=0), DOT_DT)
+        return _fp8_to(x, DOT_DT)
 
 
 @triton.jit
@@ -128,11 +151,25 @@ def _q_sub(qa_ptr, th, hm, kb: tl.constexpr, KB: tl.constexpr, KV: tl.constexpr,
 
 
 @triton.jit
+def _rows_at(idx_ptr, t, KSEL, j, end, tblrow, BLOCK_N: tl.constexpr, SPARSE: tl.constexpr, PAGED: tl.constexpr,
+             LOG_BS: tl.constexpr):
+    """(pool rows, valid) of context entries j .. j+BLOCK_N-1 (none valid when j >= end)."""
+    idx = _load_idx(idx_ptr, t, KSEL, j, end, BLOCK_N, SPARSE)
+    valid = idx >= 0
+    if PAGED:
+        rows = rows_of(tblrow, idx, valid, LOG_BS)
+    else:
+        rows = idx.to(tl.int64)
+    return rows, valid
+
+
+@triton.jit
 def _mla_sparse_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, pos_ptr, o_ptr, lse_ptr,
                        H, KSEL, NSPLIT, CHUNK, lat_stride, qk_scale, v_scale, pe_scale,
                        KV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                        FMT: tl.constexpr, SPARSE: tl.constexpr, DOT_DT: tl.constexpr,
-                       PREC: tl.constexpr, SUB: tl.constexpr, PAGED: tl.constexpr, LOG_BS: tl.constexpr):
+                       PREC: tl.constexpr, SUB: tl.constexpr, PAGED: tl.constexpr, LOG_BS: tl.constexpr,
+                       PREFETCH: tl.constexpr):
     """FMT 0: float pool, 1: fp8 pool, 2: nvfp4 pool; qk_scale = softmax scale * log2(e);
     logits = (q~.c) v_scale + (q_pe.k_pe) pe_scale, values c v_scale.
     Orientation: context rows are the M dimension of both dots (wgmma-sized), the few heads are N,
@@ -140,6 +177,11 @@ def _mla_sparse_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, p
     SUB = 1: whole rows per step (Triton pipelines the loads; bf16 pools). SUB = 4: the row is taken
     in four column blocks and read twice (logits pass, then a value pass that re-reads the bytes from
     L1/L2): a dequantised tile never has to live in registers whole.
+    PREFETCH = 1: the next step's rows (selection entries, then block ids) are resolved one step ahead,
+    so a step's gathers never wait on an index or block-table read. PREFETCH = 2 (SUB = 4): the stored
+    bytes of the next BLOCK_N rows are loaded into registers before this step's dots, and this step's
+    bytes, held since the previous step, serve both passes (no re-read). H200 2026-11-29: PREFETCH 2 at
+    BLOCK_N 64 / 4 warps ran 6x slower than PREFETCH 0 (144 registers of raw bytes: spills).
     PAGED: context entries are request positions, mapped to pool rows through the token's block-table
     row; otherwise they are pool rows already (a selection of rows)."""
     h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -164,45 +206,86 @@ def _mla_sparse_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, p
         acc3 = tl.zeros([KB, BLOCK_H], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], -1e30, tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for j in range(start, end, BLOCK_N):
-        idx = _load_idx(idx_ptr, t, KSEL, j, end, BLOCK_N, SPARSE)
-        valid = idx >= 0
-        if PAGED:
-            rows = rows_of(tblrow, idx, valid, LOG_BS)
-        else:
-            rows = idx.to(tl.int64)
-        kp = _k_pe(lat_ptr, rows, valid, lat_stride, KV, DR, FMT, DOT_DT)
-        s = tl.dot(kp, qpT, input_precision=PREC) * pe_scale              # [BLOCK_N, BLOCK_H]
-        if SUB == 1:
-            c0 = _sub_tile(lat_ptr, rows, valid, lat_stride, 0, KV, KB, FMT, DOT_DT, "")
-            sc = tl.dot(c0, qaT, input_precision=PREC)
-        else:
-            sc = tl.dot(_sub_tile(lat_ptr, rows, valid, lat_stride, 0, KV, KB, FMT, DOT_DT, "evict_last"),
-                        _q_sub(qa_ptr, th, hm, 0, KB, KV, DOT_DT), input_precision=PREC)
-            sc += tl.dot(_sub_tile(lat_ptr, rows, valid, lat_stride, 1, KV, KB, FMT, DOT_DT, "evict_last"),
-                         _q_sub(qa_ptr, th, hm, 1, KB, KV, DOT_DT), input_precision=PREC)
-            sc += tl.dot(_sub_tile(lat_ptr, rows, valid, lat_stride, 2, KV, KB, FMT, DOT_DT, "evict_last"),
-                         _q_sub(qa_ptr, th, hm, 2, KB, KV, DOT_DT), input_precision=PREC)
-            sc += tl.dot(_sub_tile(lat_ptr, rows, valid, lat_stride, 3, KV, KB, FMT, DOT_DT, "evict_last"),
-                         _q_sub(qa_ptr, th, hm, 3, KB, KV, DOT_DT), input_precision=PREC)
-        s = tl.where(valid[:, None], (s + sc * v_scale) * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[None, :])
-        l_i = l_i * alpha + tl.sum(p, 0)
-        pd = p.to(DOT_DT)
-        if SUB == 1:
-            acc0 = acc0 * alpha[None, :] + tl.dot(tl.trans(c0), pd, input_precision=PREC)
-        else:
-            c = _sub_tile(lat_ptr, rows, valid, lat_stride, 0, KV, KB, FMT, DOT_DT, "evict_first")
-            acc0 = acc0 * alpha[None, :] + tl.dot(tl.trans(c), pd, input_precision=PREC)
-            c = _sub_tile(lat_ptr, rows, valid, lat_stride, 1, KV, KB, FMT, DOT_DT, "evict_first")
-            acc1 = acc1 * alpha[None, :] + tl.dot(tl.trans(c), pd, input_precision=PREC)
-            c = _sub_tile(lat_ptr, rows, valid, lat_stride, 2, KV, KB, FMT, DOT_DT, "evict_first")
-            acc2 = acc2 * alpha[None, :] + tl.dot(tl.trans(c), pd, input_precision=PREC)
-            c = _sub_tile(lat_ptr, rows, valid, lat_stride, 3, KV, KB, FMT, DOT_DT, "evict_first")
-            acc3 = acc3 * alpha[None, :] + tl.dot(tl.trans(c), pd, input_precision=PREC)
-        m_i = m_new
+    if PREFETCH == 2:
+        rows, valid = _rows_at(idx_ptr, t, KSEL, start, end, tblrow, BLOCK_N, SPARSE, PAGED, LOG_BS)
+        kr = _k_pe_raw(lat_ptr, rows, valid, lat_stride, KV, DR, FMT)
+        x0, s0 = _sub_raw(lat_ptr, rows, valid, lat_stride, 0, KV, KB, FMT, "")
+        x1, s1 = _sub_raw(lat_ptr, rows, valid, lat_stride, 1, KV, KB, FMT, "")
+        x2, s2 = _sub_raw(lat_ptr, rows, valid, lat_stride, 2, KV, KB, FMT, "")
+        x3, s3 = _sub_raw(lat_ptr, rows, valid, lat_stride, 3, KV, KB, FMT, "")
+        for j in range(start, end, BLOCK_N):
+            cv, ck, c0, d0, c1, d1, c2, d2, c3, d3 = valid, kr, x0, s0, x1, s1, x2, s2, x3, s3
+            rows, valid = _rows_at(idx_ptr, t, KSEL, j + BLOCK_N, end, tblrow, BLOCK_N, SPARSE, PAGED, LOG_BS)
+            kr = _k_pe_raw(lat_ptr, rows, valid, lat_stride, KV, DR, FMT)
+            x0, s0 = _sub_raw(lat_ptr, rows, valid, lat_stride, 0, KV, KB, FMT, "")
+            x1, s1 = _sub_raw(lat_ptr, rows, valid, lat_stride, 1, KV, KB, FMT, "")
+            x2, s2 = _sub_raw(lat_ptr, rows, valid, lat_stride, 2, KV, KB, FMT, "")
+            x3, s3 = _sub_raw(lat_ptr, rows, valid, lat_stride, 3, KV, KB, FMT, "")
+            if FMT == 0:
+                kp = ck.to(DOT_DT)
+            else:
+                kp = _fp8_to(ck, DOT_DT)
+            s = tl.dot(kp, qpT, input_precision=PREC) * pe_scale
+            sc = tl.dot(_sub_deq(c0, d0, KB, FMT, DOT_DT), _q_sub(qa_ptr, th, hm, 0, KB, KV, DOT_DT),
+                        input_precision=PREC)
+            sc += tl.dot(_sub_deq(c1, d1, KB, FMT, DOT_DT), _q_sub(qa_ptr, th, hm, 1, KB, KV, DOT_DT),
+                         input_precision=PREC)
+            sc += tl.dot(_sub_deq(c2, d2, KB, FMT, DOT_DT), _q_sub(qa_ptr, th, hm, 2, KB, KV, DOT_DT),
+                         input_precision=PREC)
+            sc += tl.dot(_sub_deq(c3, d3, KB, FMT, DOT_DT), _q_sub(qa_ptr, th, hm, 3, KB, KV, DOT_DT),
+                         input_precision=PREC)
+            s = tl.where(cv[:, None], (s + sc * v_scale) * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            alpha = tl.math.exp2(m_i - m_new)
+            p = tl.math.exp2(s - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p, 0)
+            pd = p.to(DOT_DT)
+            acc0 = acc0 * alpha[None, :] + tl.dot(tl.trans(_sub_deq(c0, d0, KB, FMT, DOT_DT)), pd, input_precision=PREC)
+            acc1 = acc1 * alpha[None, :] + tl.dot(tl.trans(_sub_deq(c1, d1, KB, FMT, DOT_DT)), pd, input_precision=PREC)
+            acc2 = acc2 * alpha[None, :] + tl.dot(tl.trans(_sub_deq(c2, d2, KB, FMT, DOT_DT)), pd, input_precision=PREC)
+            acc3 = acc3 * alpha[None, :] + tl.dot(tl.trans(_sub_deq(c3, d3, KB, FMT, DOT_DT)), pd, input_precision=PREC)
+            m_i = m_new
+    else:
+        if PREFETCH == 1:
+            nrows, nvalid = _rows_at(idx_ptr, t, KSEL, start, end, tblrow, BLOCK_N, SPARSE, PAGED, LOG_BS)
+        for j in range(start, end, BLOCK_N):
+            if PREFETCH == 1:   # this step's rows were resolved a step ago; request the next step's now
+                rows, valid = nrows, nvalid
+                nrows, nvalid = _rows_at(idx_ptr, t, KSEL, j + BLOCK_N, end, tblrow, BLOCK_N, SPARSE, PAGED, LOG_BS)
+            else:
+                rows, valid = _rows_at(idx_ptr, t, KSEL, j, end, tblrow, BLOCK_N, SPARSE, PAGED, LOG_BS)
+            kp = _k_pe(lat_ptr, rows, valid, lat_stride, KV, DR, FMT, DOT_DT)
+            s = tl.dot(kp, qpT, input_precision=PREC) * pe_scale              # [BLOCK_N, BLOCK_H]
+            if SUB == 1:
+                c0 = _sub_tile(lat_ptr, rows, valid, lat_stride, 0, KV, KB, FMT, DOT_DT, "")
+                sc = tl.dot(c0, qaT, input_precision=PREC)
+            else:
+                sc = tl.dot(_sub_tile(lat_ptr, rows, valid, lat_stride, 0, KV, KB, FMT, DOT_DT, "evict_last"),
+                            _q_sub(qa_ptr, th, hm, 0, KB, KV, DOT_DT), input_precision=PREC)
+                sc += tl.dot(_sub_tile(lat_ptr, rows, valid, lat_stride, 1, KV, KB, FMT, DOT_DT, "evict_last"),
+                             _q_sub(qa_ptr, th, hm, 1, KB, KV, DOT_DT), input_precision=PREC)
+                sc += tl.dot(_sub_tile(lat_ptr, rows, valid, lat_stride, 2, KV, KB, FMT, DOT_DT, "evict_last"),
+                             _q_sub(qa_ptr, th, hm, 2, KB, KV, DOT_DT), input_precision=PREC)
+                sc += tl.dot(_sub_tile(lat_ptr, rows, valid, lat_stride, 3, KV, KB, FMT, DOT_DT, "evict_last"),
+                             _q_sub(qa_ptr, th, hm, 3, KB, KV, DOT_DT), input_precision=PREC)
+            s = tl.where(valid[:, None], (s + sc * v_scale) * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            alpha = tl.math.exp2(m_i - m_new)
+            p = tl.math.exp2(s - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p, 0)
+            pd = p.to(DOT_DT)
+            if SUB == 1:
+                acc0 = acc0 * alpha[None, :] + tl.dot(tl.trans(c0), pd, input_precision=PREC)
+            else:
+                c = _sub_tile(lat_ptr, rows, valid, lat_stride, 0, KV, KB, FMT, DOT_DT, "evict_first")
+                acc0 = acc0 * alpha[None, :] + tl.dot(tl.trans(c), pd, input_precision=PREC)
+                c = _sub_tile(lat_ptr, rows, valid, lat_stride, 1, KV, KB, FMT, DOT_DT, "evict_first")
+                acc1 = acc1 * alpha[None, :] + tl.dot(tl.trans(c), pd, input_precision=PREC)
+                c = _sub_tile(lat_ptr, rows, valid, lat_stride, 2, KV, KB, FMT, DOT_DT, "evict_first")
+                acc2 = acc2 * alpha[None, :] + tl.dot(tl.trans(c), pd, input_precision=PREC)
+                c = _sub_tile(lat_ptr, rows, valid, lat_stride, 3, KV, KB, FMT, DOT_DT, "evict_first")
+                acc3 = acc3 * alpha[None, :] + tl.dot(tl.trans(c), pd, input_precision=PREC)
+            m_i = m_new
     has = l_i > 0.0
     inv = tl.where(has, v_scale / tl.where(has, l_i, 1.0), 0.0)
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * _LN2, float("-inf"))
@@ -244,14 +327,17 @@ def heuristic(key: dict, target: str) -> dict:
     """Heads share latent rows: BLOCK_H = all heads up to 32 (min 16 for the MMA; larger accumulators
     spill); the head blocks of a token are adjacent in the grid, so their row reads hit L2. CHUNK
     depends on the context length only (batch invariant): 4 programs per token for top-2048, <= 64
-    for dense contexts. BLOCK_N 64 = one wgmma M tile (4 warps); quantised pools use SUB = 4."""
+    for dense contexts. BLOCK_N 64 = one wgmma M tile (4 warps); quantised pools use SUB = 4. PREFETCH 1
+    (rows a step ahead: paged positions are two dependent reads, index then block id, before a gather)."""
     bh = min(32, max(16, _pow2(key["H"])))
     L = max(1, key["L"])
     if target == "cpu":
         return dict(BLOCK_H=bh, BLOCK_N=32, CHUNK=max(32, _pow2(L)), num_warps=4, num_stages=1)
     chunk = 512 if L <= 4096 else min(16384, max(512, _pow2(-(-L // 64))))
     quant = key.get("fmt", 0) > 0   # Triton pipelines bf16 loads itself; dequantised tiles go by columns
-    return dict(BLOCK_H=bh, BLOCK_N=64, CHUNK=chunk, num_warps=4, num_stages=1 if quant else 2, SUB=4 if quant else 1)
+    if quant:
+        return dict(BLOCK_H=bh, BLOCK_N=64, CHUNK=chunk, num_warps=4, num_stages=1, SUB=4, PREFETCH=1)
+    return dict(BLOCK_H=bh, BLOCK_N=64, CHUNK=chunk, num_warps=4, num_stages=2, SUB=1, PREFETCH=1)
 
 
 def sparse_latent_attention(q_abs, q_pe, latent, token_pos, paging, scale: float, selection=None, *,
@@ -282,6 +368,10 @@ def sparse_latent_attention(q_abs, q_pe, latent, token_pos, paging, scale: float
         L = int(max_context) if max_context is not None else (int(pos.max()) + 1 if T else 1)
     cfg = dict(config or heuristic({"H": H, "L": L, "fmt": fmt}, "cpu" if dev.type == "cpu" else "gpu"))
     bh, bn, chunk = int(cfg["BLOCK_H"]), int(cfg["BLOCK_N"]), int(cfg["CHUNK"])
+    prefetch = int(cfg.get("PREFETCH", 0))
+    if prefetch not in (0, 1, 2) or (prefetch == 2 and int(cfg.get("SUB", 1)) != 4):
+        raise ValueError(f"mla: config {cfg}: PREFETCH must be 0, 1 or 2, and 2 needs SUB=4 (the next tile's bytes "
+                         f"in four column blocks)")
     nsplit = max(1, -(-L // chunk))
     o = torch.empty(T, H, KV, dtype=torch.float32, device=dev)
     lse = torch.empty(T, H, dtype=torch.float32, device=dev)
@@ -302,7 +392,7 @@ def sparse_latent_attention(q_abs, q_pe, latent, token_pos, paging, scale: float
         po, plse, H, sel.shape[1] if selection is not None else 0, nsplit, chunk, lat.stride(0), scale * LOG2E,
         vs, ps, KV=KV, DR=DR, BLOCK_H=bh, BLOCK_N=bn, FMT=fmt,
         SPARSE=selection is not None, DOT_DT=dot_dt, PREC="ieee" if f32 else "tf32", SUB=int(cfg.get("SUB", 1)),
-        PAGED=paging is not None, LOG_BS=log_bs,
+        PAGED=paging is not None, LOG_BS=log_bs, PREFETCH=prefetch,
         num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
     if nsplit > 1:
         _combine_kernel[(T * H,)](po, plse, o, lse, nsplit, KV=KV, NSP2=_pow2(nsplit), num_warps=4)
@@ -363,6 +453,8 @@ def _bucket(key: dict) -> dict:
 
 def _constraints(config: dict, key: dict, target: str) -> list[str]:
     out = []
+    if config.get("PREFETCH", 0) == 2 and config.get("SUB", 1) != 4:
+        out.append("PREFETCH=2 needs SUB=4")
     if config["CHUNK"] % config["BLOCK_N"]:
         out.append(f"CHUNK {config['CHUNK']} is not a multiple of BLOCK_N {config['BLOCK_N']}")
     if target != "cpu":
@@ -403,6 +495,7 @@ TUNABLES = (
     Tunable("num_warps", (4, 8)),
     Tunable("num_stages", (1, 2, 3)),
     Tunable("SUB", (1, 4)),
+    Tunable("PREFETCH", (0, 1, 2)),
 )
 
 TEMPLATES = [

@@ -7,10 +7,11 @@ block_table[r, p // block_size] * block_size + p % block_size (paged addressing,
 from __future__ import annotations
 
 import sympy
+import torch
 
 from .. import formats
 from ..core import TensorType
-from ..dtypes import f32, f8e4m3, i64
+from ..dtypes import f32, f8e4m3, i64, u8
 from ..ref import indexer as ref_indexer
 from ..ref import mla as ref_mla
 from ..ref.paging import cache_rows, check_block_size
@@ -148,29 +149,73 @@ defop("quantize_fp8_pow2", ["x"], ["q", "scale"], _quant_infer, lambda a, at: fo
       doc="FP8 e4m3 per row (last axis) with scale 2^ceil(log2(max(amax,1e-4)/448)) (SPEC §5.4)")
 
 
+def _quant_mxfp4_infer(a, at):
+    d = a.x.shape[-1]
+    expect(a.x.dtype.is_float and a.x.rank >= 1 and (sympy.sympify(d) % formats.MXFP4_BLOCK) == 0,
+           f"quantize_mxfp4: x {a.x} must be float with a last dim that is a multiple of {formats.MXFP4_BLOCK}")
+    d = sympy.sympify(d)
+    return [TensorType(u8, (*a.x.shape[:-1], d / 2)), TensorType(u8, (*a.x.shape[:-1], d / formats.MXFP4_BLOCK))]
+
+
+defop("quantize_mxfp4", ["x"], ["q", "scale"], _quant_mxfp4_infer, lambda a, at: formats.quantize_mxfp4(a.x),
+      flops=lambda a, o, at: 4 * a.x.numel(),
+      doc="MXFP4 along the last axis (SPEC §5.4 key option, §7): E2M1 codes packed two per byte (low nibble = "
+          "even element) and one E8M0 scale 2^ceil(log2(amax/6)) per 32 values")
+
+
+KEY_FORMATS = ("fp8", "mxfp4")
+
+
 def _indexer_infer(a, at):
     _block_table_ok(a, at, "indexer")
     t, hi, di = a.q.shape
-    expect(a.q.dtype == f8e4m3 and a.keys.dtype == f8e4m3, f"indexer: q {a.q} and keys {a.keys} must be f8e4m3")
+    fmt = at["key_format"]
+    expect(fmt in KEY_FORMATS, f"indexer: key_format must be one of {KEY_FORMATS}, found {fmt!r}")
+    expect(a.q.dtype == f8e4m3, f"indexer: q {a.q} must be f8e4m3")
     expect(shapes_equal(a.q_scale.shape, (t, hi)) and shapes_equal(a.w.shape, (t, hi)),
            f"indexer: q_scale {a.q_scale} and w {a.w} must be [{t},{hi}]")
-    expect(shapes_equal(a.keys.shape[1:], (di,)) and shapes_equal(a.key_scale.shape, a.keys.shape[:1]),
-           f"indexer: keys {a.keys} / key_scale {a.key_scale} must be [N,{di}] / [N]")
+    if fmt == "fp8":
+        expect(a.keys.dtype == f8e4m3, f"indexer: key_format fp8 needs f8e4m3 keys, found {a.keys}")
+        expect(shapes_equal(a.keys.shape[1:], (di,)) and shapes_equal(a.key_scale.shape, a.keys.shape[:1]),
+               f"indexer: keys {a.keys} / key_scale {a.key_scale} must be [N,{di}] / [N]")
+    else:
+        expect(a.keys.dtype == u8 and a.key_scale.dtype == u8,
+               f"indexer: key_format mxfp4 needs u8 keys (E2M1 pairs) and u8 E8M0 scales, found {a.keys} / "
+               f"{a.key_scale}")
+        expect(a.keys.rank == 2 and a.key_scale.rank == 2 and shapes_equal(a.keys.shape[1:], (sympy.sympify(di) / 2,))
+               and shapes_equal(a.key_scale.shape, (a.keys.shape[0], sympy.sympify(di) / formats.MXFP4_BLOCK)),
+               f"indexer: mxfp4 keys {a.keys} / key_scale {a.key_scale} must be [N,{di}/2] / [N,{di}/32]")
     expect(at["topk"] > 0, "indexer: topk must be positive")
     return [TensorType(i64, (t, at["topk"]))]
 
 
+def dequantize_index_keys(keys, key_scale, key_format: str):
+    """Index-key pool rows -> fp32 [N, DI]: FP8 codes * per-row scale, or MXFP4 (E2M1 pairs, E8M0 per 32)."""
+    if key_format == "fp8":
+        return formats.dequantize_fp8(keys, key_scale)
+    if key_format == "mxfp4":
+        return formats.dequantize_mxfp4(keys.view(torch.uint8), key_scale.view(torch.uint8))
+    raise ValueError(f"indexer: key_format must be one of {KEY_FORMATS}, found {key_format!r}")
+
+
 def _indexer_ref(a, at):
     q = formats.dequantize_fp8(a.q, a.q_scale).to(a.w.dtype)
-    k = formats.dequantize_fp8(a.keys, a.key_scale).to(a.w.dtype)
+    k = dequantize_index_keys(a.keys, a.key_scale, at["key_format"]).to(a.w.dtype)
     sel, _ = ref_indexer.indexer_topk(q, a.w, k, a.token_pos, a.token_req, a.block_table, at["block_size"], at["topk"])
     return sel
 
 
+def _key_bytes(a):
+    """Bytes of one cached index key: FP8 DI + 4 (fp32 scale); MXFP4 DI/2 + DI/32 (E8M0 scales)."""
+    di = a.q.shape[2]
+    return di + 4 if a.keys.dtype == f8e4m3 else di / 2 + di / formats.MXFP4_BLOCK
+
+
 defop("indexer_topk", ["q", "q_scale", "w", "keys", "key_scale", "token_pos", "token_req", "block_table"], ["selection"],
-      _indexer_infer, _indexer_ref, attrs={**BLOCK_SIZE, "topk": attr(int)},
+      _indexer_infer, _indexer_ref, attrs={**BLOCK_SIZE, "topk": attr(int), "key_format": attr(str, default="fp8")},
       flops=lambda a, o, at: 2 * a.q.shape[0] * a.q.shape[1] * CONTEXT * (a.q.shape[2] + 1),
       bytes=lambda a, o, at: a.q.nbytes() + a.w.nbytes() + o[0].nbytes()
-      + a.q.shape[0] * CONTEXT * (a.keys.shape[1] * a.keys.dtype.bits / 8 + 4),
+      + a.q.shape[0] * CONTEXT * _key_bytes(a),
       doc="I(t,s) = sum_j w_j relu(deq(q_j) . deq(k_s)) over s <= t; top-k positions (ties to the lower "
-          "position) ascending, -1 padded when the context is shorter than topk")
+          "position) ascending, -1 padded when the context is shorter than topk; key_format fp8: keys f8e4m3 [N, DI] + "
+          "f32 scale [N]; mxfp4: keys u8 [N, DI/2] (low nibble = even element) + E8M0 u8 [N, DI/32]")

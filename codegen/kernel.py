@@ -12,7 +12,10 @@ and the compiler need is declared as data next to the kernel:
 - `constraints(config, key, target) -> [problem]`: legality (shared memory, divisibility, ...);
 - `supports(a, attrs, target) -> None | reason`: whether this template can run this node at all;
   called at compile time with `a` bound to the operands' `TensorType`s (dtype + symbolic shape, no
-  data) and `target` a target name ("cpu", "h200", ...).
+  data) and `target` a target name ("cpu", "h200", ...);
+- `cost(config, key, target) -> float` (optional): a cheap relative estimate of a config's run time
+  (lower is better, any unit) that the tuner uses to prune the space before measuring
+  (`autotune_cache/search.py`); None means the tuner's generic tile-padding model.
 
 Fused ops (created by passes, e.g. `fused.kda_decode`) have no registered OpDef: their templates
 receive `a = SimpleNamespace(operands=[...])`, the node's operands in the order the creating pass
@@ -62,6 +65,7 @@ class KernelTemplate:
     constraints: Callable = field(default=lambda config, key, target: [])
     supports: Callable = field(default=lambda a, attrs, target: None)
     batch_invariant: bool = False  # True when no config splits a reduction by batch size
+    cost: Callable | None = None  # (config, key, target) -> relative estimate, lower is faster (pruning only)
     doc: str = ""
 
     def kernel_name(self, config: dict, key: dict) -> str:

@@ -122,8 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_export_onnx_parser(sub)
     add_init_weights_parser(sub)
     from autotune_cache.cli import add_cache_parser
+    from autotune_cache.tune_cli import add_tune_parser
 
     add_cache_parser(sub)
+    add_tune_parser(sub)
     return ap
 
 

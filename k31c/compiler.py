@@ -59,6 +59,19 @@ class CompileOptions:
         return tuple(sorted({b.split(":")[0].split("-")[0] for b in self.plan.target.backends}))
 
 
+IR_LATENT_CACHE = {"fp8": "f8e4m3", "bf16": "bf16"}  # --latent-cache -> the IR pool dtype
+
+
+def build_options(plan) -> BuildOptions:
+    """The model-build options a plan asks for: block size and the cache formats (SPEC §7)."""
+    if plan.latent_cache not in IR_LATENT_CACHE:
+        raise ArtifactError([f"--latent-cache {plan.latent_cache}: the IR builds {' or '.join(IR_LATENT_CACHE)} latent "
+                             f"caches ({plan.latent_cache} is planned by `k31c explain` but has no IR path yet); "
+                             f"use --latent-cache fp8"], "compile")
+    return BuildOptions(block_size=plan.block_size, latent_cache_dtype=IR_LATENT_CACHE[plan.latent_cache],
+                        key_cache=plan.key_cache)
+
+
 @dataclass
 class Artifact:
     path: str
@@ -81,7 +94,7 @@ def compile_model(config: ModelConfig, weights: dict | None, out_dir: str, opts:
     if os.path.isdir(out_dir):
         shutil.rmtree(out_dir)
     os.makedirs(out_dir)
-    module = build_module(config, BuildOptions(block_size=opts.plan.block_size))
+    module = build_module(config, build_options(opts.plan))
     p = opts.plan
     crossover = prefill_sharding(p)["crossover_tokens"] if p.tp > 1 else None
     ctx = PassContext(target=opts.target, batch_invariant=opts.batch_invariant,

@@ -56,7 +56,7 @@ def _indexer_module() -> Module:
     w = b.op("scale", b.op("linear", x, b.param(P + "weights_proj.weight"), name="iw"),
              factor=(HI ** -0.5) * (DI ** -0.5), name="iw")
     sel = b.op("indexer_topk", q8, qs, w, keys, scales, token_pos, token_req, req_base, block_size=1, topk=TOPK,
-                name="selection")
+                key_format="fp8", name="selection")
     m.add_function(b.ret(sel, keys, scales, q8, qs, w))
     assert verify(m) == []
     return m

@@ -33,7 +33,8 @@ from ir import formats
 from ir.ref.paging import cache_rows
 
 from ..kernel import KernelTemplate, Tunable, pow2_bucket
-from .mla_sparse import _LN2, LATENT_FORMATS, LOG2E, mla_sparse_decode, pool_and_selection_problem, split_kv_b
+from .mla_sparse import (_LN2, LATENT_FORMATS, LOG2E, mla_sparse_decode, pool_and_selection_problem, pool_format,
+                         split_kv_b)
 from .mla_sparse import heuristic as sparse_heuristic
 
 
@@ -198,7 +199,7 @@ def mla_prefill(q_nope, q_pe, latent, kv_b, token_pos, token_req, block_table, b
 
 # ------------------------------------------------------------------------------------ template
 def _launch(a, attrs, config):
-    fmt = "fp32" if a.latent.dtype == torch.float32 else "bf16"
+    fmt = pool_format(a.latent)  # an FP8 IR pool holds e4m3 codes with per-layer scale 1 (SPEC §7)
     return mla_prefill(a.q_nope, a.q_pe, a.latent, a.kv_b, a.token_pos, a.token_req, a.block_table,
                        int(attrs["block_size"]), float(attrs["scale"]), a.selection, latent_format=fmt, config=config,
                        selection_rows=attrs.get("selection_kind", "positions") == "rows")

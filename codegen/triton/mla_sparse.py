@@ -430,7 +430,7 @@ def mla_sparse_decode(q_nope, q_pe, latent, kv_b, token_pos, token_req, block_ta
 
 # ------------------------------------------------------------------------------------ template
 def _launch(a, attrs, config):
-    fmt = "fp32" if a.latent.dtype == torch.float32 else "bf16"
+    fmt = pool_format(a.latent)  # an FP8 IR pool holds e4m3 codes with per-layer scale 1 (SPEC §7)
     return mla_sparse_decode(a.q_nope, a.q_pe, a.latent, a.kv_b, a.token_pos, a.token_req, a.block_table,
                              int(attrs["block_size"]), float(attrs["scale"]), a.selection, latent_format=fmt, config=config,
                              selection_rows=attrs.get("selection_kind", "positions") == "rows",
@@ -479,10 +479,15 @@ def _supports(a, attrs, target) -> str | None:
     return pool_and_selection_problem(a, attrs)
 
 
+def pool_format(latent: torch.Tensor) -> str:
+    """The kernels' latent_format of an IR latent pool tensor."""
+    return {torch.float32: "fp32", torch.float8_e4m3fn: "fp8"}.get(latent.dtype, "bf16")
+
+
 def pool_and_selection_problem(a, attrs) -> str | None:
     """Why an `mla_attention` node's latent pool or selection cannot be read here (None when it can)."""
-    if getattr(a.latent.dtype, "name", "") not in ("bf16", "f32"):
-        return f"latent pool dtype {getattr(a.latent.dtype, 'name', a.latent.dtype)} (IR pools are bf16/f32)"
+    if getattr(a.latent.dtype, "name", "") not in ("bf16", "f32", "f8e4m3"):
+        return f"latent pool dtype {getattr(a.latent.dtype, 'name', a.latent.dtype)} (IR pools are bf16/f32/f8e4m3)"
     if attrs.get("selection_kind", "positions") not in ("positions", "rows"):
         return f"selection_kind {attrs['selection_kind']!r} (reads positions or rows)"
     return None

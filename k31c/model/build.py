@@ -36,12 +36,14 @@ METADATA_INPUTS = ("tokens", "token_pos", "token_req", "cu_seqlens", "block_tabl
 @dataclass(frozen=True)
 class BuildOptions:
     act_dtype: str = "bf16"  # storage dtype of activations between ops at run time
-    latent_cache_dtype: str = "bf16"
-    block_size: int = 16  # cache rows per block (a power of two); the plan's --block-size
+    # defaults = the plan's defaults (k31c/plan/options.py), so `--model` runs and default compiles agree
+    latent_cache_dtype: str = "f8e4m3"  # the plan's --latent-cache fp8 (per-layer scale 1); "bf16" / "f32" too
+    block_size: int = 64  # cache rows per block (a power of two); the plan's --block-size
+    key_cache: str = "fp8"  # index-key cache format: "fp8" | "mxfp4" (the plan's --key-cache)
 
     def to_attrs(self) -> dict:
         return {"act_dtype": self.act_dtype, "latent_cache_dtype": self.latent_cache_dtype,
-                "block_size": self.block_size}
+                "block_size": self.block_size, "key_cache": self.key_cache}
 
 
 def pool_inputs(cfg: ModelConfig, opts: BuildOptions = BuildOptions()) -> list[tuple[str, str, tuple]]:
@@ -50,7 +52,10 @@ def pool_inputs(cfg: ModelConfig, opts: BuildOptions = BuildOptions()) -> list[t
     for i in range(cfg.num_hidden_layers):
         if cfg.layer_kind(i) == "mla":
             out.append((f"latent.{i}", opts.latent_cache_dtype, ("N", cfg.latent_cache_dim)))
-            if cfg.has_indexer:
+            if cfg.has_indexer and opts.key_cache == "mxfp4":   # E2M1 pairs + one E8M0 byte per 32 values
+                out.append((f"index_keys.{i}", "u8", ("N", cfg.index_head_dim // 2)))
+                out.append((f"index_scales.{i}", "u8", ("N", cfg.index_head_dim // 32)))
+            elif cfg.has_indexer:
                 out.append((f"index_keys.{i}", "f8e4m3", ("N", cfg.index_head_dim)))
                 out.append((f"index_scales.{i}", "f32", ("N",)))
         else:
@@ -215,7 +220,11 @@ class _ModelWriter:
         q8, qs = self.op("quantize_fp8_pow2", self.op("hadamard", qi, name="iq_rot"), name="iq8")
         ki = self.op("layer_norm", self._linear(h, a + "wk.weight", "ik"), self.p(a + "k_norm.weight"),
                      self.p(a + "k_norm.bias"), eps=1e-6, name="ik")
-        k8, ks = self.op("quantize_fp8_pow2", self.op("hadamard", ki, name="ik_rot"), name="ik8")
+        k_rot = self.op("hadamard", ki, name="ik_rot")
+        if self.opts.key_cache == "mxfp4":
+            k8, ks = self.op("quantize_mxfp4", k_rot, name="ik4")
+        else:
+            k8, ks = self.op("quantize_fp8_pow2", k_rot, name="ik8")
         meta = (self.token_req, self.token_pos, self.block_table)
         bs = self.opts.block_size
         keys = self.op("cache_write", self.pools[f"index_keys.{i}"], k8, *meta, block_size=bs, name="index_keys")
@@ -225,7 +234,7 @@ class _ModelWriter:
         w = self.op("scale", self._linear(h, a + "weights_proj.weight", "iw"), factor=(hi ** -0.5) * (di ** -0.5),
                     name="iw")
         return self.op("indexer_topk", q8, qs, w, keys, scales, self.token_pos, self.token_req, self.block_table,
-                       block_size=bs, topk=cfg.index_topk, name="selection")
+                       block_size=bs, topk=cfg.index_topk, key_format=self.opts.key_cache, name="selection")
 
     # ---- FFN (SPEC §6) -----------------------------------------------------------------------
     def _glu(self, a: Value, u: Value) -> Value:

@@ -136,8 +136,8 @@ def test_runtime_rejects_bad_steps(tiny):
         rt.prefill({"a": list(range(9))})
     with pytest.raises(RequestError, match="at most 1 tokens"):
         rt.step("decode", {"a": [1, 2]})
-    with pytest.raises(RequestError, match="100 tokens need 7 cache blocks of 16 rows: needs 7 free cache blocks"):
-        rt.add_request("b", 100)
+    with pytest.raises(RequestError, match="300 tokens need 5 cache blocks of 64 rows: needs 5 free cache blocks"):
+        rt.add_request("b", 300)
     with pytest.raises(RequestError, match="exceed the model context"):
         rt.add_request("c", cfg.max_position_embeddings + 1)
 

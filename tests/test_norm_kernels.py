@@ -15,7 +15,7 @@ from ir import formats
 from ir.core import Module
 from ir.interpreter import Interpreter
 from ir.ref import basic as ref
-from k31c.model.build import build_module
+from k31c.model.build import BuildOptions, build_module
 from k31c.model.presets import get_preset
 from passes import fused_indexer_front, packed_projection
 from passes.base import PassContext
@@ -84,7 +84,7 @@ def test_rms_norm_batch_invariant():
 
 
 def _front_node():
-    m = build_module(get_preset("k31-tiny"))
+    m = build_module(get_preset("k31-tiny"), BuildOptions(block_size=16))
     ctx = PassContext()
     packed_projection.run(m, ctx)
     assert fused_indexer_front.run(m, ctx) > 0

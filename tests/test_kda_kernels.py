@@ -326,3 +326,36 @@ def test_bf16_full_shape_gpu():
     o_ref = ref.kda_chunked(q, k, v, gate, beta, want, slots, cu, D ** -0.5)
     assert_close_rel(o.float(), o_ref, 1e-2, "bf16 prefill o")
     assert_close_rel(mine, want, 1e-2, "bf16 prefill states")
+
+
+def test_interrupted_split_launch_leaves_no_arrivals_counted(monkeypatch):
+    """Split-V programs count arrivals on a per-device buffer that each launch leaves zero. A launch cut
+    short (the tuner's per-candidate time-out, an error) must reset it, or the next launch would apply the
+    gated norm from the wrong program."""
+    from codegen.triton import kda_decode as mod
+
+    g = _gen(9)
+    H, D, lengths = 2, 32, [1, 1]
+    ops = _decode_operands(g, H, D, lengths, 8, 4)
+
+    class Interrupted(Exception):
+        pass
+
+    class CutShort:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                args[-5].add_(1)  # some programs arrived (the counter buffer), then the launch was cut short
+                raise Interrupted()
+            return launch
+
+    real = mod._kda_decode_kernel
+    monkeypatch.setattr(mod, "_kda_decode_kernel", CutShort())
+    with pytest.raises(Interrupted):
+        kda_decode(*[x.clone() if isinstance(x, torch.Tensor) else x for x in ops], scale=D ** -0.5, lower_bound=-5.0,
+                   norm_eps=1e-5, block_v=8, split=2)
+    monkeypatch.setattr(mod, "_kda_decode_kernel", real)
+    assert int(mod._counters(ops[0].device, len(lengths) * H).abs().sum()) == 0
+    want = [x.clone() if isinstance(x, torch.Tensor) else x for x in ops]
+    out = kda_decode(*[x.clone() if isinstance(x, torch.Tensor) else x for x in ops], scale=D ** -0.5,
+                     lower_bound=-5.0, norm_eps=1e-5, block_v=8, split=2)[0]
+    assert_close_rel(out, _unfused(want, D ** -0.5, -5.0, 1e-5)[0], 1e-5, "launch after an interrupted one")

@@ -282,16 +282,21 @@ def kda_decode(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_
     ctr = _counters(dev, R * H) if split > 1 else state_slot
     low = fbc.dtype in (torch.bfloat16, torch.float16)
     if R > 0:
-        _kda_decode_kernel[(R, H, split)](
-            qv, kv_, vv, qv.stride(0), kv_.stride(0), vv.stride(0), *conv_ws, conv_state, fav, fav.stride(0), fbc,
-            A_log, dt_bias if dt_bias is not None else A_log, bv, bv.stride(0), state, gv, gv.stride(0),
-            o_norm_w if o_norm_w is not None else A_log, out, state_slot, cu_seqlens, keep_s, keep_c, ows, ctr,
-            float(scale), float(lower_bound) if lower_bound is not None else 0.0, float(l2_eps), float(norm_eps),
-            H=H, D=D, KW=KW, KWP=triton.next_power_of_2(KW), RL=RL, RB=max(16, min(32, triton.next_power_of_2(RL))),
-            BV=bv_, SPLIT=split, GATE=1 if lower_bound is not None else 2, HAS_BIAS=dt_bias is not None,
-            HAS_NW=o_norm_w is not None, KEEP=bool(keep_states), LOWRANK=f_b is not None, MAXT=group,
-            PREFETCH=bool(prefetch),
-            PREC="tf32" if low else "ieee", num_warps=num_warps)
+        try:
+            _kda_decode_kernel[(R, H, split)](
+                qv, kv_, vv, qv.stride(0), kv_.stride(0), vv.stride(0), *conv_ws, conv_state, fav, fav.stride(0), fbc,
+                A_log, dt_bias if dt_bias is not None else A_log, bv, bv.stride(0), state, gv, gv.stride(0),
+                o_norm_w if o_norm_w is not None else A_log, out, state_slot, cu_seqlens, keep_s, keep_c, ows, ctr,
+                float(scale), float(lower_bound) if lower_bound is not None else 0.0, float(l2_eps), float(norm_eps),
+                H=H, D=D, KW=KW, KWP=triton.next_power_of_2(KW), RL=RL, RB=max(16, min(32, triton.next_power_of_2(RL))),
+                BV=bv_, SPLIT=split, GATE=1 if lower_bound is not None else 2, HAS_BIAS=dt_bias is not None,
+                HAS_NW=o_norm_w is not None, KEEP=bool(keep_states), LOWRANK=f_b is not None, MAXT=group,
+                PREFETCH=bool(prefetch),
+                PREC="tf32" if low else "ieee", num_warps=num_warps)
+        except BaseException:
+            if split > 1:  # an interrupted launch (time-out, error) must not leave arrivals counted
+                ctr.zero_()
+            raise
     res = (out, conv_state, state)
     return res + (keep_s, keep_c) if keep_states else res
 

@@ -209,7 +209,10 @@ def load_weights(path: str) -> dict:
 
 
 # ---- kernels -----------------------------------------------------------------------------------
-def _meta_operands(module: Module, c: Choice, env: dict):
+def _meta_operands(module: Module, c: Choice, env: dict, target: str = "cpu"):
+    """Meta tensors of a node's operands as the executor will hold them on `target`: the CPU path computes
+    bf16/f16/f32 values in fp32 (so the tuning bucket, keyed by dtypes, is the one the executor looks up)."""
+    from ir.dtypes import WIDENED_FLOATS
     from ir.shapes import evaluate
 
     node = module.function(c.function).nodes[c.index]
@@ -217,6 +220,8 @@ def _meta_operands(module: Module, c: Choice, env: dict):
     for v in node.inputs:
         dims = [evaluate(d, env) for d in v.type.shape]
         dt = v.type.dtype.torch_dtype or torch.uint8
+        if target == "cpu" and v.type.dtype.name in WIDENED_FLOATS:
+            dt = torch.float32
         out.append(torch.empty(dims, dtype=dt, device="meta"))
     return node, out
 
@@ -233,7 +238,7 @@ def _representative_configs(module: Module, choices: list[Choice], opts: Compile
         if c.template is None:
             continue
         env = {**POOL_SIZES, **REPRESENTATIVE.get(c.function, {"B": 64, "R": 4})}
-        node, metas = _meta_operands(module, c, env)
+        node, metas = _meta_operands(module, c, env, opts.target)
         op = OPS.get(node.op)
         a = op.bind(metas) if op is not None and node.body is None else SimpleNamespace(operands=metas)
         attrs = {**(op.full_attrs(node.attrs) if op else node.attrs), "batch_invariant": opts.batch_invariant}

@@ -230,11 +230,12 @@ def dequantize_mxfp4_gptoss(blocks: Tensor, scales: Tensor, dtype: torch.dtype =
 
 # ----------------------------------------------------------------------------------------- NVFP4
 
-def quantize_nvfp4(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def quantize_nvfp4(x: Tensor, tensor_scale: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """NVFP4 along the last axis: x [..., K] -> (packed u8 [..., K/2], block_scales float8_e4m3fn
     [..., K/16], tensor_scale float32 0-d).
 
-    tensor_scale = amax(x) / (448 * 6) (1.0 if amax is 0); block_scale = e4m3(amax_block / 6 /
+    tensor_scale = amax(x) / (448 * 6) (1.0 if amax is 0), or the given fixed scale (a cache written a
+    token at a time keeps one scale per layer); block_scale = e4m3(amax_block / 6 /
     tensor_scale) (round to nearest, saturating); values = E2M1(x / (block_scale * tensor_scale)) with
     the product in float32, clipping at +-6 where the block scale rounded down.  A block whose scale
     rounds to 0 (amax_block below ~2^-10 of the tensor's scale range) encodes as zeros.
@@ -244,6 +245,8 @@ def quantize_nvfp4(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     _check_not_nan(x, "quantize_nvfp4", finite=True)
     gmax = x.abs().amax() if x.numel() else torch.zeros((), device=x.device)
     ts = torch.where(gmax > 0, gmax / (FP8_E4M3_MAX * E2M1_MAX), torch.ones_like(gmax))
+    if tensor_scale is not None:
+        ts = torch.full_like(gmax, float(tensor_scale))
     xb = x.reshape(*x.shape[:-1], K // NVFP4_BLOCK, NVFP4_BLOCK)
     bs = encode_fp8_e4m3(xb.abs().amax(dim=-1) / E2M1_MAX / ts)
     denom = (bs.to(torch.float32) * ts)[..., None]
@@ -334,3 +337,25 @@ STORAGE_FORMATS: dict[str, FormatInfo] = {
     "mxfp4": FormatInfo("mxfp4", 4.0 + 8.0 / MXFP4_BLOCK, MXFP4_BLOCK),  # 4.25, E8M0 per 32
     "nvfp4": FormatInfo("nvfp4", 4.0 + 8.0 / NVFP4_BLOCK, NVFP4_BLOCK),  # 4.5 + one fp32 per tensor
 }
+
+
+# ------------------------------------------------------------------------------ NVFP4 MLA latent rows
+
+def quantize_latent_nvfp4(latent: Tensor, kv: int, tensor_scale: float = 1.0, pe_scale: float = 1.0) -> Tensor:
+    """MLA latent rows [..., kv + dr] -> u8 rows [..., kv/2 + kv/16 + dr] (SPEC §7: 352 B at kv 512, dr 64):
+    c_KV as NVFP4 codes with the fixed per-layer tensor scale, then its E4M3 block scales, then k_pe / pe_scale
+    in FP8 e4m3 (saturating). A cache written a token at a time keeps its per-layer scales fixed."""
+    x = latent.to(torch.float32)
+    packed, bs, _ = quantize_nvfp4(x[..., :kv], tensor_scale=tensor_scale)
+    kpe = encode_fp8_e4m3(x[..., kv:] / pe_scale)
+    return torch.cat([packed, bs.view(torch.uint8), kpe.view(torch.uint8)], dim=-1).contiguous()
+
+
+def dequantize_latent_nvfp4(rows: Tensor, kv: int, tensor_scale: float = 1.0, pe_scale: float = 1.0) -> Tensor:
+    """Inverse reading of `quantize_latent_nvfp4`: u8 rows -> fp32 [..., kv + dr]."""
+    _check_u8(rows, "dequantize_latent_nvfp4 rows")
+    h, s = kv // 2, kv // 16
+    c = dequantize_nvfp4(rows[..., :h].contiguous(), rows[..., h:h + s].contiguous().view(torch.float8_e4m3fn),
+                         torch.tensor(tensor_scale, dtype=torch.float32))
+    kpe = rows[..., h + s:].contiguous().view(torch.float8_e4m3fn).to(torch.float32) * pe_scale
+    return torch.cat([c, kpe], dim=-1)

@@ -59,7 +59,7 @@ class CompileOptions:
         return tuple(sorted({b.split(":")[0].split("-")[0] for b in self.plan.target.backends}))
 
 
-IR_LATENT_CACHE = {"fp8": "f8e4m3", "bf16": "bf16"}  # --latent-cache -> the IR pool dtype
+IR_LATENT_CACHE = {"fp8": "f8e4m3", "nvfp4": "nvfp4", "bf16": "bf16"}  # --latent-cache -> the IR latent pools
 
 
 def build_options(plan) -> BuildOptions:

@@ -119,3 +119,27 @@ def test_compiled_verify_and_decode_equal_reference(artifact, tiny):
         rows += [rt.decode({"r": t}) for t in toks[27:]]
         outs.append(torch.cat(rows))
     assert_close_rel(outs[1], outs[0], 2e-5, "compiled prefill + verify + decode vs reference")
+
+
+def test_quantised_cache_formats_compile_and_run_through_kernels(tmp_path):
+    """--latent-cache nvfp4 --key-cache mxfp4: the IR stores NVFP4 latent rows and MXFP4 index keys, the
+    sparse-MLA and indexer kernels read them, and the compiled run equals the interpreter on that module."""
+    from k31c.runtime.executor import Executor
+    from k31c.runtime.reference import ReferenceRuntime
+
+    out = tmp_path / "q"
+    assert main(["compile", "--model", "k31-tiny", "--latent-cache", "nvfp4", "--key-cache", "mxfp4",
+                 "-o", str(out)]) == 0
+    art = load_artifact(str(out))
+    kernels = {c.op: c.kernel for c in art.choices}
+    assert kernels["mla_attention"] == "mla_sparse" and kernels["fused.indexer_select"] == "indexer_select_rows"
+    latent = art.module.function("decode").input("latent.3").type
+    assert latent.dtype.name == "u8" and int(latent.shape[1]) == 64 // 2 + 64 // 16 + 16
+    toks = list(range(3, 31))
+    outs = []
+    for eng in (None, Executor(art.module, art.weights, art.choices, configs=art.configs)):
+        rt = ReferenceRuntime(art.module, art.weights, max_rows=64, max_requests=1, engine=eng)
+        rt.add_request("r", 40)
+        outs.append(torch.cat([rt.prefill({"r": toks[:20]}), rt.verify({"r": toks[20:24]})]
+                              + [rt.decode({"r": t}) for t in toks[24:]]))
+    assert_close_rel(outs[1], outs[0], 2e-5, "nvfp4/mxfp4 caches: compiled vs interpreter")

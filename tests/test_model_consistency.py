@@ -142,9 +142,12 @@ def test_runtime_rejects_bad_steps(tiny):
         rt.add_request("c", cfg.max_position_embeddings + 1)
 
 
-def test_fp8_latent_cache_stores_the_saturated_e4m3_rounding():
-    """BuildOptions(latent_cache_dtype="f8e4m3"): the pool holds fp8 codes, and the first MLA layer's rows
-    are exactly the e4m3 rounding of what the f32-cache model stores (nothing before it differs)."""
+@pytest.mark.parametrize("fmt", ["f8e4m3", "nvfp4"])
+def test_quantised_latent_cache_stores_exactly_the_format_codes(fmt):
+    """BuildOptions(latent_cache_dtype=fp8 | nvfp4): the first MLA layer's pool rows are exactly the format's
+    encoding (e4m3 saturating; NVFP4 c_KV + E4M3 block scales + e4m3 k_pe, per-layer scales 1) of what the
+    f32-cache model stores there (nothing before that layer differs)."""
+    from ir import formats
     from k31c.model.build import BuildOptions, build_module
     from k31c.model.init_weights import random_weights
     from k31c.model.presets import get_preset
@@ -154,15 +157,19 @@ def test_fp8_latent_cache_stores_the_saturated_e4m3_rounding():
     w = random_weights(cfg, 0)
     first_mla = next(i for i in range(cfg.num_hidden_layers) if cfg.layer_kind(i) == "mla")
     pools, logits = {}, {}
-    for dt in ("f32", "f8e4m3"):
+    for dt in ("f32", fmt):
         rt = ReferenceRuntime(build_module(cfg, BuildOptions(act_dtype="f32", latent_cache_dtype=dt, block_size=4)),
                               w, max_rows=32, max_requests=1)
         rt.add_request("a", 12)
         logits[dt] = rt.prefill({"a": list(range(3, 14))})
         rows = torch.tensor(rt.blocks_of("a")).repeat_interleave(4) * 4 + torch.arange(4).repeat(3)
         pools[dt] = rt.pools[f"latent.{first_mla}"][rows[:11]]
-    assert pools["f8e4m3"].dtype == torch.float8_e4m3fn
-    want = pools["f32"].clamp(-448, 448).to(torch.float8_e4m3fn)
-    assert torch.equal(pools["f8e4m3"].view(torch.uint8), want.view(torch.uint8))
-    err = ((logits["f8e4m3"] - logits["f32"]).norm() / logits["f32"].norm()).item()
+    if fmt == "f8e4m3":
+        assert pools[fmt].dtype == torch.float8_e4m3fn
+        want = pools["f32"].clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+    else:
+        assert pools[fmt].dtype == torch.uint8 and pools[fmt].shape[1] == cfg.kv_lora_rank * 9 // 16 + cfg.qk_rope_head_dim
+        want = formats.quantize_latent_nvfp4(pools["f32"], cfg.kv_lora_rank)
+    assert torch.equal(pools[fmt].view(torch.uint8), want)
+    err = ((logits[fmt] - logits["f32"]).norm() / logits["f32"].norm()).item()
     assert 0 < err < 0.5, err   # really quantised; random tiny weights amplify rounding (README: bf16 storage 0.48)

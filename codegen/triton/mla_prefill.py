@@ -67,11 +67,7 @@ def dequantize_latent(pool: torch.Tensor, latent_format: str, kv: int, latent_sc
     if latent_format == "fp8":
         return pool.view(torch.float8_e4m3fn).float() * latent_scale
     if latent_format == "nvfp4":
-        h, s = kv // 2, kv // 16
-        c = formats.dequantize_nvfp4(pool[:, :h].contiguous(), pool[:, h:h + s].contiguous().view(torch.float8_e4m3fn),
-                                     torch.tensor(latent_scale, dtype=torch.float32))
-        kpe = pool[:, h + s:].contiguous().view(torch.float8_e4m3fn).float() * pe_scale
-        return torch.cat([c, kpe], dim=1)
+        return formats.dequantize_latent_nvfp4(pool, kv, latent_scale, pe_scale)
     raise ValueError(f"latent_format must be one of {LATENT_FORMATS}, found {latent_format!r}")
 
 
@@ -199,7 +195,7 @@ def mla_prefill(q_nope, q_pe, latent, kv_b, token_pos, token_req, block_table, b
 
 # ------------------------------------------------------------------------------------ template
 def _launch(a, attrs, config):
-    fmt = pool_format(a.latent)  # an FP8 IR pool holds e4m3 codes with per-layer scale 1 (SPEC §7)
+    fmt = pool_format(a.latent, attrs)  # an FP8 IR pool holds e4m3 codes with per-layer scale 1 (SPEC §7)
     return mla_prefill(a.q_nope, a.q_pe, a.latent, a.kv_b, a.token_pos, a.token_req, a.block_table,
                        int(attrs["block_size"]), float(attrs["scale"]), a.selection, latent_format=fmt, config=config,
                        selection_rows=attrs.get("selection_kind", "positions") == "rows")

@@ -430,7 +430,7 @@ def mla_sparse_decode(q_nope, q_pe, latent, kv_b, token_pos, token_req, block_ta
 
 # ------------------------------------------------------------------------------------ template
 def _launch(a, attrs, config):
-    fmt = pool_format(a.latent)  # an FP8 IR pool holds e4m3 codes with per-layer scale 1 (SPEC §7)
+    fmt = pool_format(a.latent, attrs)  # an FP8 IR pool holds e4m3 codes with per-layer scale 1 (SPEC §7)
     return mla_sparse_decode(a.q_nope, a.q_pe, a.latent, a.kv_b, a.token_pos, a.token_req, a.block_table,
                              int(attrs["block_size"]), float(attrs["scale"]), a.selection, latent_format=fmt, config=config,
                              selection_rows=attrs.get("selection_kind", "positions") == "rows",
@@ -444,7 +444,8 @@ def _key(a, attrs) -> dict:
     else:
         tp = a.token_pos   # compile time binds meta tensors: context unknown (0)
         L = int(tp.max()) + 1 if isinstance(tp, torch.Tensor) and tp.numel() and tp.device.type != "meta" else 0
-    return {"H": H, "L": L, "KV": int(a.kv_b.shape[1]), "sparse": int(a.selection is not None), "fmt": 0}
+    fmt = {"fp8": 1, "nvfp4": 2}.get(pool_format(a.latent, attrs), 0) if isinstance(a.latent, torch.Tensor) else 0
+    return {"H": H, "L": L, "KV": int(a.kv_b.shape[1]), "sparse": int(a.selection is not None), "fmt": fmt}
 
 
 def _bucket(key: dict) -> dict:
@@ -479,14 +480,18 @@ def _supports(a, attrs, target) -> str | None:
     return pool_and_selection_problem(a, attrs)
 
 
-def pool_format(latent: torch.Tensor) -> str:
-    """The kernels' latent_format of an IR latent pool tensor."""
+def pool_format(latent: torch.Tensor, attrs: dict) -> str:
+    """The kernels' latent_format of an IR latent pool tensor (NVFP4 rows are u8 with latent_format=nvfp4)."""
+    if attrs.get("latent_format", "plain") == "nvfp4":
+        return "nvfp4"
     return {torch.float32: "fp32", torch.float8_e4m3fn: "fp8"}.get(latent.dtype, "bf16")
 
 
 def pool_and_selection_problem(a, attrs) -> str | None:
     """Why an `mla_attention` node's latent pool or selection cannot be read here (None when it can)."""
-    if getattr(a.latent.dtype, "name", "") not in ("bf16", "f32", "f8e4m3"):
+    if attrs.get("latent_format", "plain") == "nvfp4":
+        pass  # u8 NVFP4 rows (the op's type rule checked the width)
+    elif getattr(a.latent.dtype, "name", "") not in ("bf16", "f32", "f8e4m3"):
         return f"latent pool dtype {getattr(a.latent.dtype, 'name', a.latent.dtype)} (IR pools are bf16/f32/f8e4m3)"
     if attrs.get("selection_kind", "positions") not in ("positions", "rows"):
         return f"selection_kind {attrs['selection_kind']!r} (reads positions or rows)"

@@ -61,7 +61,13 @@ def _mla_infer(a, at):
     t, h, dn = a.q_nope.shape
     dr = a.q_pe.shape[2]
     kv = a.kv_b.shape[1]
-    expect(shapes_equal(a.latent.shape[1:], (kv + dr,)), f"mla: latent pool {a.latent} must be [N, {kv}+{dr}]")
+    expect(at["latent_format"] in ("plain", "nvfp4"),
+           f"mla: latent_format must be plain|nvfp4, found {at['latent_format']!r}")
+    if at["latent_format"] == "nvfp4":
+        expect(a.latent.dtype == u8 and shapes_equal(a.latent.shape[1:], (kv / 2 + kv / 16 + dr,)),
+               f"mla: an nvfp4 latent pool must be u8[N, {kv}/2 + {kv}/16 + {dr}], found {a.latent}")
+    else:
+        expect(shapes_equal(a.latent.shape[1:], (kv + dr,)), f"mla: latent pool {a.latent} must be [N, {kv}+{dr}]")
     dv = sympy.simplify(a.kv_b.shape[0] / h - dn)
     expect(dv.is_integer and dv > 0, f"mla: kv_b {a.kv_b} is not [H*(dn+dv), kv] for H={h}, dn={dn}")
     if a.selection is not None:
@@ -75,7 +81,10 @@ def _mla_infer(a, at):
 
 
 def _mla_ref(a, at):
-    return ref_mla.mla_attention(a.q_nope, a.q_pe, a.latent, a.kv_b, a.token_pos, a.token_req, a.block_table,
+    latent = a.latent
+    if at["latent_format"] == "nvfp4":  # the reference reads the codes back to values (SPEC §7)
+        latent = formats.dequantize_latent_nvfp4(latent, int(a.kv_b.shape[1])).to(a.q_nope.dtype)
+    return ref_mla.mla_attention(a.q_nope, a.q_pe, latent, a.kv_b, a.token_pos, a.token_req, a.block_table,
                                  at["block_size"], at["scale"], a.selection, at["form"], at["selection_kind"])
 
 
@@ -97,6 +106,7 @@ def _mla_bytes(a, o, at):
 
 defop("mla_attention", ["q_nope", "q_pe", "latent", "kv_b", "token_pos", "token_req", "block_table", "selection?"],
       ["o"], _mla_infer, _mla_ref, attrs={**BLOCK_SIZE, "scale": attr(float), "form": attr(str, default="absorbed"),
+                                          "latent_format": attr(str, default="plain"),
                                           "selection_kind": attr(str, default="positions")},
       flops=_mla_flops, bytes=_mla_bytes,
       doc="softmax(scale*(q_nope.k_nope + q_pe.k_pe)) v over the causal context (or the selected positions); "
@@ -138,6 +148,21 @@ defop("selection_to_rows", ["selection", "token_req", "block_table"], ["rows"], 
       attrs=BLOCK_SIZE,
       doc="rows[t, j] = row(token_req[t], selection[t, j]) where selection[t, j] >= 0, else -1 "
           "(request positions -> physical pool rows through the block table)")
+
+
+def _latent_nvfp4_infer(a, at):
+    kv = at["kv_lora_rank"]
+    dr = sympy.simplify(a.x.shape[1] - kv)
+    expect(a.x.rank == 2 and kv % 16 == 0 and dr.is_integer and dr > 0,
+           f"quantize_latent_nvfp4: x {a.x} must be [T, {kv}+dr] with kv_lora_rank a multiple of 16")
+    return [TensorType(u8, (a.x.shape[0], kv // 2 + kv // 16 + dr))]
+
+
+defop("quantize_latent_nvfp4", ["x"], ["codes"], _latent_nvfp4_infer,
+      lambda a, at: formats.quantize_latent_nvfp4(a.x, at["kv_lora_rank"]), attrs={"kv_lora_rank": attr(int)},
+      flops=lambda a, o, at: 4 * a.x.numel(),
+      doc="MLA latent row [c_KV; k_pe] -> NVFP4 codes of c_KV | their E4M3 block scales | k_pe in FP8 "
+          "(per-layer scales 1, held outside the token; SPEC §7: 352 B at kv=512, dr=64)")
 
 
 def _quant_infer(a, at):

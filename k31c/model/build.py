@@ -37,7 +37,7 @@ METADATA_INPUTS = ("tokens", "token_pos", "token_req", "cu_seqlens", "block_tabl
 class BuildOptions:
     act_dtype: str = "bf16"  # storage dtype of activations between ops at run time
     # defaults = the plan's defaults (k31c/plan/options.py), so `--model` runs and default compiles agree
-    latent_cache_dtype: str = "f8e4m3"  # the plan's --latent-cache fp8 (per-layer scale 1); "bf16" / "f32" too
+    latent_cache_dtype: str = "f8e4m3"  # the plan's --latent-cache fp8 (per-layer scale 1); "nvfp4", "bf16", "f32"
     block_size: int = 64  # cache rows per block (a power of two); the plan's --block-size
     key_cache: str = "fp8"  # index-key cache format: "fp8" | "mxfp4" (the plan's --key-cache)
 
@@ -51,7 +51,11 @@ def pool_inputs(cfg: ModelConfig, opts: BuildOptions = BuildOptions()) -> list[t
     out = []
     for i in range(cfg.num_hidden_layers):
         if cfg.layer_kind(i) == "mla":
-            out.append((f"latent.{i}", opts.latent_cache_dtype, ("N", cfg.latent_cache_dim)))
+            if opts.latent_cache_dtype == "nvfp4":  # c_KV E2M1 pairs | E4M3 block scales | k_pe e4m3 (SPEC §7)
+                kv = cfg.kv_lora_rank
+                out.append((f"latent.{i}", "u8", ("N", kv // 2 + kv // 16 + cfg.qk_rope_head_dim)))
+            else:
+                out.append((f"latent.{i}", opts.latent_cache_dtype, ("N", cfg.latent_cache_dim)))
             if cfg.has_indexer and opts.key_cache == "mxfp4":   # E2M1 pairs + one E8M0 byte per 32 values
                 out.append((f"index_keys.{i}", "u8", ("N", cfg.index_head_dim // 2)))
                 out.append((f"index_scales.{i}", "u8", ("N", cfg.index_head_dim // 32)))
@@ -198,7 +202,10 @@ class _ModelWriter:
                     self.p(a + "kv_a_layernorm.weight"), eps=1e-6, name="c_kv")
         k_pe = self.op("slice", ckv, axis=1, start=kv, stop=kv + dr, name="k_pe")
         latent = self.op("concat", c, k_pe, axis=1, name="latent")
-        if self.opts.latent_cache_dtype != latent.type.dtype.name:
+        nvfp4 = self.opts.latent_cache_dtype == "nvfp4"
+        if nvfp4:
+            latent = self.op("quantize_latent_nvfp4", latent, kv_lora_rank=kv, name="latent4")
+        elif self.opts.latent_cache_dtype != latent.type.dtype.name:
             latent = self.op("cast", latent, dtype=self.opts.latent_cache_dtype, name="latent")
         pool = self.op("cache_write", self.pools[f"latent.{i}"], latent, self.token_req, self.token_pos, self.block_table,
                        block_size=self.opts.block_size, name="latent_cache")
@@ -206,7 +213,8 @@ class _ModelWriter:
         selection = self._indexer(i, h, cq) if cfg.has_indexer else None
         extra = [selection] if selection is not None else []
         o = self.op("mla_attention", q_nope, q_pe, pool, self.p(a + "kv_b_proj.weight"), *meta, *extra,
-                    block_size=self.opts.block_size, scale=(dn + dr) ** -0.5, form=self.mla_form, name="mla")
+                    block_size=self.opts.block_size, scale=(dn + dr) ** -0.5, form=self.mla_form,
+                    **({"latent_format": "nvfp4"} if nvfp4 else {}), name="mla")
         o = self.op("reshape", o, shape=[-1, H * cfg.v_head_dim], name="o")
         if cfg.mla_use_output_gate:
             o = self.op("mul", o, self.op("sigmoid", self._linear(h, a + "g_proj.weight", "gate"), name="gate"),

@@ -81,3 +81,25 @@ def run_checks(module_name: str, world: int) -> dict:
         if os.path.exists(init_file):
             os.unlink(init_file)
     return out
+
+
+def results_per_world(module_name: str, prepare=None):
+    """`get(world)`: the module's check results at that world size, one process group each, run once
+    (`prepare()` first, so forked ranks inherit what it computes)."""
+    if prepare is not None:
+        prepare()
+    cache: dict = {}
+
+    def get(world):
+        if world not in cache:
+            cache[world] = run_checks(module_name, world)
+        return cache[world]
+    return get
+
+
+def check_result(res: dict, check: str, world: int) -> dict:
+    """The named check's result, asserting the group started, the check ran and passed."""
+    assert "<process group>" not in res, res["<process group>"]["error"]
+    assert check in res, f"{check} did not run at W={world}: {res.get('<timeout>', {}).get('error', '')}"
+    assert res[check]["ok"], res[check]["error"]
+    return res[check]

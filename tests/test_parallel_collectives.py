@@ -11,12 +11,11 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from k31c.parallel import (causal_balance_indices, combine_partials, dcp_topk, global_positions,
                            local_count, lse_combine, shard_scores, heads_to_tokens, tokens_to_heads)
 from k31c.parallel.dcp_topk import all_gather_concat
-from tests.dist_helpers import run_checks
+from tests.dist_helpers import check_result, results_per_world
 
 WORLDS = (2, 4, 8)
 
@@ -214,22 +213,13 @@ DIST_CHECKS = [check_topk_random, check_topk_one_rank_holds_topk, check_topk_tie
 # ---------------------------------------------------------------- pytest side
 @pytest.fixture(scope="module")
 def results():
-    cache: dict = {}
-
-    def get(world):
-        if world not in cache:
-            cache[world] = run_checks(__name__, world)
-        return cache[world]
-    return get
+    return results_per_world(__name__)
 
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("check", [f.__name__ for f in DIST_CHECKS])
 def test_collective(results, world, check):
-    res = results(world)
-    assert "<process group>" not in res, res["<process group>"]["error"]
-    assert check in res, f"{check} did not run at W={world}: {res.get('<timeout>', {}).get('error', '')}"
-    assert res[check]["ok"], res[check]["error"]
+    check_result(results(world), check, world)
 
 
 @pytest.mark.parametrize("world", WORLDS)

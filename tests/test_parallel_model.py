@@ -32,7 +32,7 @@ from k31c.parallel.dcp_topk import candidates_per_rank
 from passes import shard_dcp, shard_ep, shard_tokens, shard_tp
 from passes.base import PassContext
 from passes.pipeline import run_pipeline
-from tests.dist_helpers import run_checks
+from tests.dist_helpers import check_result, results_per_world
 from tests.helpers import assert_close_rel
 
 WORLDS = (2, 4, 8)
@@ -163,24 +163,13 @@ FUSED_WORLDS = (2,)
 # ---------------------------------------------------------------- pytest side
 @pytest.fixture(scope="module")
 def results():
-    reference_logits()  # computed once here, inherited by the forked ranks
-    cache: dict = {}
-
-    def get(world):
-        if world not in cache:
-            cache[world] = run_checks(__name__, world)
-        return cache[world]
-    return get
+    return results_per_world(__name__, prepare=reference_logits)  # reference computed once, inherited by ranks
 
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("check", [f.__name__ for f in DIST_CHECKS])
 def test_sharded_logits_equal_single_process(results, world, check):
-    res = results(world)
-    assert "<process group>" not in res, res["<process group>"]["error"]
-    assert check in res, f"{check} did not run at W={world}: {res.get('<timeout>', {}).get('error', '')}"
-    assert res[check]["ok"], res[check]["error"]
-    assert res[check]["info"]["max_rel_err"] < TOL
+    assert check_result(results(world), check, world)["info"]["max_rel_err"] < TOL
 
 
 @pytest.mark.parametrize("world", WORLDS)

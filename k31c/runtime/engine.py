@@ -9,8 +9,8 @@ Every step the scheduler spends a token budget (`max_batched_tokens`): first one
 request that is decoding and the next chunk of each running request still prefilling (chunks are cut at
 `prefill_chunk` and at the request's KDA checkpoint boundaries), then it admits waiting requests (at most
 `max_num_seqs` run at once) while the budget and the free cache blocks allow; admission reuses a cached
-prefix when prefix caching is on. A step whose requests all decode one token runs the model's `decode`
-function; any other step runs `prefill` (chunked prefill mixed with decodes in one ragged batch).
+prefix when prefix caching is on. In a step, the requests decoding one token run through the model's
+`decode` function and the prefill chunks (one ragged batch) through `prefill`.
 
 Cache blocks are taken as requests grow. When none are free, unreferenced prefix-cache blocks are evicted
 (LRU), then the most recently admitted running request is preempted: its blocks and state are released and
@@ -83,7 +83,7 @@ class Engine:
         self._ready: list[RequestOutput] = []   # outputs produced outside a step (cancel, zero tokens)
         self._order = 0
         self.kept_logits: dict[str, list[torch.Tensor]] = {}  # keep_logits: the logits each token was sampled from
-        self.counters = {"steps": 0, "decode_steps": 0, "prefill_steps": 0, "preemptions": 0, "tokens_computed": 0}
+        self.counters = {"steps": 0, "decode_calls": 0, "prefill_calls": 0, "preemptions": 0, "tokens_computed": 0}
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, rid: str, prompt: Sequence[int], params: SamplingParams = SamplingParams(),
@@ -148,19 +148,22 @@ class Engine:
                 raise RuntimeError(f"engine: {len(self.waiting)} requests wait but none can be admitted "
                                    f"({self.rt.blocks.num_free} free blocks)")
             return outputs
-        decode = all(n == 1 and s.computed > 0 for s, n in batch)
-        fn = "decode" if decode else "prefill"
-        logits = self.rt.step(fn, {s.rid: s.tokens[s.computed:s.computed + n] for s, n in batch})
         self.counters["steps"] += 1
-        self.counters[f"{fn}_steps"] += 1
         self.counters["tokens_computed"] += sum(n for _, n in batch)
-        row = 0
-        for s, n in batch:
-            row += n
-            s.computed += n
-            self._after_compute(s)
-            if s.computed == len(s.tokens):
-                outputs += self._sample(s, logits[row - 1])
+        decodes = [(s, n) for s, n in batch if n == 1 and s.computed > 0]
+        chunks = [(s, n) for s, n in batch if not (n == 1 and s.computed > 0)]
+        for fn, part in (("decode", decodes), ("prefill", chunks)):  # each kind through its own function
+            if not part:
+                continue
+            logits = self.rt.step(fn, {s.rid: s.tokens[s.computed:s.computed + n] for s, n in part})
+            self.counters[f"{fn}_calls"] += 1
+            row = 0
+            for s, n in part:
+                row += n
+                s.computed += n
+                self._after_compute(s)
+                if s.computed == len(s.tokens):
+                    outputs += self._sample(s, logits[row - 1])
         return outputs
 
     def _schedule(self) -> list[tuple[_Seq, int]]:

@@ -9,7 +9,7 @@ Artifact directory (written by `k31c compile`, DESIGN §7):
     report.txt                 the human-readable report
 
 `manifest.json` keys: schema_version, k31c_version, model {name, config_digest, source}, target
-{name, description, device_names, backends, needs_gpu, plan_only}, layout {tp, dcp, ep}, options
+{name, description, device_names, backends, needs_gpu, plan_only}, layout {tp, dcp, ep, dcp_interleave}, options
 (free-form JSON from the compiler), passes [names in order], toolchain {python, k31c, torch, triton,
 tvm (when installed), cuda (when torch has it)}, files {relative path: sha256} for every file except
 manifest.json itself and Python byte-code caches (`__pycache__/`, `*.pyc`, written when kernels are
@@ -137,7 +137,7 @@ def build_manifest(root: str, meta: dict) -> dict:
         from .targets import get_target
 
         target = get_target(target)
-    layout = {k: int(meta["layout"].get(k, 1)) for k in ("tp", "dcp", "ep")}
+    layout = {k: int(meta["layout"].get(k, 1)) for k in ("tp", "dcp", "ep", "dcp_interleave")}
     return {
         "schema_version": SCHEMA_VERSION,
         "k31c_version": _dist_version("k31c") or "unknown",

@@ -98,7 +98,7 @@ def compile_model(config: ModelConfig, weights: dict | None, out_dir: str, opts:
     p = opts.plan
     crossover = prefill_sharding(p)["crossover_tokens"] if p.tp > 1 else None
     ctx = PassContext(target=opts.target, batch_invariant=opts.batch_invariant,
-                      options={"tp": p.tp, "ep": p.ep, "dcp": p.dcp,
+                      options={"tp": p.tp, "ep": p.ep, "dcp": p.dcp, "dcp_interleave": p.dcp_interleave,
                                "token_shard_min_tokens": crossover if crossover is not None else 2**62})
     result = run_pipeline(module, ctx, disable=opts.disable, dump_dir=os.path.join(out_dir, "ir"),
                           print_after=opts.print_after)
@@ -118,7 +118,7 @@ def compile_model(config: ModelConfig, weights: dict | None, out_dir: str, opts:
     report = _report(result.records, choices, opts)
     _write(out_dir, "report.txt", report)
     write_manifest(out_dir, {"config": config, "model_source": model_source, "target": p.target,
-                             "layout": {"tp": p.tp, "dcp": p.dcp, "ep": p.ep}, "passes": [r.name for r in result.records],
+                             "layout": {"tp": p.tp, "dcp": p.dcp, "ep": p.ep, "dcp_interleave": p.dcp_interleave}, "passes": [r.name for r in result.records],
                              "options": {"batch_invariant": opts.batch_invariant, "has_weights": weights is not None,
                                          "latent_cache": p.latent_cache, "key_cache": p.key_cache}})
     summary = f"{result.table()}\n{report}"  # with pass timings; the artifact itself has none

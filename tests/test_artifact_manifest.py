@@ -72,7 +72,7 @@ def test_manifest_is_byte_identical_for_identical_inputs(tmp_path):
     man = json.loads(first)
     assert man["schema_version"] == SCHEMA_VERSION
     assert man["model"]["config_digest"] == get_preset("k31-tiny").digest()
-    assert man["target"]["name"] == "cpu" and man["layout"] == {"tp": 1, "dcp": 1, "ep": 1}
+    assert man["target"]["name"] == "cpu" and man["layout"] == {"tp": 1, "dcp": 1, "ep": 1, "dcp_interleave": 1}
     assert man["passes"] == ["annotate", "fuse_packed_projection", "select_kernels"]
     assert {"python", "torch", "triton", "k31c"} <= set(man["toolchain"])
     assert sorted(man["files"]) == ["ir/000_model.ir", "kernels/configs.json", "kernels/kda_decode.py",

@@ -111,3 +111,24 @@ def test_tp1_runs_the_command_unchanged():
     assert seen == [None]
     rt = parallel_runtime(None, build_module(PAR_CFG), full_weights(), lambda m, w: ("local", m))
     assert rt[0] == "local" and torch.is_tensor(full_weights()["model.norm.weight"])
+
+
+def test_dcp_interleave_is_a_compile_decision_and_launch_must_match(tmp_path):
+    """`k31c compile --tp 2 --dcp 2 --dcp-interleave 2` shards the module for that interleave (module attrs,
+    manifest layout); launching it with another interleave is refused, naming both layouts."""
+    from k31c.cli import main
+    from k31c.compiler import load_artifact
+    from k31c.parallel.serving import ParallelLayout, shard_module
+    from passes.base import PassError
+
+    out = tmp_path / "dcp"
+    assert main(["compile", "--model", "k31-tiny", "--tp", "2", "--dcp", "2", "--dcp-interleave", "2",
+                 "-o", str(out)]) == 0
+    art = load_artifact(str(out), with_weights=False)
+    assert (art.module.attrs["dcp"], art.module.attrs["dcp_interleave"]) == (2, 2)
+    assert art.manifest["layout"]["dcp_interleave"] == 2
+    assert shard_module(art.module, ParallelLayout(tp=2, dcp=2, ep=2, rank=0, dcp_interleave=2)) is art.module
+    with pytest.raises(PassError, match=r"compiled for tp/ep/dcp/dcp-interleave = \(2, 2, 2, 2\), launched with "
+                                        r"\(2, 2, 2, 1\)"):
+        shard_module(art.module, ParallelLayout(tp=2, dcp=2, ep=2, rank=0, dcp_interleave=1))
+    assert main(["compile", "--model", "k31-tiny", "--dcp-interleave", "0", "-o", str(tmp_path / "bad")]) == 2

@@ -70,11 +70,12 @@ def shard_module(module: Module, layout: ParallelLayout, token_shard_min_tokens:
     from passes import shard_dcp, shard_ep, shard_tokens, shard_tp
     from passes.base import PassContext, PassError
 
-    have = tuple(module.attrs.get(k, 1) for k in ("tp", "ep", "dcp"))
-    want = (layout.tp, layout.ep, layout.dcp)
-    if have != (1, 1, 1):
+    have = tuple(module.attrs.get(k, 1) for k in ("tp", "ep", "dcp", "dcp_interleave"))
+    want = (layout.tp, layout.ep, layout.dcp, layout.dcp_interleave if layout.dcp > 1 else 1)
+    if have[:3] != (1, 1, 1):
         if have != want:
-            raise PassError(f"module was compiled for tp/ep/dcp = {have}, launched with {want}")
+            raise PassError(f"module was compiled for tp/ep/dcp/dcp-interleave = {have}, launched with {want}: "
+                            f"launch with the compiled layout (k31c inspect shows it) or recompile")
         return module
     ctx = PassContext(options={"tp": layout.tp, "ep": layout.ep, "dcp": layout.dcp,
                                "dcp_interleave": layout.dcp_interleave,

@@ -38,9 +38,9 @@ from .memory import fit_problems
 LATENT_FORMATS = ("fp8", "nvfp4", "bf16")
 KEY_FORMATS = ("fp8", "mxfp4")
 STATE_FORMATS = ("f32", "bf16")
-DEFAULTS = dict(target=None, target_file=None, tp=1, dcp=1, ep=None, latent_cache="fp8", key_cache="fp8",
-                kda_state="f32", max_context=None, max_batched_tokens=8192, max_requests=64, block_size=64,
-                emulate_formats=False)
+DEFAULTS = dict(target=None, target_file=None, tp=1, dcp=1, dcp_interleave=1, ep=None, latent_cache="fp8",
+                key_cache="fp8", kda_state="f32", max_context=None, max_batched_tokens=8192, max_requests=64,
+                block_size=64, emulate_formats=False)
 
 
 class PlanConfigError(ValueError):
@@ -60,6 +60,7 @@ class PlanOptions:
     tp: int = 1
     dcp: int = 1
     ep: int = 1
+    dcp_interleave: int = 1  # DCP: rank r stores the runs of this many positions numbered r mod dcp
     latent_cache: str = "fp8"
     key_cache: str = "fp8"
     kda_state: str = "f32"
@@ -85,6 +86,7 @@ class PlanOptions:
     def flags(self) -> dict:
         """The resolved flags, as `k31c explain` prints them first."""
         return {"model": self.model_spec, "target": self.target.name, "tp": self.tp, "dcp": self.dcp, "ep": self.ep,
+                "dcp_interleave": self.dcp_interleave,
                 "latent_cache": self.latent_cache, "key_cache": self.key_cache, "kda_state": self.kda_state,
                 "max_context": self.max_context, "max_batched_tokens": self.max_batched_tokens,
                 "max_requests": self.max_requests, "block_size": self.block_size,
@@ -101,6 +103,8 @@ def add_plan_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of one instance (default 1)")
     p.add_argument("--dcp", type=int, default=1, help="decode-context-parallel group size, divides --tp (default 1)")
     p.add_argument("--ep", type=int, default=None, help="expert-parallel group size, divides --tp (default: --tp)")
+    p.add_argument("--dcp-interleave", type=int, default=1,
+                   help="DCP: rank r stores the runs of this many positions numbered r mod --dcp (default 1)")
     p.add_argument("--latent-cache", default="fp8", metavar="FMT", help="MLA latent cache: fp8 | nvfp4 | bf16")
     p.add_argument("--key-cache", default="fp8", metavar="FMT", help="DSA index-key cache: fp8 | mxfp4")
     p.add_argument("--kda-state", default="f32", metavar="FMT", help="KDA recurrent state: f32 | bf16")
@@ -159,7 +163,8 @@ def resolve_plan_options(args) -> PlanOptions:
         problems += [p if "target" in p else f"target: {p}" for p in e.problems]
     tp, dcp = g["tp"], g["dcp"]
     ep = g["ep"] if g["ep"] is not None else tp
-    for flag, v in (("--tp", tp), ("--dcp", dcp), ("--ep", ep), ("--max-batched-tokens", g["max_batched_tokens"]),
+    for flag, v in (("--tp", tp), ("--dcp", dcp), ("--ep", ep), ("--dcp-interleave", g["dcp_interleave"]),
+                    ("--max-batched-tokens", g["max_batched_tokens"]),
                     ("--max-requests", g["max_requests"]), ("--block-size", g["block_size"])):
         if not isinstance(v, int) or v < 1:
             problems.append(f"{flag} must be a positive integer, found {v!r}")
@@ -185,6 +190,7 @@ def resolve_plan_options(args) -> PlanOptions:
     if cfg is None or target is None or problems and not _sizing_ok(g, tp, dcp, ep, max_context):
         raise PlanConfigError(problems)
     opts = PlanOptions(cfg=cfg, model_spec=args.model, model_source=source, target=target, tp=tp, dcp=dcp, ep=ep,
+                       dcp_interleave=g["dcp_interleave"],
                        latent_cache=g["latent_cache"], key_cache=g["key_cache"], kda_state=g["kda_state"],
                        max_context=max_context, max_batched_tokens=g["max_batched_tokens"],
                        max_requests=g["max_requests"], block_size=bs, emulate_formats=bool(g["emulate_formats"]),

@@ -18,8 +18,12 @@ from codegen.triton.kda_prefill import kda_gate, kda_prefill
 from ir.core import TensorType
 from ir.ops import OPS
 from ir.ref import kda as ref
-from ir.ref.basic import gated_rms_norm, l2_norm
+from ir.ref.basic import l2_norm
 from tests.helpers import assert_close_rel
+from tests.kda_decode_case import conv_tails as _conv_tails
+from tests.kda_decode_case import cu as _cu
+from tests.kda_decode_case import decode_operands
+from tests.kda_decode_case import unfused_decode as _unfused
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -27,9 +31,6 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 def _gen(seed):
     return torch.Generator().manual_seed(seed)
 
-
-def _cu(lengths):
-    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int64)
 
 
 def _inputs(gen, T, H, D, Dv=None, gate_scale=1.0):
@@ -187,41 +188,6 @@ def test_prefill_and_gate_templates_drop_in():
 
 
 # ------------------------------------------------------------------------------------------ decode
-def _decode_operands(gen, H, D, lengths, rank, S, with_bias=True):
-    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    T, P, K = sum(lengths), H * D, 4
-    slots = torch.randperm(S, generator=gen)[:len(lengths)]
-    return [r(T, P), r(T, P), r(T, P), r(P, K) * 0.5, r(P, K) * 0.5, r(P, K) * 0.5, r(S, K - 1, 3 * P), r(T, rank),
-            r(P, rank) / rank ** 0.5, r(H) * 0.5, r(P) if with_bias else None, r(T, H), r(S, H, D, D) * 0.5,
-            r(T, P), r(D), slots, _cu(lengths)]
-
-
-def _unfused(ops, scale, lb, eps):
-    """The group `passes/kda_decode_fusion.py` replaces, op by op through ir.ref."""
-    q, k, v, qc, kc, vc, conv, f_a, f_b, A_log, dt_bias, b, state, gate, w, slots, cu = ops
-    T, P = q.shape
-    H = A_log.numel()
-    D = P // H
-    y = ref.causal_conv1d(torch.cat([q, k, v], 1), torch.cat([qc, kc, vc], 0), conv, slots, cu)
-    qh, kh = l2_norm(y[:, :P].reshape(T, H, D), 1e-6), l2_norm(y[:, P:2 * P].reshape(T, H, D), 1e-6)
-    g = ref.kda_gate(f_a @ f_b.T if f_b is not None else f_a, A_log, dt_bias, lb)
-    o, states = ref.kda_recurrence(qh, kh, y[:, 2 * P:].reshape(T, H, D), g, torch.sigmoid(b), state, slots, cu,
-                                   scale, keep_states=True)
-    return gated_rms_norm(o, gate.reshape(T, H, D), w, eps).reshape(T, P), states
-
-
-def _conv_tails(ops, lengths):
-    """Conv tail after every token, by feeding the reference conv one token at a time."""
-    q, k, v, qc, kc, vc, conv = ops[:7]
-    conv, x, w = conv.clone(), torch.cat([q, k, v], 1), torch.cat([qc, kc, vc], 0)
-    slots, cu, out = ops[15], ops[16], []
-    for r in range(len(lengths)):
-        for t in range(cu[r], cu[r + 1]):
-            ref.causal_conv1d(x[t:t + 1], w, conv, slots[r:r + 1], torch.tensor([0, 1]))
-            out.append(conv[slots[r]].clone())
-    return torch.stack(out)
-
-
 @pytest.mark.parametrize("H,D,lengths,lb,rank,block_v,split,prefetch", [
     (2, 16, [1, 3, 8, 2], -5.0, 3, 16, 1, True),          # verification: 1..8 tokens per request, K3 gate
     (2, 32, [1, 2, 0, 5, 7, 4, 6, 8], None, 32, 16, 1, True),  # q_len 0..8, Kimi-Linear softplus gate
@@ -234,7 +200,7 @@ def _conv_tails(ops, lengths):
 def test_decode_vs_unfused_sequence(H, D, lengths, lb, rank, block_v, split, prefetch):
     g = _gen(7)
     S = len(lengths) + 2
-    ops = _decode_operands(g, H, D, lengths, rank or 8, S, with_bias=lb is not None)
+    ops = decode_operands(g, H, D, lengths, rank or 8, S, bias=lb is not None)
     if rank is None:  # the kernel's f input: f = f_a f_b^T computed outside
         ops[7], ops[8] = ops[7] @ ops[8].T, None
     mine = [x.clone() if isinstance(x, torch.Tensor) else x for x in ops]
@@ -260,7 +226,7 @@ def test_decode_vs_unfused_sequence(H, D, lengths, lb, rank, block_v, split, pre
 def test_decode_template_drop_in():
     g = _gen(8)
     H, D, lengths = 2, 16, [1, 1, 1]
-    ops = _decode_operands(g, H, D, lengths, 16, 4)
+    ops = decode_operands(g, H, D, lengths, 16, 4)
     (t,) = DECODE_TEMPLATES
     attrs = {"heads": H, "head_dim": D, "scale": D ** -0.5, "lower_bound": -5.0, "l2_eps": 1e-6, "norm_eps": 1e-5,
              "batch_invariant": False}
@@ -336,7 +302,7 @@ def test_interrupted_split_launch_leaves_no_arrivals_counted(monkeypatch):
 
     g = _gen(9)
     H, D, lengths = 2, 32, [1, 1]
-    ops = _decode_operands(g, H, D, lengths, 8, 4)
+    ops = decode_operands(g, H, D, lengths, 8, 4)
 
     class Interrupted(Exception):
         pass

@@ -13,53 +13,12 @@ import torch
 pytest.importorskip("tvm", reason="apache-tvm is a test extra; the TVM backend needs it")
 
 from codegen.tvm import kda_decode as K  # noqa: E402
-from ir.ref import kda as ref  # noqa: E402
-from ir.ref.basic import gated_rms_norm, l2_norm  # noqa: E402
 from tests.helpers import assert_close_rel  # noqa: E402
+from tests.kda_decode_case import conv_tails as _conv_tails  # noqa: E402
+from tests.kda_decode_case import decode_operands as _operands  # noqa: E402
+from tests.kda_decode_case import unfused_decode as _unfused  # noqa: E402
 
 (TEMPLATE,) = K.TEMPLATES
-
-
-def _cu(lengths):
-    return torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int64)
-
-
-def _operands(gen, H, D, lengths, rank, S, bias=True, norm_w=True):
-    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    T, P, KW = sum(lengths), H * D, 4
-    slots = torch.randperm(S, generator=gen)[:len(lengths)]
-    return [r(T, P), r(T, P), r(T, P), r(P, KW) * 0.5, r(P, KW) * 0.5, r(P, KW) * 0.5, r(S, KW - 1, 3 * P), r(T, rank),
-            r(P, rank) / rank ** 0.5, r(H) * 0.5, r(P) if bias else None, r(T, H), r(S, H, D, D) * 0.5,
-            r(T, P), r(D) if norm_w else None, slots, _cu(lengths)]
-
-
-def _unfused(ops, scale, lb, eps, keep=False):
-    """The group passes/kda_decode_fusion.py replaces, op by op through ir.ref (float64); with keep also the
-    recurrence's per-token states."""
-    q, k, v, qc, kc, vc, conv, f_a, f_b, A_log, dt_bias, b, state, gate, w, slots, cu = ops
-    T, P = q.shape
-    H = A_log.numel()
-    D = P // H
-    y = ref.causal_conv1d(torch.cat([q, k, v], 1), torch.cat([qc, kc, vc], 0), conv, slots, cu)
-    qh, kh = l2_norm(y[:, :P].reshape(T, H, D), 1e-6), l2_norm(y[:, P:2 * P].reshape(T, H, D), 1e-6)
-    g = ref.kda_gate(f_a @ f_b.T, A_log, dt_bias, lb)
-    o = ref.kda_recurrence(qh, kh, y[:, 2 * P:].reshape(T, H, D), g, torch.sigmoid(b), state, slots, cu, scale,
-                           keep_states=keep)
-    o, states = o if keep else (o, None)
-    out = gated_rms_norm(o, gate.reshape(T, H, D), w, eps).reshape(T, P)
-    return (out, states) if keep else out
-
-
-def _conv_tails(ops, lengths):
-    """The conv tail after every token: the reference conv fed one token at a time."""
-    q, k, v, qc, kc, vc, conv = ops[:7]
-    conv, x, w = conv.clone(), torch.cat([q, k, v], 1), torch.cat([qc, kc, vc], 0)
-    slots, cu, out = ops[15], ops[16], []
-    for r in range(len(lengths)):
-        for t in range(int(cu[r]), int(cu[r + 1])):
-            ref.causal_conv1d(x[t:t + 1], w, conv, slots[r:r + 1], torch.tensor([0, 1]))
-            out.append(conv[slots[r]].clone())
-    return torch.stack(out)
 
 
 def _run(ops, H, D, lb, config, keep=False):
@@ -85,7 +44,7 @@ def test_decode_vs_unfused_reference(H, D, lengths, lb, bias, norm_w):
     want = [x.double().clone() if isinstance(x, torch.Tensor) and x.is_floating_point() else
             (x.clone() if isinstance(x, torch.Tensor) else x) for x in ops]
     out, conv, state = _run(mine, H, D, lb, None)
-    y_ref = _unfused(want, D ** -0.5, lb, 1e-5)
+    y_ref = _unfused(want, D ** -0.5, lb, 1e-5)[0]
     assert conv is mine[6] and state is mine[12]
     assert_close_rel(out, y_ref, 2e-5, "fused decode output")
     assert_close_rel(state, want[12], 2e-5, "kda state pool")
@@ -103,7 +62,7 @@ def test_verification_keeps_per_token_states():
     want = [x.double().clone() if isinstance(x, torch.Tensor) and x.is_floating_point() else
             (x.clone() if isinstance(x, torch.Tensor) else x) for x in ops]
     out, conv, state, states, tails = _run(mine, H, D, -5.0, None, keep=True)
-    y_ref, states_ref = _unfused(want, D ** -0.5, -5.0, 1e-5, keep=True)
+    y_ref, states_ref = _unfused(want, D ** -0.5, -5.0, 1e-5)
     assert_close_rel(out, y_ref, 2e-5, "verify output")
     assert_close_rel(states, states_ref, 2e-5, "per-token states")
     assert_close_rel(tails, _conv_tails(ops, lengths), 1e-7, "per-token conv tails")

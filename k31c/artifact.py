@@ -93,7 +93,7 @@ def live_machine() -> dict:
     return {**dev, "toolchain": toolchain_versions()}
 
 
-def _sha256(path: str) -> str:
+def sha256_file(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -110,7 +110,7 @@ def file_hashes(root: str) -> dict[str, str]:
             rel = os.path.relpath(os.path.join(d, name), root).replace(os.sep, "/")
             if rel == MANIFEST or name.endswith(".pyc"):
                 continue
-            out[rel] = _sha256(os.path.join(d, name))
+            out[rel] = sha256_file(os.path.join(d, name))
     return dict(sorted(out.items()))
 
 

@@ -17,10 +17,11 @@ swapped binary is rejected, never loaded); `arch_name` maps a k31c target to its
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
+
+from k31c.artifact import sha256_file
 
 SCHEMA = 1
 BIN_DIR = os.path.join("kernels", "bin")
@@ -77,14 +78,6 @@ def embedded_arch(path: str) -> str:
 
 def arch_dir(artifact: str, arch_name: str) -> str:
     return os.path.join(artifact, BIN_DIR, arch_name)
-
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def index_json(index: dict) -> str:

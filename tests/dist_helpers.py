@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from k31c.parallel.launch import reap
+
 TIMEOUT_S = 120
 
 
@@ -73,13 +75,7 @@ def run_checks(module_name: str, world: int) -> dict:
             if rank == 0:
                 entry["info"] = info
     finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        if os.path.exists(init_file):
-            os.unlink(init_file)
+        reap(procs, init_file)
     return out
 
 

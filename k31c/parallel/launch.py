@@ -67,6 +67,17 @@ def layout_of(args, rank: int = 0) -> ParallelLayout:
                           dcp_interleave=getattr(args, "dcp_interleave", 1))
 
 
+def reap(procs, init_file: str | None = None, grace_s: float = 5.0):
+    """Join rank processes, killing any still alive after `grace_s`, and remove the rendezvous file."""
+    for p in procs:
+        p.join(timeout=grace_s)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if init_file and os.path.exists(init_file):
+        os.unlink(init_file)
+
+
 def under_torchrun() -> bool:
     return all(v in os.environ for v in TORCHRUN_VARS)
 
@@ -191,13 +202,7 @@ def _spawn(args, single_rank_main) -> int:
                         p.kill()
             time.sleep(0.05)
     finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        if os.path.exists(init_file):
-            os.unlink(init_file)
+        reap(procs, init_file)
     codes = [p.exitcode for p in procs]
     if abort.value or any(c < 0 for c in codes):
         failed = _cause([(r, c) for r, c in enumerate(codes) if c != 0])

@@ -30,7 +30,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixCache, extend_hashes
 from .reference import PoolFull, ReferenceRuntime, RequestError
 from .sampling import Sampler, SamplingParams
 
@@ -56,6 +56,7 @@ class _Seq:
     computed: int = 0                  # tokens whose cache entries are written
     admitted: bool = False
     checkpoints: list[int] = field(default_factory=list)
+    hashes: list = field(default_factory=list)   # prefix-cache chain hashes of the computed full blocks
 
     @property
     def tokens(self) -> list[int]:
@@ -248,10 +249,10 @@ class Engine:
     def _after_compute(self, s: _Seq):
         if self.cache is None:
             return
-        done = s.tokens[:s.computed]
-        self.cache.insert_blocks(done, self.rt.blocks_of(s.rid))
-        if s.computed in s.checkpoints:
-            self.cache.store_state(done, self.rt.snapshot_state(s.rid))
+        extend_hashes(s.hashes, s.tokens[:s.computed], self.rt.block_size)  # tokens never change: hashes stay valid
+        self.cache.insert_blocks(s.hashes, self.rt.blocks_of(s.rid))
+        if s.computed in s.checkpoints and s.computed % self.rt.block_size == 0:
+            self.cache.store_state(s.hashes[:s.computed // self.rt.block_size], self.rt.snapshot_state(s.rid))
 
     def _sample(self, s: _Seq, logits: torch.Tensor) -> list[RequestOutput]:
         if self.keep_logits:

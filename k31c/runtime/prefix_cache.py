@@ -30,14 +30,20 @@ from .blocks import BlockAllocator
 ROOT = b"k31c-prefix-root"
 
 
-def block_hashes(tokens, block_size: int) -> list[bytes]:
-    """Chain hashes of the full blocks of `tokens` (the partial last block has none)."""
-    out, h = [], ROOT
-    for j in range(len(tokens) // block_size):
+def extend_hashes(hashes: list[bytes], tokens, block_size: int) -> list[bytes]:
+    """Append to `hashes` (the chain of tokens' first len(hashes) blocks) the chain hashes of the further
+    full blocks of `tokens`; returns the list. A growing request hashes each block once."""
+    h = hashes[-1] if hashes else ROOT
+    for j in range(len(hashes), len(tokens) // block_size):
         blk = tokens[j * block_size:(j + 1) * block_size]
         h = hashlib.sha256(h + b"|" + ",".join(str(int(t)) for t in blk).encode()).digest()
-        out.append(h)
-    return out
+        hashes.append(h)
+    return hashes
+
+
+def block_hashes(tokens, block_size: int) -> list[bytes]:
+    """Chain hashes of the full blocks of `tokens` (the partial last block has none)."""
+    return extend_hashes([], tokens, block_size)
 
 
 @dataclass
@@ -128,9 +134,10 @@ class PrefixCache:
         return sorted(b for b in out if start < b <= n)
 
     # ---- insertion ------------------------------------------------------------------------------
-    def insert_blocks(self, tokens, blocks: list[int]):
-        """Index the full blocks of a request's computed `tokens` (held in `blocks`, in order)."""
-        for h, b in zip(block_hashes(tokens, self.block_size), blocks):
+    def insert_blocks(self, hashes: list[bytes], blocks: list[int]):
+        """Index a request's full blocks (refreshing those already indexed): `hashes` is the chain of its
+        computed tokens (`extend_hashes`), `blocks` the blocks holding them, in order."""
+        for h, b in zip(hashes, blocks):
             if h in self.blocks:
                 self.blocks.move_to_end(h)
                 continue
@@ -142,10 +149,10 @@ class PrefixCache:
         if hashes:
             self.seen[hashes[-1]] += 1
 
-    def store_state(self, tokens_prefix, state: dict) -> bool:
-        """Keep the KDA state after `tokens_prefix` (a whole number of blocks, indexed already)."""
-        hashes = block_hashes(tokens_prefix, self.block_size)
-        if not hashes or len(tokens_prefix) % self.block_size or hashes[-1] not in self.blocks:
+    def store_state(self, hashes: list[bytes], state: dict) -> bool:
+        """Keep the KDA state after the prefix whose full-block chain is `hashes` (indexed already; the
+        prefix must end on a block boundary)."""
+        if not hashes or hashes[-1] not in self.blocks:
             return False
         if hashes[-1] not in self.states:
             self.states[hashes[-1]] = {k: v.clone() for k, v in state.items()}

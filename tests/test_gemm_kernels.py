@@ -139,7 +139,10 @@ def test_dot_numerics_per_operand_dtypes():
     assert gemm.dot_numerics(torch.bfloat16, torch.float8_e4m3fn, interpret=False)["DOT_DTYPE"] == tl.bfloat16
     logits = gemm.dot_numerics(torch.float32, torch.bfloat16, interpret=False)
     assert logits["DOT_DTYPE"] == tl.bfloat16 and logits["X_SPLITS"] == 3
-    assert gemm.dot_numerics(torch.float32, torch.float32, interpret=False)["PRECISION"] == "tf32x3"
+    assert gemm.dot_numerics(torch.float32, torch.float32, interpret=False, backend="cuda")["PRECISION"] == "tf32x3"
+    # AMD (gfx950) accepts only ieee / bf16x3 / bf16x6: no TF32 spelling may reach its compiler
+    for x, w in ((torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16), (torch.float32, torch.float32)):
+        assert gemm.dot_numerics(x, w, interpret=False, backend="hip")["PRECISION"] == "ieee", (x, w)
 
 
 def test_supports_and_bad_input():

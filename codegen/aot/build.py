@@ -54,8 +54,18 @@ class BuildReport:
     def text(self) -> str:
         lines = [f"aot: {self.kernels} Triton binaries for {self.arch} (Triton {self.triton}) in {self.folder}: "
                  f"recorded in {self.record_s:.1f} s, {self.compile_s:.1f} s of compiling, {self.total_s:.1f} s in all"]
-        lines += [f"aot: FAILED {e['function']} ({e['key']}): {e['error'].splitlines()[0][:300]}" for e in self.errors]
+        lines += [f"aot: FAILED {e['function']} ({e['key']}): {_error_summary(e['error'])}" for e in self.errors]
         return "\n".join(lines)
+
+
+def _error_summary(error: str) -> str:
+    """One line for a failed compile: Triton's CompilationError puts the position on its first line and
+    the reason on its last, so both are kept."""
+    lines = [ln.strip() for ln in error.splitlines() if ln.strip()]
+    if not lines:
+        return "(no message)"
+    head, tail = lines[0], lines[-1]
+    return (head if head == tail else f"{head} ... {tail}")[:400]
 
 
 def run_worker(request: dict, timeout_s: float, triton_path: str | None = None, python: str | None = None) -> dict:

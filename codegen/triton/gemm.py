@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from codegen.kernel import KernelTemplate, Tunable, pow2_bucket
+from codegen.triton import _precision as precision
 
 # Shared memory a program may use, per target (bytes). Unknown GPU targets get the conservative value.
 SMEM_BYTES = {"h100": 232448, "h200": 232448, "b200": 232448, "b300": 232448, "gb300": 232448, "rubin": 232448,
@@ -177,9 +178,11 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K,
 
 
 # ---- numerics chosen from the operands ----------------------------------------------------------
-def dot_numerics(x_dtype: torch.dtype, w_dtype: torch.dtype, interpret: bool | None = None) -> dict:
+def dot_numerics(x_dtype: torch.dtype, w_dtype: torch.dtype, interpret: bool | None = None,
+                 backend: str | None = None) -> dict:
     """DOT_DTYPE / ACC_DTYPE / X_SPLITS / PRECISION for these operand dtypes (not tunables: they fix
-    the numerics, the tuner must not trade them for speed)."""
+    the numerics, the tuner must not trade them for speed). PRECISION is spelled for `backend`
+    ('cuda' / 'hip'; default: the backend compiling the kernel, `_precision.backend`)."""
     interpret = interpreting() if interpret is None else interpret
     if torch.float64 in (x_dtype, w_dtype):
         return dict(DOT_DTYPE=tl.float64, ACC_DTYPE=tl.float64, X_SPLITS=1, PRECISION="ieee")
@@ -188,10 +191,10 @@ def dot_numerics(x_dtype: torch.dtype, w_dtype: torch.dtype, interpret: bool | N
     low = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
     w_low = low.get(w_dtype) if w_dtype != torch.float8_e4m3fn else low.get(x_dtype, tl.bfloat16)
     if x_dtype in low and w_low is not None and (w_dtype == torch.float8_e4m3fn or w_dtype == x_dtype):
-        return dict(DOT_DTYPE=low[x_dtype], ACC_DTYPE=tl.float32, X_SPLITS=1, PRECISION="tf32")
+        return dict(DOT_DTYPE=low[x_dtype], ACC_DTYPE=tl.float32, X_SPLITS=1, PRECISION=precision.low_bits())
     if x_dtype == torch.float32 and w_low is not None:
-        return dict(DOT_DTYPE=w_low, ACC_DTYPE=tl.float32, X_SPLITS=3, PRECISION="tf32")
-    return dict(DOT_DTYPE=tl.float32, ACC_DTYPE=tl.float32, X_SPLITS=1, PRECISION="tf32x3")
+        return dict(DOT_DTYPE=w_low, ACC_DTYPE=tl.float32, X_SPLITS=3, PRECISION=precision.low_bits())
+    return dict(DOT_DTYPE=tl.float32, ACC_DTYPE=tl.float32, X_SPLITS=1, PRECISION=precision.precise_fp32(backend))
 
 
 def gemm(x: torch.Tensor, w, config: dict, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -194,41 +194,74 @@ def test_experts_template_drop_in_and_foreign_ids():
     assert_close_rel(y, _ref_experts(z, w_f, ids_f.clamp(0, E - 1), w1, w2, w3, "situ", 4.0, 25.0), 1e-5, "foreign ids")
 
 
-def test_mxfp4_tile_is_exact_dequantisation():
-    """Every byte value (two E2M1 codes) under scales 2^-127 .. 2^113 dequantises exactly (DEQ bytes,
-    fp32: the path the interpreter runs; the bf16 bit layout is checked on the GPU by bench_moe.py)."""
+@pytest.mark.parametrize("words", [False, True])
+def test_mxfp4_tile_is_exact_dequantisation(words):
+    """Every byte value (two E2M1 codes) under scales 2^-127 .. 2^113 dequantises exactly, fp32 (the path
+    the interpreter runs; the bf16 PTX decodes are emulated in test_moe_kernels_gpu_paths.py): bytes
+    (DEQ bytes: even / odd columns) and 16-bit words (DEQ bytes16: columns 4j + c)."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def probe(q_ptr, s_ptr, out_ptr, K, N: tl.constexpr, BK: tl.constexpr):
+    def probe(q_ptr, s_ptr, out_ptr, K, N: tl.constexpr, BK: tl.constexpr, WORDS: tl.constexpr):
         rn = tl.arange(0, N)
         for k0 in range(0, K, BK):
-            even, odd = tiles._mxfp4_halves(q_ptr, s_ptr, 0, 0, rn, rn < N, k0, K, K // 2, K // 32, N, BK,
-                                            tl.float32, False, False)
-            cols = k0 + 2 * tl.arange(0, BK // 2)[None, :]
-            tl.store(out_ptr + rn[:, None] * K + cols, even)
-            tl.store(out_ptr + rn[:, None] * K + cols + 1, odd)
+            s = tiles._step_scales(s_ptr, 0, rn, rn < N, k0, K, K // 32, N, BK, tiles._MX_BYTES, False)
+            if WORDS:       # scales handed in (SL) / read inside (bytes)
+                w0, w1, w2, w3 = tiles._mxfp4_quarters(q_ptr, s_ptr, 0, 0, rn, rn < N, k0, K, K // 4, K // 32, s, N,
+                                                       BK, tl.float32, False, False, True, False)
+                cols = k0 + 4 * tl.arange(0, BK // 4)[None, :]
+                tl.store(out_ptr + rn[:, None] * K + cols, w0)
+                tl.store(out_ptr + rn[:, None] * K + cols + 1, w1)
+                tl.store(out_ptr + rn[:, None] * K + cols + 2, w2)
+                tl.store(out_ptr + rn[:, None] * K + cols + 3, w3)
+            else:
+                even, odd = tiles._mxfp4_halves(q_ptr, s_ptr, 0, 0, rn, rn < N, k0, K, K // 2, K // 32, s, N, BK,
+                                                tl.float32, False, False, False, False)
+                cols = k0 + 2 * tl.arange(0, BK // 2)[None, :]
+                tl.store(out_ptr + rn[:, None] * K + cols, even)
+                tl.store(out_ptr + rn[:, None] * K + cols + 1, odd)
 
     N, K = 16, 256
     packed = torch.arange(N * K // 2).remainder(256).to(torch.uint8).reshape(N, K // 2)
+    packed = packed[:, torch.randperm(K // 2, generator=_gen(4))].contiguous()   # every byte in every slot
     pool = torch.tensor([0, 1, 20, 60, 100, 118, 126, 127, 128, 131, 140, 200, 240] * 10, dtype=torch.uint8)
     scales = pool[torch.randperm(len(pool), generator=_gen(3))][: N * K // 32].reshape(N, K // 32)
-    out = torch.empty(N, K)
-    probe[(1,)](packed, scales, out, K, N=N, BK=128)
+    out = torch.full((N, K), float("nan"))
+    probe[(1,)](packed.view(torch.int16) if words else packed, scales, out, K, N=N, BK=128, WORDS=words)
     assert torch.equal(out.double(), PackedMXFP4(packed, scales).dequantize(torch.float64))
 
 
-def test_grouped_experts_mxfp4_k_tile_of_four_blocks():
-    """ℓ = I = 128 with BK = 128 (four MXFP4 blocks per K step), skewed routing, SiTU-GLU."""
+@pytest.mark.parametrize("deq", ["bytes", "bytes16"])
+def test_grouped_experts_mxfp4_k_tile_of_four_blocks(deq):
+    """ℓ = I = 128 with BK = 128 (four MXFP4 blocks per K step), skewed routing, SiTU-GLU; bytes16 reads
+    the packed weights as int16 (columns 4j + c, the layout of the GPU's asm16 decode) with BK = 64."""
     g = _gen(401)
     T, k, ell = 24, 3, 128
     z = torch.randn(T, ell, generator=g)
     w, ids = _routing(g, T, k, "skewed")
     w1, w2, w3 = (_mx(x) for x in _experts(g, ell=ell, inter=ell))
-    cfg = {"BM": 16, "BN": 64, "BK": 128, "BN2": 64, "BK2": 128, "DEQ": "bytes"}
+    bk = 128 if deq == "bytes" else 64
+    cfg = {"BM": 16, "BN": 64, "BK": bk, "BN2": 64, "BK2": bk, "DEQ": deq, "SL": int(deq == "bytes16")}
     y = gg.moe_experts(z, w, ids, w1, w2, w3, "situ", 4.0, 25.0, cfg)
-    assert_close_rel(y, _ref_experts(z, w, ids, w1, w2, w3, "situ", 4.0, 25.0), 1e-5, "experts BK=128")
+    assert_close_rel(y, _ref_experts(z, w, ids, w1, w2, w3, "situ", 4.0, 25.0), 1e-5, f"experts {deq} BK={bk}")
+
+
+def test_grouped_experts_mxfp4_16bit_words_fall_back_on_odd_storage():
+    """DEQ bytes16 needs the packed bytes 2-byte aligned: a view starting at an odd byte falls back to the
+    byte decode (same result)."""
+    g = _gen(402)
+    T, k = 9, 2
+    z = torch.randn(T, L, generator=g)
+    w, ids = _routing(g, T, k, "random")
+    w1, w2, w3 = (_mx(x) for x in _experts(g))
+    buf = torch.empty(w2.packed.numel() + 1, dtype=torch.uint8)
+    buf[1:] = w2.packed.reshape(-1)
+    odd = PackedMXFP4(buf[1:].view(w2.packed.shape), w2.scales)           # starts at an odd address
+    assert gg._int16_view(odd.packed) is None and gg._int16_view(w1.packed) is not None
+    cfg = {"BM": 16, "BN": 64, "BK": 64, "BN2": 64, "BK2": 64, "DEQ": "bytes16"}
+    y = gg.moe_experts(z, w, ids, w1, odd, w3, "silu", None, None, cfg)
+    assert_close_rel(y, _ref_experts(z, w, ids, w1, w2, w3, "silu", None, None), 1e-5, "bytes16 fallback")
 
 
 # ------------------------------------------------------------------------------------ fused tail
@@ -353,7 +386,8 @@ def test_heuristics_satisfy_constraints_at_model_shapes():
                 assert tt.constraints(tcfg, tkey, tgt) == [], (tkey, tcfg)
                 # bf16 activations: the PTX decode on Hopper; Blackwell's tcgen05 needs shared-memory
                 # operands, so there tl.dot_scaled (register operands would fall back to FMA dots)
-                assert cfg["DEQ"] == ("asm" if tgt is h200 else "dot_scaled"), (key, cfg)
+                dec = "asm16" if T * 16 / 112 <= 16 and not bi else "asm"
+                assert cfg["DEQ"] == (dec if tgt is h200 else "dot_scaled"), (key, cfg)
             cpu = te.heuristic(te.bucket(key), {"compute_capability": None})
             assert cpu["DEQ"] == "bytes" and te.constraints(cpu, key, None) == []
     assert te.constraints({**cfg, "DEQ": "dot_scaled"}, {**key, "BF16": 0}, h200)

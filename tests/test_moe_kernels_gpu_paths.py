@@ -86,6 +86,32 @@ def test_e2m1_ptx_decode_is_exact_for_every_byte_pair(wide):
         assert torch.equal(got, ref), f"scale byte {s}"
 
 
+@pytest.mark.parametrize("wide", [False, True])
+def test_e2m1_ptx_16bit_word_decode_is_exact(wide):
+    """The 16-bit-word PTX decode (DEQ asm16: E2M1_ASM16[c] gives code c of two int16 elements), emulated
+    on every 16-bit value in each half of the register under E8M0 scales 2^-127 .. 2^127, equals the
+    float64 dequantisation of those bytes."""
+    import numpy as np
+
+    words = np.arange(1 << 16, dtype=np.uint32)
+    other = np.random.default_rng(7).permutation(words).astype(np.uint32)
+    x = words | (other << 16)                                     # element j: words, element j+1: other
+    for s in [1, 60, 120, 128] + ([129, 254] if wide else [0]):
+        f = s << 7 if wide else (s + 126) << 7
+        got = {}
+        for c in range(4):
+            out = _run_ptx((tiles.E2M1_ASM16_WIDE if wide else tiles.E2M1_ASM16)[c].value,
+                           {"$1": x, "$2": np.uint32(f | (f << 16))})["$0"]
+            for half, name in ((out & 0xFFFF, "j"), (out >> 16, "j1")):
+                got[name, c] = torch.from_numpy(half.astype(np.int32).astype(np.int16)).view(torch.bfloat16).double()
+        for name, vals in (("j", words), ("j1", other)):
+            packed = torch.from_numpy(vals.astype(np.int64)).view(-1, 1)
+            packed = torch.cat([packed & 0xFF, packed >> 8], 1).to(torch.uint8).view(1 << 12, 32)
+            ref = PackedMXFP4(packed, torch.full((1 << 12, 2), s, dtype=torch.uint8)).dequantize(torch.float64)
+            mine = torch.stack([got[name, c] for c in range(4)], 1).view(1 << 12, 64)   # columns 4j + c
+            assert torch.equal(mine, ref), f"scale byte {s}, element {name}"
+
+
 _AOT = textwrap.dedent("""
     import os, re, sys, json
     os.environ["TRITON_INTERPRET"] = "0"
@@ -100,16 +126,18 @@ _AOT = textwrap.dedent("""
                                   ("gate_up", gg._moe_gate_up_kernel, 90, 2, (16, 128, 128)),
                                   ("gate_up", gg._moe_gate_up_kernel, 90, 3, (16, 128, 128)),
                                   ("down", gg._moe_down_kernel, 90, 3, (16, 128, 128)),
+                                  ("gate_up", gg._moe_gate_up_kernel, 90, 5, (16, 128, 64)),
+                                  ("down", gg._moe_down_kernel, 90, 5, (16, 128, 64)),
                                   ("down", gg._moe_down_kernel, 90, 1, (128, 128, 64))]:
-        ce = dict(E_PAD=128, W_FMT=wf, IEEE=False, DT=tl.bfloat16, WIDE=False, BM=cfg[0], BN=cfg[1], BK=cfg[2],
-                  GROUP_M=8)
+        ce = dict(E_PAD=128, W_FMT=wf, IEEE=False, DT=tl.bfloat16, WIDE=False, PF=cc == 90, SL=wf == 5, BM=cfg[0], BN=cfg[1],
+                  BK=cfg[2], GROUP_M=8)
         if name == "gate_up":
             ce.update(TOPK=16, ACT=0, HAS_BETA2=True)
         sig, attrs = {}, {}
         for i, a in enumerate(fn.arg_names):
             sig[a] = ("constexpr" if a in ce else "*i32" if a in ("pair_ptr", "counts_ptr", "offsets_ptr")
                       else "*bf16" if a in ("z_ptr", "h_ptr", "o_ptr") or (a[0] in "ws" and not wf)
-                      else "*u8" if a.endswith("_ptr")
+                      else "*i16" if a[0] == "w" and wf == 5 else "*u8" if a.endswith("_ptr")
                       else "fp32" if a.startswith("beta") else "i64" if a == "stride_we" else "i32")
             if sig[a] != "constexpr" and not sig[a].startswith("fp") and a not in ("E", "stride_se", "stride_sn", "N_TILES"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
@@ -117,6 +145,8 @@ _AOT = textwrap.dedent("""
                            options={"num_warps": 8, "num_stages": 3})
         ptx = k.asm["ptx"]
         res[f"{name}_sm{cc}_w{wf}"] = sorted(set(re.findall(r"(tcgen05\\.mma[.\\w:]*|wgmma\\.mma_async|mma\\.sync)", ptx)))
+        # the decoded weight tile goes to wgmma from registers, never through shared memory
+        res[f"{name}_sm{cc}_w{wf}_smem_operand"] = len(re.findall(r"local_load[^\\n]*dot_op<\\{opIdx = 0", k.asm["ttgir"]))
     from codegen.triton import moe_router as mr, moe_tail as mt
     for fn, ptrs, ce in [
             (mr._moe_router_kernel, {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": "*i64"},
@@ -152,4 +182,7 @@ def test_gpu_paths_compile_for_sm100_and_sm90():
     assert res["gate_up_sm90_w2"] and res["down_sm90_w1"], res
     # decode tiles (16 tokens) still reach wgmma on sm_90: the weights are the MMA's M side, decoded in registers
     assert res["gate_up_sm90_w3"] == ["wgmma.mma_async"] and res["down_sm90_w3"] == ["wgmma.mma_async"], res
+    assert res["gate_up_sm90_w5"] == ["wgmma.mma_async"] and res["down_sm90_w5"] == ["wgmma.mma_async"], res
+    for k in ("gate_up_sm90_w3", "down_sm90_w3", "gate_up_sm90_w5", "down_sm90_w5"):
+        assert res[k + "_smem_operand"] == 0, (k, res)
     assert res["_moe_router_kernel_sm90"] and res["_up_proj_add_kernel_sm90"], res

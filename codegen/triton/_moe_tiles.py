@@ -1,14 +1,15 @@
 """Device helpers of the grouped expert GEMMs (moe_grouped_gemm.py): expert tile lookup, raster
-swizzle, MXFP4 decode (pure Triton, or PTX that decodes two bytes per instance), the MMA step over
-dense or packed weights in the swapped orientation (weights as the MMA's M side, tokens as N), and
-the GLU epilogue. Not a kernel family (no TEMPLATES).
+swizzle, MXFP4 decode (pure Triton, or PTX on byte pairs / on 16-bit words), the MMA step over dense
+or packed weights in the swapped orientation (weights as the MMA's M side, tokens as N), and the GLU
+epilogue. Not a kernel family (no TEMPLATES).
 
 Tiles are computed transposed: acc[n, m] = Σ_k W[n, k] · x[m, k] with n over BN weight rows and m
-over BM routed rows, so the weight tile is the left operand (on Hopper: wgmma with the dequantised
-weights in registers, the small activation tile from shared memory; M = BN >= 64 even when an expert
-has a handful of tokens). An MXFP4 byte j holds K columns 2j (low nibble) and 2j+1 (high nibble); the
-decode yields the even and odd columns as two [BN, BK/2] tiles, dotted with the activations' even and
-odd columns, so nothing is interleaved.
+over BM routed rows, so the weight tile is the left operand (on Hopper: the dequantised weights in
+registers, the small activation tile from shared memory; wgmma when BN >= 64 per warpgroup, else
+mma.sync). An MXFP4 byte j holds K columns 2j (low nibble) and 2j+1 (high nibble): the byte decodes
+yield the even and odd columns as two [BN, BK/2] tiles; the 16-bit-word decodes read int16 element j
+(columns 4j .. 4j+3) and yield four [BN, BK/4] tiles, columns 4j + c. Each tile is dotted with the
+activation columns split the same way (_load_bt), so nothing is interleaved.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-DENSE, MX_BYTES, MX_DOT_SCALED, MX_ASM = 0, 1, 2, 3     # W_FMT codes (host side)
-_DENSE, _MX_BYTES, _MX_DOT_SCALED, _MX_ASM = (tl.constexpr(c) for c in (DENSE, MX_BYTES, MX_DOT_SCALED, MX_ASM))
+DENSE, MX_BYTES, MX_DOT_SCALED, MX_ASM, MX_BYTES16, MX_ASM16 = 0, 1, 2, 3, 4, 5     # W_FMT codes (host side)
+_DENSE, _MX_BYTES, _MX_DOT_SCALED, _MX_ASM, _MX_BYTES16, _MX_ASM16 = (
+    tl.constexpr(c) for c in (DENSE, MX_BYTES, MX_DOT_SCALED, MX_ASM, MX_BYTES16, MX_ASM16))
 
 # E2M1 -> bf16 for two packed bytes per instance (inline_asm_elementwise, pack=2): $2 holds bytes b0
 # (element j, bits 0..7) and b1 (element j+1) (the 16-bit pair, zero-extended by LLVM; ptxas drops the
@@ -50,6 +52,31 @@ mul.rn.bf16x2 b, b, w;
 mul.rn.bf16x2 $0, a, $3;
 mul.rn.bf16x2 $1, b, $3;
 }""")
+
+# E2M1 -> bf16 on 16-bit words (DEQ asm16, pack=2): the packed weights are read as int16 elements of
+# four codes each (K columns 4j .. 4j+3, code c in bits 4c..4c+3); $1 holds elements j (bits 0..15)
+# and j+1 (bits 16..31), $2 the bf16x2 factors; $0 = (code c of j, code c of j+1) as bf16x2. The two
+# halves are independent elements laid out alike, so ONE shift per field moves both codes into place,
+# no byte permute: sign 4c+3 -> 15 and e e m 4c..4c+2 -> 8..6 of each half,
+#   $0 = ((x << 12-4c) & 0x80008000 | (x << 6-4c) & 0x01C001C0) · f   (a negative shift: to the right),
+# 4-5 logic instructions and one bf16x2 multiply per 2 weight elements, no byte-pair packing of the
+# operand. One instance per code c (E2M1_ASM16[c]): single-result asm lets Triton move the layout
+# conversion to the dot operand onto the int16 tile, so the decoded values never pass through shared
+# memory. The K columns come out split four ways (4j + c); _load_bt splits the activations alike.
+_SHIFT = {1: "shl", -1: "shr"}
+
+
+def _e2m1_16(c: int, wide: bool) -> tl.constexpr:
+    sa, sb = 12 - 4 * c, 6 - 4 * c
+    sign = f"shl.b32 a, $1, {sa};\nand.b32 a, a, 0x80008000;" if sa else "and.b32 a, $1, 0x80008000;"
+    mag = f"{_SHIFT[1 if sb > 0 else -1]}.b32 b, $1, {abs(sb)};\nand.b32 b, b, 0x01C001C0;"
+    scale = "mov.b32 b, 0x7E807E80;\nmul.rn.bf16x2 a, a, b;\n" if wide else ""
+    return tl.constexpr("{\n.reg .b32 a, b;\n" + sign + "\n" + mag + "\nor.b32 a, a, b;\n" + scale
+                        + "mul.rn.bf16x2 $0, a, $2;\n}")
+
+
+E2M1_ASM16 = (_E16_0, _E16_1, _E16_2, _E16_3) = tuple(_e2m1_16(c, False) for c in range(4))
+E2M1_ASM16_WIDE = (_E16W_0, _E16W_1, _E16W_2, _E16W_3) = tuple(_e2m1_16(c, True) for c in range(4))
 
 
 @triton.jit
@@ -106,17 +133,41 @@ def _decode(t, f, DT: tl.constexpr, WIDE: tl.constexpr):
 
 
 @triton.jit
-def _mxfp4_halves(q_ptr, s_ptr, qbase, sbase, rn, n_ok, k0, K, stride_qn, stride_sn, BN: tl.constexpr,
-                  BK: tl.constexpr, DT: tl.constexpr, WIDE: tl.constexpr, ASM: tl.constexpr):
+def _step_scales(s_ptr, sbase, rn, n_ok, k0, K, stride_sn, BN: tl.constexpr, BK: tl.constexpr, W_FMT: tl.constexpr,
+                 PF: tl.constexpr):
+    """E8M0 bytes [BN, BK/32] (int32) of K columns k0 .. k0+BK (zeros for dense weights). Single bytes are
+    below cp.async's 4-byte minimum, so the pipeliner leaves this load in the loop, its latency exposed
+    at every K step (a tile carried across iterations instead, or read as int32 words through cp.async,
+    stops Triton from moving the layout conversion onto the packed bytes: the decoded tile would pass
+    through shared memory). Where it is issued is the kernels' SL choice; PF (CUDA) also asks L1 for the
+    next step's bytes (prefetch.global.L1, no result), so the next load hits L1."""
+    if W_FMT == _DENSE:
+        return tl.zeros([BN, BK // 32], dtype=tl.int32)
+    else:
+        gi = k0 // 32 + tl.arange(0, BK // 32)
+        rows = s_ptr + sbase + rn[:, None].to(tl.int64) * stride_sn
+        s = tl.load(rows + gi[None, :], mask=n_ok[:, None] & (gi < K // 32)[None, :], other=0)
+        if PF:
+            nxt = tl.minimum(gi + BK // 32, K // 32 - 1)          # clamped: stays inside the row
+            tl.inline_asm_elementwise("prefetch.global.L1 [$1];\nmov.b32 $0, 0;", "=r,l", [rows + nxt[None, :]],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+        return s.to(tl.int32)
+
+
+@triton.jit
+def _mxfp4_halves(q_ptr, s_ptr, qbase, sbase, rn, n_ok, k0, K, stride_qn, stride_sn, s_pre, BN: tl.constexpr,
+                  BK: tl.constexpr, DT: tl.constexpr, WIDE: tl.constexpr, ASM: tl.constexpr, SL: tl.constexpr,
+                  PF: tl.constexpr):
     """Dequantised even and odd K columns ([BN, BK/2] each, DT) of K columns k0 .. k0+BK of an MXFP4
-    matrix stored [N, K/2] bytes (+ E8M0 scales [N, K/32]). ASM: the PTX decode (bf16, CUDA only)."""
+    matrix stored [N, K/2] bytes; its E8M0 bytes [BN, BK/32]: s_pre (SL, loaded at the top of the K
+    step) or read here after the weight tile (_step_scales). ASM: the PTX decode (bf16, CUDA only)."""
     G: tl.constexpr = BK // 32
     gi = k0 // 32 + tl.arange(0, G)
     g_ok = n_ok[:, None] & (gi < K // 32)[None, :]
     q = tl.load(q_ptr + qbase + rn[:, None, None].to(tl.int64) * stride_qn + gi[None, :, None] * 16
                 + tl.arange(0, 16)[None, None, :], mask=g_ok[:, :, None], other=0)             # [BN, G, 16] u8
-    s = tl.load(s_ptr + sbase + rn[:, None].to(tl.int64) * stride_sn + gi[None, :], mask=g_ok, other=0)
-    f = _scale_factor(s.to(tl.int32), DT, WIDE)[:, :, None]
+    s = s_pre if SL else _step_scales(s_ptr, sbase, rn, n_ok, k0, K, stride_sn, BN, BK, _MX_BYTES, PF)
+    f = _scale_factor(s, DT, WIDE)[:, :, None]
     if ASM:
         f = tl.broadcast_to(f, (BN, G, 16))
         if WIDE:
@@ -133,23 +184,84 @@ def _mxfp4_halves(q_ptr, s_ptr, qbase, sbase, rn, n_ok, k0, K, stride_qn, stride
 
 
 @triton.jit
+def _mxfp4_quarters(q_ptr, s_ptr, qbase, sbase, rn, n_ok, k0, K, stride_qn, stride_sn, s_pre, BN: tl.constexpr,
+                    BK: tl.constexpr, DT: tl.constexpr, WIDE: tl.constexpr, ASM: tl.constexpr, SL: tl.constexpr,
+                    PF: tl.constexpr):
+    """Dequantised K columns k0 + 4j + c (c = 0..3; four [BN, BK/4] tiles, DT) of an MXFP4 matrix whose
+    packed bytes q_ptr reads as int16 [N, K/4] (strides in int16 units); E8M0 bytes as _mxfp4_halves.
+    ASM: the PTX decode E2M1_ASM16 (bf16, CUDA only); else the same bit placement in Triton ops."""
+    G: tl.constexpr = BK // 32
+    gi = k0 // 32 + tl.arange(0, G)
+    g_ok = n_ok[:, None] & (gi < K // 32)[None, :]
+    q = tl.load(q_ptr + qbase + rn[:, None, None].to(tl.int64) * stride_qn + gi[None, :, None] * 8
+                + tl.arange(0, 8)[None, None, :], mask=g_ok[:, :, None], other=0)              # [BN, G, 8] i16
+    s = s_pre if SL else _step_scales(s_ptr, sbase, rn, n_ok, k0, K, stride_sn, BN, BK, _MX_BYTES, PF)
+    f = _scale_factor(s, DT, WIDE)[:, :, None]
+    if ASM:
+        f = tl.broadcast_to(f, (BN, G, 8))
+        w0 = _asm16(q, f, 0, WIDE)
+        w1 = _asm16(q, f, 1, WIDE)
+        w2 = _asm16(q, f, 2, WIDE)
+        w3 = _asm16(q, f, 3, WIDE)
+    else:
+        qi = q.to(tl.int32)
+        w0 = _decode(qi << 28, f, DT, WIDE)
+        w1 = _decode(qi << 24, f, DT, WIDE)
+        w2 = _decode(qi << 20, f, DT, WIDE)
+        w3 = _decode(qi << 16, f, DT, WIDE)
+    return (tl.reshape(w0, (BN, BK // 4)), tl.reshape(w1, (BN, BK // 4)), tl.reshape(w2, (BN, BK // 4)),
+            tl.reshape(w3, (BN, BK // 4)))
+
+
+@triton.jit
+def _asm16(q, f, C: tl.constexpr, WIDE: tl.constexpr):
+    """Code C of every int16 element of q, times f (bf16): E2M1_ASM16[C] (E2M1_ASM16_WIDE when WIDE)."""
+    if WIDE:
+        if C == 0:
+            return tl.inline_asm_elementwise(_E16W_0, "=r,r,r", [q, f], dtype=tl.bfloat16, is_pure=True, pack=2)
+        elif C == 1:
+            return tl.inline_asm_elementwise(_E16W_1, "=r,r,r", [q, f], dtype=tl.bfloat16, is_pure=True, pack=2)
+        elif C == 2:
+            return tl.inline_asm_elementwise(_E16W_2, "=r,r,r", [q, f], dtype=tl.bfloat16, is_pure=True, pack=2)
+        else:
+            return tl.inline_asm_elementwise(_E16W_3, "=r,r,r", [q, f], dtype=tl.bfloat16, is_pure=True, pack=2)
+    else:
+        if C == 0:
+            return tl.inline_asm_elementwise(_E16_0, "=r,r,r", [q, f], dtype=tl.bfloat16, is_pure=True, pack=2)
+        elif C == 1:
+            return tl.inline_asm_elementwise(_E16_1, "=r,r,r", [q, f], dtype=tl.bfloat16, is_pure=True, pack=2)
+        elif C == 2:
+            return tl.inline_asm_elementwise(_E16_2, "=r,r,r", [q, f], dtype=tl.bfloat16, is_pure=True, pack=2)
+        else:
+            return tl.inline_asm_elementwise(_E16_3, "=r,r,r", [q, f], dtype=tl.bfloat16, is_pure=True, pack=2)
+
+
+@triton.jit
 def _load_bt(rows_ptr, row_ok, k0, K, W_FMT: tl.constexpr, DT: tl.constexpr, BK: tl.constexpr):
-    """Activation rows' K columns k0 .. k0+BK, transposed: [BK, BM] (dense weights, dot_scaled), or the
-    even and odd columns [BK/2, BM] each (decoded MXFP4)."""
+    """Activation rows' K columns k0 .. k0+BK, transposed, as four operands b0..b3 matching the weight
+    tiles of W_FMT: [BK, BM] (dense weights, dot_scaled; b1..b3 unused), the even and odd columns
+    [BK/2, BM] (MXFP4 bytes: b0, b1), or columns 4j + c [BK/4, BM] (MXFP4 16-bit words: b_c)."""
     rk = k0 + tl.arange(0, BK)
     a = tl.load(rows_ptr + rk[None, :], mask=row_ok[:, None] & (rk < K)[None, :], other=0.0).to(DT)
     if W_FMT == _MX_BYTES or W_FMT == _MX_ASM:
         even, odd = tl.split(tl.reshape(a, (a.shape[0], BK // 2, 2)))
-        return tl.trans(even), tl.trans(odd)
+        return tl.trans(even), tl.trans(odd), tl.trans(even), tl.trans(odd)
+    elif W_FMT == _MX_BYTES16 or W_FMT == _MX_ASM16:
+        c02, c13 = tl.split(tl.reshape(a, (a.shape[0], BK // 4, 2, 2)))       # column 4j + 2p + q: split q
+        c0, c2 = tl.split(c02)                                                  # then p
+        c1, c3 = tl.split(c13)
+        return tl.trans(c0), tl.trans(c1), tl.trans(c2), tl.trans(c3)
     else:
-        return tl.trans(a), tl.trans(a)
+        return tl.trans(a), tl.trans(a), tl.trans(a), tl.trans(a)
 
 
 @triton.jit
-def _mma_step_t(acc, b, b_odd, w_ptr, s_ptr, wbase, sbase, rn, n_ok, k0, K, stride_wn, stride_sn,
+def _mma_step_t(acc, b, b1, b2, b3, w_ptr, s_ptr, wbase, sbase, rn, n_ok, k0, K, stride_wn, stride_sn, s_pre,
                 BN: tl.constexpr, BK: tl.constexpr, W_FMT: tl.constexpr, IEEE: tl.constexpr, DT: tl.constexpr,
-                WIDE: tl.constexpr):
-    """acc[BN, BM] += W[rn, k0:k0+BK] @ b for a dense or MXFP4 weight (W_FMT, see the module doc)."""
+                WIDE: tl.constexpr, SL: tl.constexpr, PF: tl.constexpr):
+    """acc[BN, BM] += W[rn, k0:k0+BK] @ b for a dense or MXFP4 weight (W_FMT, see the module doc);
+    b .. b3: the activation operands of _load_bt; the E8M0 bytes: s_pre when SL, else read after the
+    weight tile (_step_scales; PF: prefetch the next step's)."""
     if W_FMT == _DENSE:
         rk = k0 + tl.arange(0, BK)
         w = tl.load(w_ptr + wbase + rn[:, None].to(tl.int64) * stride_wn + rk[None, :],
@@ -159,14 +271,16 @@ def _mma_step_t(acc, b, b_odd, w_ptr, s_ptr, wbase, sbase, rn, n_ok, k0, K, stri
         kb = k0 // 2 + tl.arange(0, BK // 2)
         q = tl.load(w_ptr + wbase + rn[:, None].to(tl.int64) * stride_wn + kb[None, :],
                     mask=n_ok[:, None] & (kb < K // 2)[None, :], other=0)
-        gi = k0 // 32 + tl.arange(0, BK // 32)
-        s = tl.load(s_ptr + sbase + rn[:, None].to(tl.int64) * stride_sn + gi[None, :],
-                    mask=n_ok[:, None] & (gi < K // 32)[None, :], other=0)
-        return tl.dot_scaled(q, s, "e2m1", b, None, "bf16", acc, fast_math=True)
+        s = s_pre if SL else _step_scales(s_ptr, sbase, rn, n_ok, k0, K, stride_sn, BN, BK, W_FMT, PF)
+        return tl.dot_scaled(q, s.to(tl.uint8), "e2m1", b, None, "bf16", acc, fast_math=True)
+    elif W_FMT == _MX_BYTES16 or W_FMT == _MX_ASM16:
+        w0, w1, w2, w3 = _mxfp4_quarters(w_ptr, s_ptr, wbase, sbase, rn, n_ok, k0, K, stride_wn, stride_sn, s_pre,
+                                         BN, BK, DT, WIDE, W_FMT == _MX_ASM16, SL, PF)
+        return _dot(w3, b3, _dot(w2, b2, _dot(w1, b1, _dot(w0, b, acc, IEEE), IEEE), IEEE), IEEE)
     else:
-        w_even, w_odd = _mxfp4_halves(w_ptr, s_ptr, wbase, sbase, rn, n_ok, k0, K, stride_wn, stride_sn, BN, BK,
-                                      DT, WIDE, W_FMT == _MX_ASM)
-        return _dot(w_odd, b_odd, _dot(w_even, b, acc, IEEE), IEEE)
+        w_even, w_odd = _mxfp4_halves(w_ptr, s_ptr, wbase, sbase, rn, n_ok, k0, K, stride_wn, stride_sn, s_pre,
+                                      BN, BK, DT, WIDE, W_FMT == _MX_ASM, SL, PF)
+        return _dot(w_odd, b1, _dot(w_even, b, acc, IEEE), IEEE)
 
 
 @triton.jit

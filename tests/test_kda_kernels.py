@@ -49,6 +49,7 @@ def _pool(gen, S, H, D, Dv):
 @pytest.mark.parametrize("H,D,Dv,lengths,config", [
     (2, 32, 32, [1, 5, 64, 70], None),                                   # CPU heuristic: one slice
     (2, 32, 16, [130, 3], {"BK": 16, "BV_INTRA": 16, "BV": 8}),           # several slices / V blocks
+    (2, 32, 16, [130, 3], {"BK": 16, "BV": 8, "SPLIT_INTRA": 1, "BK_WU": 16, "BV_WU": 8}),  # A + W/U kernels
 ])
 def test_prefill_ragged_vs_recurrence(H, D, Dv, lengths, config):
     g = _gen(1)
@@ -101,6 +102,54 @@ def test_prefill_checkpoint_states_equal_recurrence():
             assert_close_rel(ck[r][i], states[cu[r] + p - 1], 1e-5, f"checkpoint req {r} position {p}")
     with pytest.raises(ValueError, match="not in 1..3"):
         kda_prefill(q, k, v, gate, beta, mine, slots, cu, 0.25, checkpoint_positions=[[4], [], []])
+
+
+@pytest.fixture
+def bf16_in_interpreter(monkeypatch):
+    """Make the interpreter's bf16 behave as on the GPU: it multiplies bf16 dot operands as raw bit patterns
+    (TOOLCHAIN.md), so widen them to fp32 first (exact), and it rounds fp32 -> bf16 toward zero, so round to
+    nearest even instead. Then a kernel's bf16 rounding points are what the test sees. No-op on a GPU."""
+    if DEV == "cuda":
+        return
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    def widen(x):
+        if x.dtype.scalar == tl.bfloat16:
+            return TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+        return x
+
+    def cast(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            u = src.data.astype(np.float32).view(np.uint32).astype(np.uint64)
+            u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+            return TensorHandle(u.astype(np.uint16), tl.bfloat16)
+        return real_cast(self, src, dst_type)
+
+    real_dot, real_cast = InterpreterBuilder.create_dot, InterpreterBuilder.cast_impl
+    monkeypatch.setattr(InterpreterBuilder, "create_dot",
+                        lambda self, a, b, d, *rest: real_dot(self, widen(a), widen(b), d, *rest))
+    monkeypatch.setattr(InterpreterBuilder, "cast_impl", cast)
+
+
+@pytest.mark.parametrize("config", [{}, {"LOWP_A": 1, "LOWP_WU": 1}, {"SPLIT_INTRA": 1, "LOWP_WU": 1, "BK_WU": 16}])
+def test_prefill_bf16_inputs_and_bf16_products(bf16_in_interpreter, config):
+    """bf16 q/k/v/beta (bf16 workspace, bf16 tensor-core products where the config asks) within the bf16
+    contract (1e-2) of the fp32 recurrence; also the intra kernel split in two (A + inverse, then W/U)."""
+    g = _gen(10)
+    H, D, lengths = 1, 64, [130, 9]
+    q, k, v, gate, beta = _inputs(g, sum(lengths), H, D)
+    pool = _pool(g, 3, H, D, D) * 0.6
+    slots, cu = torch.tensor([2, 0]), _cu(lengths)
+    mine, want = pool.clone(), pool.clone()
+    low = [x.to(torch.bfloat16) for x in (q, k, v)]
+    o = kda_prefill(*low, gate, beta.to(torch.bfloat16), mine, slots, cu, D ** -0.5, config=dict(config, BK=16))
+    o_ref = ref.kda_recurrence(*(x.float() for x in low), gate, beta.to(torch.bfloat16).float(), want, slots, cu,
+                               D ** -0.5)
+    assert o.dtype == torch.bfloat16
+    assert_close_rel(o.float(), o_ref, 1e-2, f"bf16 o {config}")
+    assert_close_rel(mine, want, 1e-2, f"bf16 states {config}")
 
 
 def _max_subblock_span(gate, lengths):
@@ -325,3 +374,18 @@ def test_interrupted_split_launch_leaves_no_arrivals_counted(monkeypatch):
     out = kda_decode(*[x.clone() if isinstance(x, torch.Tensor) else x for x in ops], scale=D ** -0.5,
                      lower_bound=-5.0, norm_eps=1e-5, block_v=8, split=2)[0]
     assert_close_rel(out, _unfused(want, D ** -0.5, -5.0, 1e-5)[0], 1e-5, "launch after an interrupted one")
+
+
+@pytest.mark.parametrize("gate_mm,rank_block", [(True, 32), (False, 16)])
+def test_decode_gate_gemm_and_rank_blocks(gate_mm, rank_block):
+    """f = f_a f_b^T as one GEMM before the kernel (GATE_MM), or per program in rank blocks of RB: the same
+    outputs and states as the unfused sequence."""
+    g = _gen(11)
+    H, D, lengths = 2, 16, [1, 2, 1]
+    ops = decode_operands(g, H, D, lengths, 40, 5)
+    want = [x.clone() if isinstance(x, torch.Tensor) else x for x in ops]
+    out, _, state = kda_decode(*[x.clone() if isinstance(x, torch.Tensor) else x for x in ops], scale=D ** -0.5,
+                               lower_bound=-5.0, norm_eps=1e-5, block_v=8, gate_mm=gate_mm, rank_block=rank_block)
+    y_ref, _ = _unfused(want, D ** -0.5, -5.0, 1e-5)
+    assert_close_rel(out, y_ref, 1e-5, f"output gate_mm={gate_mm} RB={rank_block}")
+    assert_close_rel(state, want[12], 1e-5, f"states gate_mm={gate_mm} RB={rank_block}")

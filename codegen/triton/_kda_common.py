@@ -1,8 +1,8 @@
 """Pieces shared by the KDA kernel families (`kda_prefill.py`, `kda_decode.py`): the forget-gate math
 (SPEC §3.4, both variants) as a Triton function, the standalone gate kernel behind the `kda_gate`
 template, the chunk tables of the chunked prefill (cut every 64 tokens from each request's start,
-and also at requested checkpoint positions) and its small tile helpers (64-row chunks as four 16-row
-sub-blocks).
+and also at requested checkpoint positions), its small tile helpers (64-row chunks as four 16-row
+sub-blocks) and the phase-1 row-block products of its intra-chunk kernel (`_row_block`, `_diag_exact`).
 """
 
 from __future__ import annotations
@@ -176,7 +176,9 @@ def _st64(base, cols, ld, val):
 
 @triton.jit
 def _solve_store(base, ld, cols, x, l0, l1, l2, l3, PREC: tl.constexpr):
-    """Rows of L^-1 x (x [64, n]) from the four [16, 64] row blocks of L^-1."""
+    """Rows of L^-1 x (x [64, n]) from the four [16, 64] row blocks of L^-1 (x rounded to their dtype:
+    bf16 blocks make bf16 tensor-core products with fp32 accumulation)."""
+    x = x.to(l0.dtype)
     _st(base, 0, cols, ld, tl.dot(l0, x, input_precision=PREC))
     _st(base, 16, cols, ld, tl.dot(l1, x, input_precision=PREC))
     _st(base, 32, cols, ld, tl.dot(l2, x, input_precision=PREC))
@@ -203,3 +205,48 @@ def _mask_rows(acc, a: tl.constexpr, beta, t0, L, s_b, INCL: tl.constexpr):
     if not INCL:
         acc = acc * tl.load(beta + (t0 + i) * s_b, mask=i < L, other=0.0).to(tl.float32)[:, None]
     return acc
+
+
+@triton.jit
+def _row_block(a: tl.constexpr, k, q, lw, t0, L, s_k, s_q, cols, kend, kd, s1, s2, acc, accq,
+               D: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr):
+    """acc[i, j] += sum_c r_ic C_jc (and accq with x) for the rows i of sub-block a and all 64 columns j:
+    r = k e^{lc}, x = q e^{lc} (lc = decay since the sub-block start, so <= 1); C_j = k_j e^{G_a0 - G_j}:
+    for an earlier sub-block b, kend = k e^{s_b - lc} (decayed to its end, <= 1) times the decay of the
+    sub-blocks in between (<= 1); for sub-block a itself kd = k e^{-lc} (span-checked; 0 where
+    `_diag_exact` takes over). Upper entries are masked later. LOWP: operands rounded to bf16 (same
+    exponent range as fp32, so nothing overflows), fp32 accumulation."""
+    la = tl.load(lw + (tl.arange(0, BC) + a * BC)[:, None] * D + cols[None, :])
+    e = tl.exp(la)
+    r, x = _tile(k, t0, a * BC, L, s_k, cols) * e, _tile(q, t0, a * BC, L, s_q, cols) * e
+    blk = tl.arange(0, 64)[:, None] // BC
+    one = tl.full(s1.shape, 1.0, tl.float32)
+    d0, d1 = one, one                                   # decay between sub-block b's end and a's start
+    if a == 2:
+        d0 = tl.exp(s1)
+    if a == 3:
+        d0, d1 = tl.exp(s1 + s2), tl.exp(s2)
+    dec = tl.where(blk == 0, d0[None, :], tl.where(blk == 1, d1[None, :], 1.0))
+    cc = tl.where(blk < a, kend * dec, tl.where(blk == a, kd, 0.0))
+    if LOWP:
+        r, x, cc = r.to(tl.bfloat16), x.to(tl.bfloat16), cc.to(tl.bfloat16)
+    acc = tl.dot(r, tl.trans(cc), acc, input_precision=PREC)
+    accq = tl.dot(x, tl.trans(cc), accq, input_precision=PREC)
+    return acc, accq
+
+
+@triton.jit
+def _diag_exact(a: tl.constexpr, k, q, lw, t0, L, s_k, s_q, cols, acc, accq, D: tl.constexpr):
+    """Sub-block a's own columns exactly, sum_c {k,q}_ic k_jc e^{lc_ic - lc_jc} column by column (only
+    differences <= 0 are exponentiated), for a slice whose sub-block decay span failed the check."""
+    la = tl.load(lw + (tl.arange(0, BC) + a * BC)[:, None] * D + cols[None, :])
+    ka, qa = _tile(k, t0, a * BC, L, s_k, cols), _tile(q, t0, a * BC, L, s_q, cols)
+    rows, cols64 = tl.arange(0, BC), tl.arange(0, 64)
+    for j in range(BC):
+        sel = (rows == j)[:, None]
+        e = tl.exp(tl.minimum(la - tl.sum(tl.where(sel, la, 0.0), axis=0)[None, :], 0.0))
+        e = e * tl.sum(tl.where(sel, ka, 0.0), axis=0)[None, :]
+        put = (cols64 == a * BC + j)[None, :]
+        acc += tl.where(put, tl.sum(ka * e, axis=1)[:, None], 0.0)
+        accq += tl.where(put, tl.sum(qa * e, axis=1)[:, None], 0.0)
+    return acc, accq

@@ -19,18 +19,18 @@ order (`a.operands`):
 Attrs: heads, head_dim, scale, lower_bound (None: Kimi-Linear softplus gate), l2_eps, norm_eps, and
 keep_states (default False). Results: (out [T, P], conv_state, state); with keep_states also states
 [T, H, D, D] fp32 (state after each token) and conv_states [T, K-1, 3P] (conv tail after each token).
-Per token: S' = diag(e^g) S; S = S' + beta k (v - S'^T k)^T; o = S^T (q*scale);
-out = rmsnorm(o) * o_norm_w * sigmoid(gate), per head.
+Per token and head: S' = diag(e^g) S; S = S' + beta k (v - S'^T k)^T; o = S^T (q*scale);
+out = rmsnorm(o) * o_norm_w * sigmoid(gate).
 
 Programs: (request, head, column split). Each computes its tokens' front (conv, L2, gate, beta) for
 groups of MAXT tokens at once as [MAXT, D] tiles (MAXT = min(8, pow2(T/R)): 1 in decode, 8 in 8-token
-verification; f_a f_b^T as one 16-row tensor-core dot), then walks its D/SPLIT state columns in [D, BV]
-blocks (state columns are independent; with PREFETCH the next block's load is issued before the current
-block's update), so the state is read and written once per step. SPLIT > 1 (small batches: more programs
-than R*H) shares a head's columns among SPLIT programs: each stores its slice of o (fp32 workspace) and
-counts itself on a per-(request, head) atomic counter (acq_rel); the last to arrive applies the gated
-RMSNorm over the head's D outputs, writes the q/k conv tails (every program has read them by then) and
-resets the counter to 0. Per-token states are written by every program for its columns.
+verification; f_a f_b^T as 16-row tensor-core dots over RB rank columns at a time, or with GATE_MM one
+GEMM before the kernel), then walks its D/SPLIT state columns in [D, BV] blocks (independent; with
+PREFETCH the next block's load is issued before the current block's update), so the state is read and
+written once per step. SPLIT > 1 (small batches) shares a head's columns among SPLIT programs: each
+stores its slice of o (fp32 workspace) and counts itself on a per-(request, head) atomic counter
+(acq_rel); the last to arrive applies the gated RMSNorm over the head's D outputs, writes the q/k conv
+tails (all programs have read them by then) and resets the counter. Per-token states: every program.
 """
 
 from __future__ import annotations
@@ -155,8 +155,9 @@ def _kda_decode_kernel(q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, fa, s_fa, fb,
             sp = sp0 + vb * BV
             if PREFETCH:  # block vb was loaded one step ahead; issue block vb+1 before computing on vb
                 S = s_next.to(tl.float32)
-                s_next = tl.load(sp + BV, mask=(vb + 1 < NV) & (dd < D)[:, None], other=0.0,
-                                 eviction_policy="evict_first")
+                if NV > 1:
+                    s_next = tl.load(sp + BV, mask=(vb + 1 < NV) & (dd < D)[:, None], other=0.0,
+                                     eviction_policy="evict_first")
             else:
                 S = tl.load(sp, eviction_policy="evict_first").to(tl.float32)
             xv = _conv_silu(v, s_v, cst + 2 * P, C3, vw, bos, t0, nt, h * D + cv, KW, MAXT)
@@ -221,14 +222,23 @@ _COUNTERS: dict = {}  # device -> int32 arrival counters of the split-V programs
 
 
 def _counters(device, n: int) -> torch.Tensor:
-    """Per-(request, head) arrival counters; each launch leaves them zero, so one buffer per device serves
-    every launch that runs on one stream at a time (the executor runs KDA layers in order). Allocated by
-    the first split launch: run one eagerly before capturing a CUDA graph (graph warm-up does)."""
+    """Per-(request, head) arrival counters, zero after each launch: one buffer per device serves launches on
+    one stream in order. Made by the first split launch: run one before capturing a CUDA graph (warm-up does)."""
     buf = _COUNTERS.get(device)
     if buf is None or buf.numel() < n:
         buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
         _COUNTERS[device] = buf
     return buf
+
+
+def _gate_gemm(f_a: torch.Tensor, f_b: torch.Tensor) -> torch.Tensor:
+    """f = f_a f_b^T [T, P] in fp32 (bf16 operands, fp32 accumulation and output on CUDA)."""
+    if f_a.is_cuda and f_a.dtype in (torch.bfloat16, torch.float16) and f_b.dtype == f_a.dtype:
+        try:
+            return torch.mm(f_a, f_b.t(), out_dtype=torch.float32)
+        except (TypeError, RuntimeError):  # torch without mm(out_dtype=): fp32 operands
+            pass
+    return f_a.float() @ f_b.float().t()
 
 
 def _rows(x: torch.Tensor, T: int, width: int, what: str) -> torch.Tensor:
@@ -241,13 +251,17 @@ def _rows(x: torch.Tensor, T: int, width: int, what: str) -> torch.Tensor:
 def kda_decode(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_bias, b, state, gate, o_norm_w,
                state_slot, cu_seqlens, *, scale: float, lower_bound, norm_eps: float, l2_eps: float = 1e-6,
                keep_states: bool = False, block_v: int = 64, num_warps: int = 4, split: int = 1,
-               prefetch: bool = True, group: int | None = None):
+               prefetch: bool = True, group: int | None = None, gate_mm: bool = False, rank_block: int = 32):
     """The fused op `fused.kda_decode` (operands and results: see the module docstring).
 
     `f_b=None` takes `f_a` as the whole gate input f [T, P] (already up-projected). `split` programs share
     one head's state columns (D/split each; the head's last program to finish normalises its outputs).
     `group` (tokens per front tile, a power of two <= 16) defaults to min(8, pow2(T/R)); fix it (8) for
-    batch-invariant results, since the tile shape sets the order of the L2 / RMS reductions."""
+    batch-invariant results, since the tile shape sets the order of the L2 / RMS reductions. `gate_mm` computes
+    f = f_a f_b^T (fp32 out) as one GEMM before the kernel instead of per program (large batches); else
+    each program does it in steps of `rank_block` rank columns."""
+    if gate_mm and f_b is not None:
+        f_a, f_b = _gate_gemm(f_a, f_b), None
     T, P = q.shape
     H = A_log.numel()
     D = P // H
@@ -288,11 +302,11 @@ def kda_decode(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_
                 A_log, dt_bias if dt_bias is not None else A_log, bv, bv.stride(0), state, gv, gv.stride(0),
                 o_norm_w if o_norm_w is not None else A_log, out, state_slot, cu_seqlens, keep_s, keep_c, ows, ctr,
                 float(scale), float(lower_bound) if lower_bound is not None else 0.0, float(l2_eps), float(norm_eps),
-                H=H, D=D, KW=KW, KWP=triton.next_power_of_2(KW), RL=RL, RB=max(16, min(32, triton.next_power_of_2(RL))),
-                BV=bv_, SPLIT=split, GATE=1 if lower_bound is not None else 2, HAS_BIAS=dt_bias is not None,
-                HAS_NW=o_norm_w is not None, KEEP=bool(keep_states), LOWRANK=f_b is not None, MAXT=group,
-                PREFETCH=bool(prefetch),
-                PREC="tf32" if low else "ieee", num_warps=num_warps)
+                H=H, D=D, KW=KW, KWP=triton.next_power_of_2(KW), RL=RL, BV=bv_, SPLIT=split,
+                RB=max(16, min(rank_block, triton.next_power_of_2(RL))), GATE=1 if lower_bound is not None else 2,
+                HAS_BIAS=dt_bias is not None, HAS_NW=o_norm_w is not None, KEEP=bool(keep_states),
+                LOWRANK=f_b is not None, MAXT=group, PREFETCH=bool(prefetch), PREC="tf32" if low else "ieee",
+                num_warps=num_warps)
         except BaseException:
             if split > 1:  # an interrupted launch (time-out, error) must not leave arrivals counted
                 ctr.zero_()
@@ -315,13 +329,14 @@ def fused_operands(a) -> dict:
 def _launch(a, attrs, config):
     o = fused_operands(a)
     group = None
-    if attrs.get("batch_invariant"):  # a fixed tile shape and config: reductions independent of the batch
+    if attrs.get("batch_invariant"):  # fixed tiles and config, no cuBLAS gate GEMM: batch-independent sums
         key = key_dims(a, attrs)
-        group, config = 8, heuristic({**key, "R": 1 << 20}, "cuda" if o["q"].is_cuda else "cpu")
+        group, config = 8, dict(heuristic({**key, "R": 1 << 20}, "cuda" if o["q"].is_cuda else "cpu"), GATE_MM=0)
     return kda_decode(*(o[n] for n in OPERANDS), scale=attrs["scale"], lower_bound=attrs.get("lower_bound"),
                       norm_eps=attrs["norm_eps"], l2_eps=attrs.get("l2_eps", 1e-6),
                       keep_states=attrs.get("keep_states", False), block_v=config["BV"], num_warps=config["WARPS"],
-                      split=config.get("SPLIT", 1), prefetch=bool(config.get("PREFETCH", 1)), group=group)
+                      split=config.get("SPLIT", 1), prefetch=bool(config.get("PREFETCH", 1)), group=group,
+                      gate_mm=bool(config.get("GATE_MM", 0)), rank_block=config.get("RB", 32))
 
 
 def key_dims(a, attrs):
@@ -334,18 +349,22 @@ _SMS = 132  # H200 multiprocessors: the split aims at >= 2 programs per SM
 
 
 def heuristic(key, target):
-    """GPU: one program per (request, head) when R*H fills the GPU twice, else the head's columns split
-    over 2-4 programs; BV 64 (or the program's columns), 4 warps, one block loaded ahead. Measured on the
-    H200 (benches/results/h200-2026-11-29/kda.json, H=32, D=128): B=64 111 us (BV 32: 126-142 us, 8 warps
-    194-204 us, split 2: 181 us); B=1 split 4 x BV 32 13.8 us per graph replay (split 2: 14.7-15.6 us).
-    CPU: one block."""
+    """GPU: one program per (request, head) when R*H fills the GPU twice, f = f_a f_b^T then as one GEMM
+    before the kernel; else the head's columns split over 2-4 programs; BV 64 (or the program's columns),
+    4 warps, one block loaded ahead. H200 (benches/bench_kda.py, H=32, D=128, graph replays): B=64 111 us;
+    the gate GEMM took 13-15 us off (103 vs 118 us in a run of a since-reverted variant; f given whole
+    98.7 vs 111); BV 32 126-142 us, 8 warps 175-204 us, split 2-4 134-181 us. B=1 split 4 x BV 32 13.8 us
+    (split 1-2 and BV 64-128 within 15.2-16.2 us in the same run as the 103/118). B=64 x 8 tokens: 0.80 ms
+    without the GEMM, 0.87 with it. CPU: one block."""
     D = key["D"]
     if str(target).startswith("cpu"):
-        return {"BV": D, "WARPS": 4, "SPLIT": 1, "PREFETCH": 1}
+        return {"BV": D, "WARPS": 4, "SPLIT": 1, "PREFETCH": 1, "GATE_MM": 0, "RB": 32}
     split = 1
     while key["R"] * key["H"] * split < 2 * _SMS and D // (2 * split) >= 32:
         split *= 2
-    return {"BV": min(64, D // split), "WARPS": 4, "SPLIT": split, "PREFETCH": 1}
+    one_token = key.get("T", key["R"]) <= key["R"]  # verification (8 tokens): per-program 8-row dots win
+    return {"BV": min(64, D // split), "WARPS": 4, "SPLIT": split, "PREFETCH": 1, "RB": 32,
+            "GATE_MM": int(split == 1 and one_token)}
 
 
 def constraints(config, key, target):
@@ -374,6 +393,6 @@ TEMPLATES = [
         heuristic=heuristic, bucket=lambda key: {**key, "T": pow2_bucket(key["T"]), "R": pow2_bucket(key["R"])},
         constraints=constraints, supports=supports, batch_invariant=True,
         tunables=(Tunable("BV", (16, 32, 64)), Tunable("WARPS", (2, 4, 8)), Tunable("SPLIT", (1, 2, 4)),
-                  Tunable("PREFETCH", (0, 1))),
+                  Tunable("PREFETCH", (0, 1)), Tunable("GATE_MM", (0, 1)), Tunable("RB", (32, 64, 128))),
         doc="fused KDA decode/verify: conv + SiLU + L2 + gate + recurrence + gated RMSNorm, per-token states"),
 ]

@@ -17,6 +17,9 @@ Two kernels:
      g <= 0, and every exponent is a difference of nearby partial sums (fp32-accurate). L^-1 is
      built by row blocks from 16x16 diagonal inverses (I-N)(I+N^2)(I+N^4)(I+N^8) (N nilpotent).
      Phase 2 writes W, U, QG = scale q e^G, KG = k e^{G_C - G}, Aqk (input dtype) to the workspace.
+     Config SPLIT_INTRA=1 stores L^-1 (fp32) instead and runs phase 2 as `_kda_wu.py`'s kernel;
+     LOWP_A / LOWP_WU (bf16/fp16 inputs only) round the operands of the phase-1 / phase-2 products to
+     bf16 (bf16 tensor cores, fp32 accumulation) instead of tf32 products of fp32 operands.
   2. `_kda_state_kernel`, one program per (request, head, Dv block), sequential over the request's
      chunks with S in registers (fp32): d, o and the next S; writes o, optional checkpoint states,
      and the final state back to the pool row `state_slot[r]` in place.
@@ -35,57 +38,18 @@ import triton
 import triton.language as tl
 
 from ..kernel import KernelTemplate, Tunable, pow2_bucket
-from ._kda_common import (_SAFE_SPAN, BC, CHUNK, _inv_unit_lower, _load2, _mask_rows, _solve_store, _spans, _st,
-                          _st64, _sub, _tile, device_chunk_table, host_chunk_table, kda_gate, kda_gate_math)
+from ._kda_common import (_SAFE_SPAN, BC, CHUNK, _diag_exact, _inv_unit_lower, _load2, _mask_rows, _row_block,
+                          _solve_store, _spans, _st, _st64, _sub, device_chunk_table, host_chunk_table, kda_gate,
+                          kda_gate_math)
+from ._kda_wu import new_inverse_workspace, run_wu
 
 
 @triton.jit
-def _row_block(a: tl.constexpr, k, q, lw, t0, L, s_k, s_q, cols, kend, kd, s1, s2, acc, accq,
-               D: tl.constexpr, PREC: tl.constexpr):
-    """acc[i, j] += sum_c r_ic C_jc (and accq with x) for the rows i of sub-block a and all 64 columns j:
-    r = k e^{lc}, x = q e^{lc} (lc = decay since the sub-block start, so <= 1); C_j = k_j e^{G_a0 - G_j}:
-    for an earlier sub-block b, kend = k e^{s_b - lc} (decayed to its end, <= 1) times the decay of the
-    sub-blocks in between (<= 1); for sub-block a itself kd = k e^{-lc} (span-checked; 0 where
-    `_diag_exact` takes over). Upper entries are masked later."""
-    la = tl.load(lw + (tl.arange(0, BC) + a * BC)[:, None] * D + cols[None, :])
-    e = tl.exp(la)
-    r, x = _tile(k, t0, a * BC, L, s_k, cols) * e, _tile(q, t0, a * BC, L, s_q, cols) * e
-    blk = tl.arange(0, 64)[:, None] // BC
-    one = tl.full(s1.shape, 1.0, tl.float32)
-    d0, d1 = one, one                                   # decay between sub-block b's end and a's start
-    if a == 2:
-        d0 = tl.exp(s1)
-    if a == 3:
-        d0, d1 = tl.exp(s1 + s2), tl.exp(s2)
-    dec = tl.where(blk == 0, d0[None, :], tl.where(blk == 1, d1[None, :], 1.0))
-    cc = tl.where(blk < a, kend * dec, tl.where(blk == a, kd, 0.0))
-    acc = tl.dot(r, tl.trans(cc), acc, input_precision=PREC)
-    accq = tl.dot(x, tl.trans(cc), accq, input_precision=PREC)
-    return acc, accq
-
-
-@triton.jit
-def _diag_exact(a: tl.constexpr, k, q, lw, t0, L, s_k, s_q, cols, acc, accq, D: tl.constexpr):
-    """Sub-block a's own columns exactly, sum_c {k,q}_ic k_jc e^{lc_ic - lc_jc} column by column (only
-    differences <= 0 are exponentiated), for a slice whose sub-block decay span failed the check."""
-    la = tl.load(lw + (tl.arange(0, BC) + a * BC)[:, None] * D + cols[None, :])
-    ka, qa = _tile(k, t0, a * BC, L, s_k, cols), _tile(q, t0, a * BC, L, s_q, cols)
-    rows, cols64 = tl.arange(0, BC), tl.arange(0, 64)
-    for j in range(BC):
-        sel = (rows == j)[:, None]
-        e = tl.exp(tl.minimum(la - tl.sum(tl.where(sel, la, 0.0), axis=0)[None, :], 0.0))
-        e = e * tl.sum(tl.where(sel, ka, 0.0), axis=0)[None, :]
-        put = (cols64 == a * BC + j)[None, :]
-        acc += tl.where(put, tl.sum(ka * e, axis=1)[:, None], 0.0)
-        accq += tl.where(put, tl.sum(qa * e, axis=1)[:, None], 0.0)
-    return acc, accq
-
-
-@triton.jit
-def _kda_intra_kernel(q, k, v, g, beta, dtb, alog, chunk_start, chunk_len, W, U, QG, KG, AQK, GL, GW,
+def _kda_intra_kernel(q, k, v, g, beta, dtb, alog, chunk_start, chunk_len, W, U, QG, KG, AQK, GL, GW, AI,
                       s_q, s_k, s_v, s_g, s_b, scale, lower_bound,
                       H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      GATE: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
+                      GATE: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr, FUSE_WU: tl.constexpr,
+                      LOWP_A: tl.constexpr, LOWP_WU: tl.constexpr):
     n, h = tl.program_id(0), tl.program_id(1)
     L = tl.load(chunk_len + n)
     if L <= 0:
@@ -128,10 +92,10 @@ def _kda_intra_kernel(q, k, v, g, beta, dtb, alog, chunk_start, chunk_len, W, U,
         kend = kf * tl.exp(s_row - lf)
         unsafe = tl.where(blk == 0, u0, tl.where(blk == 1, u1, tl.where(blk == 2, u2, u3)))
         kd = tl.where(unsafe, 0.0, kf * tl.exp(tl.minimum(-lf, _SAFE_SPAN)))
-        a0, p0 = _row_block(0, k, q, lw, t0, L, s_k, s_q, cols, kend, kd, s1, s2, a0, p0, D, PREC)
-        a1, p1 = _row_block(1, k, q, lw, t0, L, s_k, s_q, cols, kend, kd, s1, s2, a1, p1, D, PREC)
-        a2, p2 = _row_block(2, k, q, lw, t0, L, s_k, s_q, cols, kend, kd, s1, s2, a2, p2, D, PREC)
-        a3, p3 = _row_block(3, k, q, lw, t0, L, s_k, s_q, cols, kend, kd, s1, s2, a3, p3, D, PREC)
+        a0, p0 = _row_block(0, k, q, lw, t0, L, s_k, s_q, cols, kend, kd, s1, s2, a0, p0, D, PREC, LOWP_A)
+        a1, p1 = _row_block(1, k, q, lw, t0, L, s_k, s_q, cols, kend, kd, s1, s2, a1, p1, D, PREC, LOWP_A)
+        a2, p2 = _row_block(2, k, q, lw, t0, L, s_k, s_q, cols, kend, kd, s1, s2, a2, p2, D, PREC, LOWP_A)
+        a3, p3 = _row_block(3, k, q, lw, t0, L, s_k, s_q, cols, kend, kd, s1, s2, a3, p3, D, PREC, LOWP_A)
     if n_unsafe > 0:  # rare (|g| > ~4 per token over a whole sub-block): exact diagonal blocks
         for kb in range(0, D, BK):
             cols = kb + tl.arange(0, BK)
@@ -163,7 +127,16 @@ def _kda_intra_kernel(q, k, v, g, beta, dtb, alog, chunk_start, chunk_len, W, U,
     t = (rows[None, :] == 48 + ii[:, None]).to(tl.float32) - tl.dot(_sub(a3, 0), l0, input_precision=PREC)
     t -= tl.dot(_sub(a3, 1), l1, input_precision=PREC) + tl.dot(_sub(a3, 2), l2, input_precision=PREC)
     l3 = tl.dot(_inv_unit_lower(_sub(a3, 3), PREC), t, input_precision=PREC)
+    if not FUSE_WU:  # L^-1 (fp32) for `_kda_wu.py`'s kernel, which applies it (fewer live registers here)
+        ai = AI + base * 64
+        _st(ai, 0, rows, 64, l0)
+        _st(ai, 16, rows, 64, l1)
+        _st(ai, 32, rows, 64, l2)
+        _st(ai, 48, rows, 64, l3)
+        return
     # ---- phase 2: W = L^-1 (beta k e^G), QG = scale q e^G, KG = k e^{G_C - G}; U = L^-1 (beta v)
+    if LOWP_WU:  # bf16 tensor-core products (fp32 accumulation) for the two solves
+        l0, l1, l2, l3 = l0.to(tl.bfloat16), l1.to(tl.bfloat16), l2.to(tl.bfloat16), l3.to(tl.bfloat16)
     b64 = tl.load(beta + (t0 + rows) * s_b, mask=rows < L, other=0.0).to(tl.float32)[:, None]
     for kb in range(0, D, BK):
         cols = kb + tl.arange(0, BK)
@@ -243,12 +216,22 @@ def run_intra(q, k, v, graw, beta, starts, lens, scale, cfg, *, gate_mode=0, A_l
           torch.empty(N, H, D, device=dev, dtype=torch.float32))
     gw = torch.empty(N, H, CHUNK, D, device=dev, dtype=torch.float32)  # lc per chunk, kernel-internal
     dummy = ws[5]  # any fp32 tensor stands in for an absent A_log / dt_bias (never read then)
+    dtb, alog = dt_bias if dt_bias is not None else dummy, A_log if A_log is not None else dummy
+    split = bool(cfg.get("SPLIT_INTRA", 0))
+    ai = new_inverse_workspace(W) if split else dummy
+    prec, lb = "tf32" if low else "ieee", float(lower_bound) if lower_bound is not None else 0.0
+    lowp_a, lowp_wu = low and bool(cfg.get("LOWP_A", 0)), low and bool(cfg.get("LOWP_WU", 0))  # bf16/fp16 in only
     _kda_intra_kernel[(N, H)](
-        qv, kv_, vv, gv, bv, dt_bias if dt_bias is not None else dummy, A_log if A_log is not None else dummy,
-        starts, lens, *ws, gw, qv.stride(0), kv_.stride(0), vv.stride(0), gv.stride(0), bv.stride(0), float(scale),
-        float(lower_bound) if lower_bound is not None else 0.0, H=H, D=D, DV=Dv, BK=min(cfg["BK"], D),
-        BV=min(cfg["BV_INTRA"], Dv), GATE=gate_mode, HAS_BIAS=dt_bias is not None, PREC="tf32" if low else "ieee",
+        qv, kv_, vv, gv, bv, dtb, alog, starts, lens, *ws, gw, ai, qv.stride(0), kv_.stride(0), vv.stride(0),
+        gv.stride(0), bv.stride(0), float(scale), lb, H=H, D=D, DV=Dv, BK=min(cfg["BK"], D),
+        BV=min(cfg["BV_INTRA"], Dv), GATE=gate_mode, HAS_BIAS=dt_bias is not None, PREC=prec, FUSE_WU=not split,
+        LOWP_A=lowp_a, LOWP_WU=lowp_wu,
         num_warps=cfg["WARPS_INTRA"], num_stages=cfg.get("STAGES_INTRA", 3))
+    if split:
+        run_wu((qv, kv_, vv, gv, bv), starts, lens, ai, ws, scale, BK=min(cfg.get("BK_WU", 64), D),
+               BV=min(cfg.get("BV_WU", 64), Dv), PREC=prec, LOWP=lowp_wu, gate_mode=gate_mode, dtb=dtb, alog=alog,
+               lower_bound=lb, has_bias=dt_bias is not None, num_warps=cfg.get("WARPS_WU", 4),
+               num_stages=cfg.get("STAGES_WU", 2))
     return ws
 
 
@@ -325,15 +308,17 @@ def bucket(key):
 
 
 def heuristic(key, target):
-    """CPU interpreter: big tiles (cost is per program step). GPU, D=128, as measured on the H200
-    (benches/results/h200-2026-11-29/kda.json, B=1, T=8192, H=32): kernel 1 BK 32 / 4 warps / 2 stages
-    0.81 ms (3 stages 0.82, 1 stage 0.93; BK 16 with Aqk and A in separate passes 1.3-1.5 ms), kernel 2
-    BV 32 / 4 warps / 3 stages 0.20 ms (BV 32 / 8 warps / 3 stages or 4 stages exceed shared memory)."""
+    """CPU interpreter: big tiles (cost is per program step). GPU, D=128, as measured on the H200 (B=1,
+    T=8192, H=32; benches/bench_kda.py, 2026-11-29): kernel 1 fused, BK 32 / 4 warps / 2 stages 0.81 ms (3
+    stages 0.82, 1 stage 0.93, 8 warps 1.44; split into A/inverse + W/U kernels 0.87, both at 255 registers;
+    BK 16 1.3-1.5 ms); kernel 2 BV 32 / 4 warps / 3 stages 0.20 ms (BV 64: 0.33-0.43, BV 16: 0.41, 8 warps
+    0.37). The bf16 tensor-core products (LOWP_A, LOWP_WU) are tunables, not yet measured on the GPU."""
     D, Dv = key["D"], key["Dv"]
+    off = {"SPLIT_INTRA": 0, "LOWP_A": 0, "LOWP_WU": 0}
     if str(target).startswith("cpu"):
-        return {"BK": D, "BV_INTRA": Dv, "WARPS_INTRA": 4, "STAGES_INTRA": 1, "BV": Dv, "WARPS": 4, "STAGES": 2}
+        return {"BK": D, "BV_INTRA": Dv, "WARPS_INTRA": 4, "STAGES_INTRA": 1, "BV": Dv, "WARPS": 4, "STAGES": 2, **off}
     return {"BK": min(32, D), "BV_INTRA": min(64, Dv), "WARPS_INTRA": 4, "STAGES_INTRA": 2, "BV": min(32, Dv),
-            "WARPS": 4, "STAGES": 3}
+            "WARPS": 4, "STAGES": 3, **off}
 
 
 _SMEM_BYTES = 232448  # per block on the H200 (sm_90)
@@ -346,7 +331,7 @@ def state_kernel_smem(config, key, itemsize: int = 2) -> int:
 
 def constraints(config, key, target):
     out = []
-    for name, dim in (("BK", "D"), ("BV_INTRA", "Dv"), ("BV", "Dv")):
+    for name, dim in (("BK", "D"), ("BV_INTRA", "Dv"), ("BV", "Dv")):  # the W/U kernel's tiles are clamped to D
         if config[name] > key[dim] or key[dim] % config[name]:
             out.append(f"{name}={config[name]} must divide {dim}={key[dim]}")
     if not str(target).startswith("cpu") and state_kernel_smem(config, key) > _SMEM_BYTES:
@@ -388,7 +373,8 @@ TEMPLATES = [
         heuristic=heuristic, bucket=bucket, constraints=constraints, supports=supports, batch_invariant=True,
         tunables=(Tunable("BK", (16, 32, 64)), Tunable("BV_INTRA", (32, 64)), Tunable("WARPS_INTRA", (2, 4, 8)),
                   Tunable("STAGES_INTRA", (1, 2, 3)), Tunable("BV", (16, 32, 64)), Tunable("WARPS", (4, 8)),
-                  Tunable("STAGES", (2, 3, 4))),
+                  Tunable("STAGES", (2, 3, 4)), Tunable("LOWP_A", (0, 1)), Tunable("LOWP_WU", (0, 1)),
+                  Tunable("SPLIT_INTRA", (0, 1)), Tunable("BK_WU", (32, 64)), Tunable("WARPS_WU", (4, 8))),
         doc="chunked (64) WY/UT KDA over ragged requests; form recurrent|chunked give the same result"),
     KernelTemplate(
         family="kda_gate", backend="triton", ops=("kda_gate",), launch=_launch_gate,

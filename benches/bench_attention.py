@@ -195,7 +195,9 @@ def _indexer_check(d, K, cfg):
     from ir.ref import indexer as ref
     sel = _indexer_call(d, K, cfg)()
     qd = formats.dequantize_fp8(d["q8"], d["qs"])
-    kd = dequantize_index_keys(d["keys"], d["ks"], d["fmt"])
+    ks = d["ks"].reshape(-1) if d["fmt"] == "fp8" else d["ks"].reshape(-1, d["ks"].shape[-1])
+    flat = d["keys"].reshape(-1, d["keys"].shape[-1]), ks
+    kd = dequantize_index_keys(*flat, d["fmt"])   # (block views flattened: a copy for the reference only)
     args = (qd, d["w"].float(), kd, d["pos"], d["req"], d["tbl"], BLOCK_SIZE)
     want, _ = ref.indexer_topk(*args, K)
     scores, _ = ref.indexer_scores_padded(*args)
@@ -227,16 +229,28 @@ def _indexer_shape(res):
 
 
 def _indexer_configs(base, fmt):
-    """Swept configs: the heuristic, the last session's default (no prefetch, the compiler's pipeliner),
-    and the candidate (CAND 1: group top-2) / occupancy / tile-size variants around them."""
+    """Swept configs: the heuristic (lean streaming score pass, bf16 dot, the pipeliner's async copies),
+    its FP8 tensor-core dots (DOT 1: each 32-deep step added exactly; DOT 2: no promotion), and candidate
+    (CAND 1: group top-2; KT 16: no overflow expected) / occupancy / tile-size / pipeline-depth variants."""
     from codegen.triton.indexer_topk import default_kt
-    old = dict(base, CAND=0, PREFETCH=0, num_stages=3)
-    pairs = dict(base, KT=32, CAND=1, PREFETCH=1, num_stages=1)
     if fmt != "fp8":
-        return [base, old, pairs]
-    return [base, old, dict(base, SPLITS=2 * base["SPLITS"]), pairs, dict(pairs, SPLITS=2 * base["SPLITS"]),
-            dict(pairs, BLOCK_N=64, KT=16, SPLITS=2 * base["SPLITS"]), dict(pairs, KT=64),
-            dict(base, BLOCK_N=64, KT=default_kt(64, 2048, 1 << 17), SPLITS=2 * base["SPLITS"])]
+        return [base, dict(base, KT=32, CAND=1), dict(base, SPLITS=2 * base["SPLITS"])]
+    d0 = dict(base, DOT=0)
+    return [base, d0, dict(base, KT=8), dict(base, KT=32, CAND=1), dict(base, KT=64, CAND=1),
+            dict(base, SPLITS=2 * base["SPLITS"]), dict(base, MERGE_TILE=4096),
+            dict(base, BLOCK_N=64, KT=default_kt(64, 2048, 1 << 17), SPLITS=2 * base["SPLITS"]),
+            dict(base, BLOCK_N=256, KT=default_kt(256, 2048, 1 << 17), num_warps=8, SPLITS=max(1, base["SPLITS"] // 2))]
+
+
+def _block_view(pool, fill=0):
+    """The same rows as a block view [NB, BLOCK_SIZE, ...] cut from a larger byte buffer: each block is a page
+    of a packed row (96 foreign bytes after it), as the packed block pool (issue 7) hands kernels."""
+    nb = pool.shape[0] // BLOCK_SIZE
+    row = pool[0].numel() * pool.element_size()
+    buf = torch.full((nb, BLOCK_SIZE * row + 96), fill, dtype=torch.uint8, device=pool.device)
+    v = buf[:, :BLOCK_SIZE * row].view(pool.dtype).view(nb, BLOCK_SIZE, *pool.shape[1:])
+    v.copy_(pool.view(nb, BLOCK_SIZE, *pool.shape[1:]))
+    return v
 
 
 def sec_indexer(res):
@@ -253,10 +267,19 @@ def sec_indexer(res):
                 stats = {}
                 _indexer_call(d, K, cfg, stats=stats)()
                 m["overflow"] = stats
-        for i in (0, 3 if fmt == "fp8" else 2):   # the score kernel alone: the rest is the candidates' merge
+        if fmt == "fp8":   # pools as block views cut from a packed byte buffer (read in place)
+            dv = dict(d, keys=_block_view(d["keys"]), ks=_block_view(d["ks"]))
+            _rec(res, "indexer_decode_fp8_block_view_cfg0", _indexer_call(dv, K, configs[0]), _indexer_bytes(d, K),
+                 2 * T * 32 * L * 128, config=configs[0], T=T, L=L, topk=K)
+            _check(res, "indexer_decode_fp8_block_view_cfg0_vs_ir_reference", lambda: _indexer_check(dv, K, configs[0]))
+            dot2 = dict(configs[0], DOT=2)   # FP8 dots without exact promotion: fast, but outside the tolerance
+            _rec(res, "indexer_decode_fp8_dot2_unpromoted", _indexer_call(d, K, dot2), _indexer_bytes(d, K), config=dot2)
+            _check(res, "indexer_decode_fp8_dot2_unpromoted_vs_ir_reference", lambda: _indexer_check(d, K, dot2))
+            del dv
+        for i in ((0, 2, 3) if fmt == "fp8" else (0, 1)):   # the score kernel alone: the rest is the candidates' merge
             _rec(res, f"indexer_decode_{fmt}_score_only_cfg{i}", _indexer_call(d, K, configs[i], stop_after="score"),
                  _indexer_bytes(d, K), optional=True, config=configs[i])
-        for i, cfg in enumerate(configs[:2]):
+        for i, cfg in enumerate(configs[:3]):
             _check(res, f"indexer_decode_{fmt}_cfg{i}_vs_ir_reference", lambda: _indexer_check(d, K, cfg))
         if fmt == "fp8":
             _rec(res, "indexer_decode_fp8_peer_torch_eager", _indexer_eager(d, K), _indexer_bytes(d, K), peer=True)
@@ -328,7 +351,7 @@ def _mla_check(d, cfg):
     meta = (d["pos"], d["req"], d["tbl"], BLOCK_SIZE, SCALE, sel)
     o, lse = mla_sparse_decode(d["qn"], d["qp"], d["pool"], d["kvb"], *meta, latent_format=d["fmt"],
                                latent_scale=d["ls"], pe_scale=d["ps"], return_lse=True, config=cfg)
-    deq = dequantize_latent(d["pool"], d["fmt"], 512, d["ls"], d["ps"])
+    deq = dequantize_latent(d["pool"].reshape(-1, d["pool"].shape[-1]), d["fmt"], 512, d["ls"], d["ps"])
     want = ref.mla_attention(d["qn"].float(), d["qp"].float(), deq, d["kvb"].float(), *meta, "absorbed")
     W = d["kvb"].double().view(H, 256, 512)
     c = deq[_all_rows(d["tbl"], d["ctx"]).gather(1, sel)].double()
@@ -361,13 +384,12 @@ def _mla_shape(res):
 
 
 def _mla_configs(base, fmt):
-    """PREFETCH 1 (rows a step ahead) is the heuristic; 0 the last session's default; 2 (raw bytes of
-    the next step in registers) spilled at BLOCK_N 64 / 4 warps (2026-11-29), so only smaller tiles."""
+    """The heuristic and the runners-up of 2026-11-29 (H200): 32-row steps with the next step's bytes in
+    registers, whole rows (SUB 1) with the pipeliner's async copies, 8 warps."""
     if fmt != "fp8":
-        return [base, dict(base, PREFETCH=0)]
-    return [base, dict(base, PREFETCH=0), dict(base, CHUNK=256), dict(base, BLOCK_N=32),
-            dict(base, BLOCK_N=32, PREFETCH=2), dict(base, num_warps=8, PREFETCH=2), dict(base, SUB=1, num_warps=8,
-                                                                                         num_stages=3)]
+        return [base, dict(base, BLOCK_N=64 if base["BLOCK_N"] == 32 else 32)]
+    return [base, dict(base, num_warps=8), dict(base, BLOCK_N=32, PREFETCH=2),
+            dict(base, SUB=1, BLOCK_N=32, num_stages=3, PREFETCH=0)]
 
 
 def sec_mla(res):
@@ -386,6 +408,11 @@ def sec_mla(res):
             rows = _all_rows(d["tbl"], ctx).gather(1, d["sels"][0])
             _rec(res, "mla_sparse_decode_fp8_rows_input", _latent_call(d, configs[0], rows=rows), nbytes, flops,
                  config=configs[0], T=T, H=H, topk=K)
+            dv = dict(d, pool=_block_view(d["pool"]))   # a block view cut from a packed byte buffer
+            _rec(res, "mla_sparse_decode_fp8_block_view_cfg0", _latent_call(dv, configs[0]), nbytes, flops,
+                 config=configs[0], T=T, H=H, topk=K)
+            _check(res, "mla_sparse_decode_fp8_block_view_cfg0_vs_ir_reference", lambda: _mla_check(dv, configs[0]))
+            del dv
         for i, cfg in enumerate(configs[:2] if fmt == "fp8" else configs[:1]):
             _check(res, f"mla_sparse_decode_{fmt}_cfg{i}_vs_ir_reference", lambda: _mla_check(d, cfg))
         if fmt == "fp8":
@@ -417,7 +444,7 @@ def sec_step(res):
         B, K, lengths = 2, 64, (512, 1024)
     here = os.path.dirname(res["path"])
     ib = _best_structure(os.path.join(here, "indexer.json"), "indexer_decode_fp8_cfg",
-                         ("BLOCK_N", "CAND", "PREFETCH", "num_warps", "num_stages"))
+                         ("BLOCK_N", "CAND", "DOT", "MERGE_TILE", "num_warps", "num_stages"))
     mb = _best_structure(os.path.join(here, "mla.json"), "mla_sparse_decode_fp8_cfg",
                          ("BLOCK_N", "SUB", "PREFETCH", "num_warps", "num_stages"))
     res["structure"] = {"indexer": ib, "mla": mb}

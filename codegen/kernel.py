@@ -32,6 +32,7 @@ reduction may be split by it).
 from __future__ import annotations
 
 import inspect
+import sys
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -73,8 +74,25 @@ class KernelTemplate:
         return "_".join(str(p) for p in parts)
 
     def source(self) -> str:
-        """Source text of the module defining the template (hashed into tuning-record keys)."""
-        return inspect.getsource(inspect.getmodule(self.launch))
+        """Source text of the module defining the template and of every project module its code reaches
+        (`codegen.triton.*` / `codegen.tvm.*` helpers such as `_paging` or `_moe_tiles`), hashed into tuning-record keys: a change in
+        any code the kernel runs stales its records."""
+        return "\n".join(inspect.getsource(m) for m in code_modules(inspect.getmodule(self.launch)))
 
     def space_size(self) -> int:
         return math.prod(len(t.values) for t in self.tunables)
+
+
+def code_modules(module, prefix: tuple = ("codegen.triton.", "codegen.tvm.")) -> list:
+    """`module` first, then the kernel-backend modules (under `prefix`) it references (directly or through another such
+    module: imported modules, functions, classes and Triton JIT functions), sorted by name."""
+    seen, stack = {module.__name__: module}, [module]
+    while stack:
+        for value in vars(stack.pop()).values():
+            owner = getattr(value, "fn", value)  # a Triton JIT / interpreted function wraps the Python one
+            dep = value if inspect.ismodule(value) else sys.modules.get(getattr(owner, "__module__", None) or "")
+            if dep is not None and dep.__name__.startswith(prefix) and dep.__name__ not in seen \
+                    and getattr(dep, "__file__", None):
+                seen[dep.__name__] = dep
+                stack.append(dep)
+    return [module] + sorted((m for n, m in seen.items() if n != module.__name__), key=lambda m: m.__name__)

@@ -258,3 +258,41 @@ def test_cache_help_has_examples(capsys):
         with pytest.raises(SystemExit):
             _cli(argv)
         assert "examples:" in capsys.readouterr().out
+
+
+def _load_as(name: str, path):
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_template_hash_covers_the_helper_modules_its_kernel_uses(tmp_path):
+    """A kernel's record key hashes the helpers it calls (e.g. `_paging`), not only its own file."""
+    import sys
+
+    from autotune_cache.records import template_sha256
+    from codegen.kernel import KernelTemplate
+
+    helper = tmp_path / "helper.py"
+    main = tmp_path / "main.py"
+    main.write_text("from codegen.triton._hash_probe_helper import scale\n\n"
+                    "def launch(a, attrs, config):\n    return scale(a)\n")
+    hashes = []
+    try:
+        for body in ("def scale(x):\n    return 2 * x\n", "def scale(x):\n    return 3 * x\n"):
+            helper.write_text(body)
+            _load_as("codegen.triton._hash_probe_helper", helper)
+            mod = _load_as("codegen.triton._hash_probe_main", main)
+            t = KernelTemplate(family="probe", backend="triton", ops=("rms_norm",), launch=mod.launch,
+                               key_dims=lambda a, at: {}, heuristic=lambda k, t: {})
+            assert "return 2 * x" in t.source() or "return 3 * x" in t.source()
+            hashes.append(template_sha256(t))
+    finally:
+        sys.modules.pop("codegen.triton._hash_probe_helper", None)
+        sys.modules.pop("codegen.triton._hash_probe_main", None)
+    assert hashes[0] != hashes[1]

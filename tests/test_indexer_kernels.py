@@ -21,8 +21,8 @@ except ImportError:  # bare `pytest` without the repo root on sys.path
 HI, DI, K = 4, 32, 16
 SMALL = dict(BLOCK_N=16, KT=4, SPLITS=2, num_warps=4, num_stages=1, MERGE_TILE=64)  # overflow-prone
 WIDE = dict(BLOCK_N=64, KT=8, SPLITS=1, num_warps=4, num_stages=1, MERGE_TILE=128)
-# group top-2 candidates (CAND 1: 4 groups of 8 per tile) with the next tile prefetched, several programs per row
-PAIRS = dict(BLOCK_N=32, KT=8, SPLITS=2, num_warps=4, num_stages=1, MERGE_TILE=64, CAND=1, PREFETCH=1)
+# group top-2 candidates (CAND 1: 4 groups of 8 per tile), several programs per row
+PAIRS = dict(BLOCK_N=32, KT=8, SPLITS=2, num_warps=4, num_stages=1, MERGE_TILE=64, CAND=1)
 
 
 def _batch(seed, lengths, key_format="fp8", keys=None, q=None):
@@ -121,7 +121,7 @@ def test_overflow_path_clustered_winners():
     keys = torch.randn(3 + 120 + 5, DI, generator=g) * 0.1
     keys[3 + 48: 3 + 80] = q[0].mean(0) * 3 + torch.randn(32, DI, generator=g) * 0.1
     b = _batch(2, [(120, 3)], keys=keys, q=q)
-    for cfg in (SMALL, PAIRS):
+    for cfg in (SMALL, PAIRS, dict(SMALL, MERGE_TILE=16)):   # the last: candidates streamed, not resident
         stats = {}
         got = _run(b, config=cfg, stats=stats)
         assert stats["overflowed_rows"] > 0, (cfg, stats)
@@ -232,5 +232,50 @@ def test_heuristics_are_legal():
             cfg = heuristic({"T": 32, "L": L, "K": 2048, "HI": 32, "DI": 128}, target)
             assert cfg["KT"] <= cfg["BLOCK_N"] and cfg["KT"] & (cfg["KT"] - 1) == 0 and cfg["SPLITS"] >= 1
             assert not TEMPLATES[0].constraints(cfg, {"DI": 128}, target)
-    assert default_kt(128, 2048, 1 << 17) == 8 and default_kt(256, 2048, 1 << 17) == 16
-    assert default_kt(128, 2048, 1 << 20) == 4
+    assert default_kt(128, 2048, 1 << 17) == 16 and default_kt(256, 2048, 1 << 17) == 16
+    assert default_kt(128, 2048, 1 << 20) == 8
+
+
+def _packed_block_view(pool: torch.Tensor, bs: int, lead: int, tail: int, seed: int) -> torch.Tensor:
+    """`pool`'s rows as a block view [NB, bs, ...] cut from a larger byte buffer: each block is one page of
+    a packed row (`lead` foreign bytes before it, `tail` after, all random), so the block stride exceeds
+    bs rows and the view is not contiguous."""
+    nb = pool.shape[0] // bs
+    row = pool[0].numel() * pool.element_size()
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.randint(0, 256, (nb, lead + bs * row + tail), dtype=torch.uint8, generator=g)
+    v = buf[:, lead:lead + bs * row].view(pool.dtype).view(nb, bs, *pool.shape[1:])
+    v.copy_(pool.reshape(nb, bs, *pool.shape[1:]))
+    assert not v.is_contiguous() and v.stride(0) > bs * pool[0].numel()
+    return v
+
+
+@pytest.mark.parametrize("key_format", ["fp8", "mxfp4"])
+def test_block_view_pools_read_in_place(key_format):
+    """Key and key-scale pools as block views [NB, bs, ...] (pages of a packed byte buffer, scattered block
+    table): the same selection as the flat pools, positions and rows, without copying the views."""
+    b = _batch(12, [(60, 2), (9, 1), (100, 1)], key_format=key_format)
+    flat_pos, flat_rows = _run(b, config=SMALL), _run(b, config=WIDE, output="rows")
+    v = dict(b, k=_packed_block_view(b["k"], b["bs"], 16, 48, 1), ks=_packed_block_view(b["ks"], b["bs"], 4, 12, 2))
+    assert torch.equal(_run(v, config=SMALL), flat_pos)
+    assert torch.equal(_run(v, config=WIDE, output="rows"), flat_rows)
+    assert torch.equal(flat_pos, _reference(b))
+    bad = dict(v, k=v["k"][:, : b["bs"] // 2])   # a block view must hold block_size rows per block
+    with pytest.raises(ValueError, match="indexer keys"):
+        _run(bad, config=SMALL)
+
+
+@pytest.mark.parametrize("dot", [0, 1])
+def test_gpu_tensor_core_dots(dot):
+    """GPU only (the interpreter scores in fp32): bf16 dots (DOT 0, exact) select exactly the reference's
+    positions; FP8 dots with exact fp32 promotion per 32-deep step (DOT 1) select positions whose float64
+    scores agree with the reference's top-k within 1e-4 of the largest score."""
+    if not torch.cuda.is_available():
+        pytest.skip("tensor-core dot variants run on a GPU only (the interpreter computes in fp32)")
+    b = _batch(13, [(3000, 1), (2200, 2), (700, 1)])
+    dev = {k: (v.cuda() if isinstance(v, torch.Tensor) and k not in ("qd", "kd") else v) for k, v in b.items()}
+    cfg = dict(heuristic({"T": 4, "L": 3000, "K": 64, "HI": HI, "DI": DI}, "h200"), DOT=dot)
+    got = _run(dev, topk=64, config=cfg).cpu()
+    _check(got, b, topk=64, tol=1e-5 if dot == 0 else 1e-4)
+    if dot == 0:
+        assert torch.equal(got, _reference(b, topk=64))

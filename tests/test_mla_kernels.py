@@ -180,3 +180,44 @@ def test_supports_on_ir_types():
     assert sparse_mod.TEMPLATES[0].supports(a, {"form": "absorbed"}, "h200") is None
     assert prefill_mod.TEMPLATES[0].supports(a, {"form": "decompressed"}, "h200") is None
     assert "absorbed" in prefill_mod.TEMPLATES[0].supports(a, {"form": "absorbed"}, "h200")
+
+
+def _packed_block_view(pool: torch.Tensor, bs: int, lead: int, tail: int, seed: int) -> torch.Tensor:
+    """`pool`'s rows as a block view [NB, bs, width] cut from a larger random byte buffer (one page of a
+    packed block row per block: `lead` foreign bytes before it, `tail` after): block stride > bs rows."""
+    nb, row = pool.shape[0] // bs, pool.shape[1] * pool.element_size()
+    buf = torch.randint(0, 256, (nb, lead + bs * row + tail), dtype=torch.uint8,
+                        generator=torch.Generator().manual_seed(seed))
+    v = buf[:, lead:lead + bs * row].view(pool.dtype).view(nb, bs, pool.shape[1])
+    v.copy_(pool.view(nb, bs, pool.shape[1]))
+    assert not v.is_contiguous() and v.stride(0) > bs * pool.shape[1]
+    return v
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "fp8", "nvfp4"])
+def test_block_view_latent_pool_read_in_place(fmt):
+    """A latent pool handed over as a block view [NB, bs, width] (pages of a packed byte buffer, blocks in
+    random order): selections by position and by row, and the dense causal context, all equal to the
+    flat pool's results (the view is read through its strides, not copied)."""
+    b = _batch(11, [(33, 2), (12, 1)])
+    ls, ps = 1.0, 1.0
+    if fmt == "fp8":
+        pool, ls = quantize_latent_fp8(b["lat"])
+    elif fmt == "nvfp4":
+        pool, ls, ps = quantize_latent_nvfp4(b["lat"], KV)
+    else:
+        pool = b["lat"]
+    view = _packed_block_view(pool, b["bs"], 32, 80, 12)
+    kw = dict(latent_format=fmt, latent_scale=ls, pe_scale=ps, return_lse=True, config=ONE_PASS)
+    rows = ref.selection_positions_to_rows(b["sel"], b["tr"], b["tbl"], b["bs"])
+    for what, args, extra in (("positions", _args(b, pool), {}), ("rows", _args(b, pool)[:-1] + (rows,),
+                                                                     {"selection_rows": True}),
+                              ("dense", _args(b, pool)[:-1] + (None,), {})):
+        want_o, want_lse = mla_sparse_decode(*args, **kw, **extra)
+        vargs = args[:2] + (view,) + args[3:]
+        o, lse = mla_sparse_decode(*vargs, **kw, **extra)
+        assert_close_rel(o, want_o, 1e-6, f"{fmt} {what} o")
+        assert_close_rel(lse, want_lse, 1e-6, f"{fmt} {what} lse")
+    deq = dequantize_latent(pool, fmt, KV, ls, ps)
+    assert_close_rel(mla_sparse_decode(*_args(b, view), **kw)[0], ref.mla_attention(*_args(b, deq), "absorbed"),
+                     1e-5 if fmt == "fp32" else 2e-2, f"{fmt} vs reference")

@@ -20,6 +20,9 @@ Latent pool formats (dequantised in registers):
                    [kv/2 + kv/16, +dr) k_pe in e4m3;
                    c_KV = e2m1 * block_scale * latent_scale (the fp32 per-tensor scale),
                    k_pe = code * pe_scale.
+A pool is flat [N, width] or a block view [NB, block_size, width] whose block stride may exceed
+block_size * width (a page of a packed block pool): rows are addressed through `_paging.row_offsets` with
+the view's strides (`pool_strides`), never copied. FP8 pools are read through an fp8 pointer on the GPU.
 `mla_prefill.quantize_latent_fp8` / `quantize_latent_nvfp4` write those pools, `dequantize_latent` reads
 them back (in torch; prefill decompresses from it).
 
@@ -40,7 +43,7 @@ import triton
 import triton.language as tl
 
 from ..kernel import KernelTemplate, Tunable, pow2_bucket
-from ._paging import paging_args, rows_of
+from ._paging import paging_args, pool_strides, row_offsets, rows_of
 
 LOG2E = 1.4426950408889634
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -89,18 +92,19 @@ def _load_idx(idx_ptr, t, KSEL, j, end, BLOCK_N: tl.constexpr, SPARSE: tl.conste
 
 
 @triton.jit
-def _sub_raw(lat_ptr, rows, valid, lat_stride, kb: tl.constexpr, KV: tl.constexpr, KB: tl.constexpr,
+def _sub_raw(lat_ptr, ro, valid, kb: tl.constexpr, KV: tl.constexpr, KB: tl.constexpr,
              FMT: tl.constexpr, EVICT: tl.constexpr):
-    """Stored bytes of c_KV values kb*KB .. (kb+1)*KB-1 of the rows: (values, block scales); the scales
-    are a [BLOCK_N, 1] placeholder unless FMT 2 (nvfp4). Invalid rows read as zeros (no traffic)."""
-    rp = lat_ptr + rows[:, None] * lat_stride
+    """Stored bytes of c_KV values kb*KB .. (kb+1)*KB-1 of the rows starting at element offsets `ro`:
+    (values, block scales); the scales are a [BLOCK_N, 1] placeholder unless FMT 2 (nvfp4). Invalid rows
+    read as zeros (no traffic)."""
+    rp = lat_ptr + ro[:, None]
     m = valid[:, None]
     if FMT == 2:
         x = tl.load(rp + kb * (KB // 2) + tl.arange(0, KB // 2)[None, :], mask=m, other=0, eviction_policy=EVICT)
         sc = tl.load(rp + KV // 2 + kb * (KB // 16) + tl.arange(0, KB // 16)[None, :], mask=m, other=0,
                      eviction_policy=EVICT)
     else:
-        x = tl.load(rp + kb * KB + tl.arange(0, KB)[None, :], mask=m, other=0, eviction_policy=EVICT)
+        x = tl.load(rp + kb * KB + tl.arange(0, KB)[None, :], mask=m, other=0.0, eviction_policy=EVICT)
         sc = tl.zeros([x.shape[0], 1], dtype=tl.uint8)
     return x, sc
 
@@ -119,24 +123,26 @@ def _sub_deq(x, sc, KB: tl.constexpr, FMT: tl.constexpr, DOT_DT: tl.constexpr):
 
 
 @triton.jit
-def _sub_tile(lat_ptr, rows, valid, lat_stride, kb: tl.constexpr, KV: tl.constexpr, KB: tl.constexpr,
+def _sub_tile(lat_ptr, ro, valid, kb: tl.constexpr, KV: tl.constexpr, KB: tl.constexpr,
               FMT: tl.constexpr, DOT_DT: tl.constexpr, EVICT: tl.constexpr):
     """c_KV values kb*KB .. (kb+1)*KB-1 of the rows, dequantised to DOT_DT: [BLOCK_N, KB]."""
-    x, sc = _sub_raw(lat_ptr, rows, valid, lat_stride, kb, KV, KB, FMT, EVICT)
+    x, sc = _sub_raw(lat_ptr, ro, valid, kb, KV, KB, FMT, EVICT)
     return _sub_deq(x, sc, KB, FMT, DOT_DT)
 
 
 @triton.jit
-def _k_pe_raw(lat_ptr, rows, valid, lat_stride, KV: tl.constexpr, DR: tl.constexpr, FMT: tl.constexpr):
+def _k_pe_raw(lat_ptr, ro, valid, KV: tl.constexpr, DR: tl.constexpr, FMT: tl.constexpr):
     r = tl.arange(0, DR)
     off = KV if FMT < 2 else KV // 2 + KV // 16
-    return tl.load(lat_ptr + rows[:, None] * lat_stride + off + r[None, :], mask=valid[:, None], other=0)
+    if FMT == 2:
+        return tl.load(lat_ptr + ro[:, None] + off + r[None, :], mask=valid[:, None], other=0)
+    return tl.load(lat_ptr + ro[:, None] + off + r[None, :], mask=valid[:, None], other=0.0)
 
 
 @triton.jit
-def _k_pe(lat_ptr, rows, valid, lat_stride, KV: tl.constexpr, DR: tl.constexpr, FMT: tl.constexpr,
+def _k_pe(lat_ptr, ro, valid, KV: tl.constexpr, DR: tl.constexpr, FMT: tl.constexpr,
           DOT_DT: tl.constexpr):
-    x = _k_pe_raw(lat_ptr, rows, valid, lat_stride, KV, DR, FMT)
+    x = _k_pe_raw(lat_ptr, ro, valid, KV, DR, FMT)
     if FMT == 0:
         return x.to(DOT_DT)
     else:
@@ -151,21 +157,23 @@ def _q_sub(qa_ptr, th, hm, kb: tl.constexpr, KB: tl.constexpr, KV: tl.constexpr,
 
 
 @triton.jit
-def _rows_at(idx_ptr, t, KSEL, j, end, tblrow, BLOCK_N: tl.constexpr, SPARSE: tl.constexpr, PAGED: tl.constexpr,
-             LOG_BS: tl.constexpr):
-    """(pool rows, valid) of context entries j .. j+BLOCK_N-1 (none valid when j >= end)."""
+def _rows_at(idx_ptr, t, KSEL, j, end, tblrow, sb, sr, BLOCK_N: tl.constexpr, SPARSE: tl.constexpr,
+             PAGED: tl.constexpr, LOG_BS: tl.constexpr):
+    """(element offsets of the pool rows, valid) of context entries j .. j+BLOCK_N-1 (none valid when
+    j >= end): positions through the block table (`rows_of`), rows through the pool's strides
+    (`row_offsets`: a flat pool or a block view)."""
     idx = _load_idx(idx_ptr, t, KSEL, j, end, BLOCK_N, SPARSE)
     valid = idx >= 0
     if PAGED:
         rows = rows_of(tblrow, idx, valid, LOG_BS)
     else:
-        rows = idx.to(tl.int64)
-    return rows, valid
+        rows = tl.where(valid, idx, 0).to(tl.int64)
+    return row_offsets(rows, LOG_BS, sb, sr), valid
 
 
 @triton.jit
 def _mla_sparse_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, pos_ptr, o_ptr, lse_ptr,
-                       H, KSEL, NSPLIT, CHUNK, lat_stride, qk_scale, v_scale, pe_scale,
+                       H, KSEL, NSPLIT, CHUNK, sb, sr, qk_scale, v_scale, pe_scale,
                        KV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                        FMT: tl.constexpr, SPARSE: tl.constexpr, DOT_DT: tl.constexpr,
                        PREC: tl.constexpr, SUB: tl.constexpr, PAGED: tl.constexpr, LOG_BS: tl.constexpr,
@@ -207,20 +215,20 @@ def _mla_sparse_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, p
     m_i = tl.full([BLOCK_H], -1e30, tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     if PREFETCH == 2:
-        rows, valid = _rows_at(idx_ptr, t, KSEL, start, end, tblrow, BLOCK_N, SPARSE, PAGED, LOG_BS)
-        kr = _k_pe_raw(lat_ptr, rows, valid, lat_stride, KV, DR, FMT)
-        x0, s0 = _sub_raw(lat_ptr, rows, valid, lat_stride, 0, KV, KB, FMT, "")
-        x1, s1 = _sub_raw(lat_ptr, rows, valid, lat_stride, 1, KV, KB, FMT, "")
-        x2, s2 = _sub_raw(lat_ptr, rows, valid, lat_stride, 2, KV, KB, FMT, "")
-        x3, s3 = _sub_raw(lat_ptr, rows, valid, lat_stride, 3, KV, KB, FMT, "")
+        ro, valid = _rows_at(idx_ptr, t, KSEL, start, end, tblrow, sb, sr, BLOCK_N, SPARSE, PAGED, LOG_BS)
+        kr = _k_pe_raw(lat_ptr, ro, valid, KV, DR, FMT)
+        x0, s0 = _sub_raw(lat_ptr, ro, valid, 0, KV, KB, FMT, "")
+        x1, s1 = _sub_raw(lat_ptr, ro, valid, 1, KV, KB, FMT, "")
+        x2, s2 = _sub_raw(lat_ptr, ro, valid, 2, KV, KB, FMT, "")
+        x3, s3 = _sub_raw(lat_ptr, ro, valid, 3, KV, KB, FMT, "")
         for j in range(start, end, BLOCK_N):
             cv, ck, c0, d0, c1, d1, c2, d2, c3, d3 = valid, kr, x0, s0, x1, s1, x2, s2, x3, s3
-            rows, valid = _rows_at(idx_ptr, t, KSEL, j + BLOCK_N, end, tblrow, BLOCK_N, SPARSE, PAGED, LOG_BS)
-            kr = _k_pe_raw(lat_ptr, rows, valid, lat_stride, KV, DR, FMT)
-            x0, s0 = _sub_raw(lat_ptr, rows, valid, lat_stride, 0, KV, KB, FMT, "")
-            x1, s1 = _sub_raw(lat_ptr, rows, valid, lat_stride, 1, KV, KB, FMT, "")
-            x2, s2 = _sub_raw(lat_ptr, rows, valid, lat_stride, 2, KV, KB, FMT, "")
-            x3, s3 = _sub_raw(lat_ptr, rows, valid, lat_stride, 3, KV, KB, FMT, "")
+            ro, valid = _rows_at(idx_ptr, t, KSEL, j + BLOCK_N, end, tblrow, sb, sr, BLOCK_N, SPARSE, PAGED, LOG_BS)
+            kr = _k_pe_raw(lat_ptr, ro, valid, KV, DR, FMT)
+            x0, s0 = _sub_raw(lat_ptr, ro, valid, 0, KV, KB, FMT, "")
+            x1, s1 = _sub_raw(lat_ptr, ro, valid, 1, KV, KB, FMT, "")
+            x2, s2 = _sub_raw(lat_ptr, ro, valid, 2, KV, KB, FMT, "")
+            x3, s3 = _sub_raw(lat_ptr, ro, valid, 3, KV, KB, FMT, "")
             if FMT == 0:
                 kp = ck.to(DOT_DT)
             else:
@@ -247,26 +255,26 @@ def _mla_sparse_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, p
             m_i = m_new
     else:
         if PREFETCH == 1:
-            nrows, nvalid = _rows_at(idx_ptr, t, KSEL, start, end, tblrow, BLOCK_N, SPARSE, PAGED, LOG_BS)
+            nro, nvalid = _rows_at(idx_ptr, t, KSEL, start, end, tblrow, sb, sr, BLOCK_N, SPARSE, PAGED, LOG_BS)
         for j in range(start, end, BLOCK_N):
             if PREFETCH == 1:   # this step's rows were resolved a step ago; request the next step's now
-                rows, valid = nrows, nvalid
-                nrows, nvalid = _rows_at(idx_ptr, t, KSEL, j + BLOCK_N, end, tblrow, BLOCK_N, SPARSE, PAGED, LOG_BS)
+                ro, valid = nro, nvalid
+                nro, nvalid = _rows_at(idx_ptr, t, KSEL, j + BLOCK_N, end, tblrow, sb, sr, BLOCK_N, SPARSE, PAGED, LOG_BS)
             else:
-                rows, valid = _rows_at(idx_ptr, t, KSEL, j, end, tblrow, BLOCK_N, SPARSE, PAGED, LOG_BS)
-            kp = _k_pe(lat_ptr, rows, valid, lat_stride, KV, DR, FMT, DOT_DT)
+                ro, valid = _rows_at(idx_ptr, t, KSEL, j, end, tblrow, sb, sr, BLOCK_N, SPARSE, PAGED, LOG_BS)
+            kp = _k_pe(lat_ptr, ro, valid, KV, DR, FMT, DOT_DT)
             s = tl.dot(kp, qpT, input_precision=PREC) * pe_scale              # [BLOCK_N, BLOCK_H]
             if SUB == 1:
-                c0 = _sub_tile(lat_ptr, rows, valid, lat_stride, 0, KV, KB, FMT, DOT_DT, "")
+                c0 = _sub_tile(lat_ptr, ro, valid, 0, KV, KB, FMT, DOT_DT, "")
                 sc = tl.dot(c0, qaT, input_precision=PREC)
             else:
-                sc = tl.dot(_sub_tile(lat_ptr, rows, valid, lat_stride, 0, KV, KB, FMT, DOT_DT, "evict_last"),
+                sc = tl.dot(_sub_tile(lat_ptr, ro, valid, 0, KV, KB, FMT, DOT_DT, "evict_last"),
                             _q_sub(qa_ptr, th, hm, 0, KB, KV, DOT_DT), input_precision=PREC)
-                sc += tl.dot(_sub_tile(lat_ptr, rows, valid, lat_stride, 1, KV, KB, FMT, DOT_DT, "evict_last"),
+                sc += tl.dot(_sub_tile(lat_ptr, ro, valid, 1, KV, KB, FMT, DOT_DT, "evict_last"),
                              _q_sub(qa_ptr, th, hm, 1, KB, KV, DOT_DT), input_precision=PREC)
-                sc += tl.dot(_sub_tile(lat_ptr, rows, valid, lat_stride, 2, KV, KB, FMT, DOT_DT, "evict_last"),
+                sc += tl.dot(_sub_tile(lat_ptr, ro, valid, 2, KV, KB, FMT, DOT_DT, "evict_last"),
                              _q_sub(qa_ptr, th, hm, 2, KB, KV, DOT_DT), input_precision=PREC)
-                sc += tl.dot(_sub_tile(lat_ptr, rows, valid, lat_stride, 3, KV, KB, FMT, DOT_DT, "evict_last"),
+                sc += tl.dot(_sub_tile(lat_ptr, ro, valid, 3, KV, KB, FMT, DOT_DT, "evict_last"),
                              _q_sub(qa_ptr, th, hm, 3, KB, KV, DOT_DT), input_precision=PREC)
             s = tl.where(valid[:, None], (s + sc * v_scale) * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 0))
@@ -277,13 +285,13 @@ def _mla_sparse_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, p
             if SUB == 1:
                 acc0 = acc0 * alpha[None, :] + tl.dot(tl.trans(c0), pd, input_precision=PREC)
             else:
-                c = _sub_tile(lat_ptr, rows, valid, lat_stride, 0, KV, KB, FMT, DOT_DT, "evict_first")
+                c = _sub_tile(lat_ptr, ro, valid, 0, KV, KB, FMT, DOT_DT, "evict_first")
                 acc0 = acc0 * alpha[None, :] + tl.dot(tl.trans(c), pd, input_precision=PREC)
-                c = _sub_tile(lat_ptr, rows, valid, lat_stride, 1, KV, KB, FMT, DOT_DT, "evict_first")
+                c = _sub_tile(lat_ptr, ro, valid, 1, KV, KB, FMT, DOT_DT, "evict_first")
                 acc1 = acc1 * alpha[None, :] + tl.dot(tl.trans(c), pd, input_precision=PREC)
-                c = _sub_tile(lat_ptr, rows, valid, lat_stride, 2, KV, KB, FMT, DOT_DT, "evict_first")
+                c = _sub_tile(lat_ptr, ro, valid, 2, KV, KB, FMT, DOT_DT, "evict_first")
                 acc2 = acc2 * alpha[None, :] + tl.dot(tl.trans(c), pd, input_precision=PREC)
-                c = _sub_tile(lat_ptr, rows, valid, lat_stride, 3, KV, KB, FMT, DOT_DT, "evict_first")
+                c = _sub_tile(lat_ptr, ro, valid, 3, KV, KB, FMT, DOT_DT, "evict_first")
                 acc3 = acc3 * alpha[None, :] + tl.dot(tl.trans(c), pd, input_precision=PREC)
             m_i = m_new
     has = l_i > 0.0
@@ -327,8 +335,12 @@ def heuristic(key: dict, target: str) -> dict:
     """Heads share latent rows: BLOCK_H = all heads up to 32 (min 16 for the MMA; larger accumulators
     spill); the head blocks of a token are adjacent in the grid, so their row reads hit L2. CHUNK
     depends on the context length only (batch invariant): 4 programs per token for top-2048, <= 64
-    for dense contexts. BLOCK_N 64 = one wgmma M tile (4 warps); quantised pools use SUB = 4. PREFETCH 1
-    (rows a step ahead: paged positions are two dependent reads, index then block id, before a gather)."""
+    for dense contexts. Quantised pools: BLOCK_N 64 = one wgmma M tile (4 warps), SUB = 4; bf16 pools:
+    BLOCK_N 32 (H200 2026-11-29: 0.087 vs 0.104 ms at 64). PREFETCH 1 (rows a step ahead: paged positions
+    are two dependent reads, index then block id, before a gather). FP8 pools are read through an fp8
+    pointer (16-byte loads); every variant swept then (8 warps, 32-row steps, SUB 1 with async copies,
+    shorter chunks) was slower than this one (0.100 ms, 18% of read bandwidth): the kernel is bound by
+    registers (~255 per thread, 2 programs per SM), not by bytes."""
     bh = min(32, max(16, _pow2(key["H"])))
     L = max(1, key["L"])
     if target == "cpu":
@@ -337,25 +349,28 @@ def heuristic(key: dict, target: str) -> dict:
     quant = key.get("fmt", 0) > 0   # Triton pipelines bf16 loads itself; dequantised tiles go by columns
     if quant:
         return dict(BLOCK_H=bh, BLOCK_N=64, CHUNK=chunk, num_warps=4, num_stages=1, SUB=4, PREFETCH=1)
-    return dict(BLOCK_H=bh, BLOCK_N=64, CHUNK=chunk, num_warps=4, num_stages=2, SUB=1, PREFETCH=1)
+    return dict(BLOCK_H=bh, BLOCK_N=32, CHUNK=chunk, num_warps=4, num_stages=2, SUB=1, PREFETCH=1)
 
 
 def sparse_latent_attention(q_abs, q_pe, latent, token_pos, paging, scale: float, selection=None, *,
                             latent_format: str = "bf16", latent_scale: float = 1.0, pe_scale: float = 1.0,
-                            config: dict | None = None, max_context: int | None = None):
+                            config: dict | None = None, max_context: int | None = None,
+                            block_size: int | None = None):
     """(o~ fp32 [T, H, kv], lse fp32 [T, H]) of softmax(scale * q~ . c) over each token's rows.
     q_abs [T, H, kv], q_pe [T, H, dr]; `paging` = `_paging.paging_args(block_table, token_req,
     block_size)` maps request positions (selection entries, or 0 .. token_pos without a selection) to
-    pool rows; paging None means the selection already holds pool rows."""
+    pool rows; paging None means the selection already holds pool rows. The pool is flat [N, width] or a
+    block view [NB, block_size, width] with any block stride (a page of a packed block pool), read in
+    place through `_paging.pool_strides`; `block_size` is needed only for a block view read by rows."""
     if latent_format not in LATENT_FORMATS:
         raise ValueError(f"latent_format must be one of {LATENT_FORMATS}, found {latent_format!r}")
     T, H, KV = q_abs.shape
     DR = q_pe.shape[2]
     fmt = {"bf16": 0, "fp32": 0, "fp8": 1, "nvfp4": 2}[latent_format]
     width = KV + DR if fmt < 2 else KV // 2 + KV // 16 + DR
-    if latent.dim() != 2 or latent.shape[1] != width:
-        raise ValueError(f"mla: {latent_format} latent pool {tuple(latent.shape)} must be [N, {width}] "
-                         f"for kv={KV}, dr={DR}")
+    if latent.dim() not in (2, 3) or latent.shape[-1] != width:
+        raise ValueError(f"mla: {latent_format} latent pool {tuple(latent.shape)} must be [N, {width}] or a block "
+                         f"view [NB, block_size, {width}] for kv={KV}, dr={DR}")
     if KV & (KV - 1) or DR & (DR - 1) or KV < 32 or DR < 16:
         raise ValueError(f"mla: kv {KV} and dr {DR} must be powers of two (kv >= 32, dr >= 16)")
     dev = q_abs.device
@@ -379,17 +394,22 @@ def sparse_latent_attention(q_abs, q_pe, latent, token_pos, paging, scale: float
         return o, lse
     po, plse = (o, lse) if nsplit == 1 else (torch.empty(T, H, nsplit, KV, dtype=torch.float32, device=dev),
                                              torch.empty(T, H, nsplit, dtype=torch.float32, device=dev))
-    lat = latent.view(torch.uint8) if fmt > 0 and latent.dtype != torch.uint8 else latent
+    # FP8 pools through an fp8 pointer on the GPU (16-byte async copies the pipeliner can stream)
+    lat = latent.view(torch.uint8 if fmt == 2 or _interpreting() else torch.float8_e4m3fn) if fmt > 0 else latent
     f32 = _interpreting() or (fmt == 0 and latent.dtype == torch.float32)
     vs = 1.0 if fmt == 0 else float(latent_scale)                     # scale of c_KV values
     ps = {0: 1.0, 1: float(latent_scale), 2: float(pe_scale)}[fmt]       # scale of k_pe values
     dot_dt = tl.float32 if f32 else tl.bfloat16
     if paging is None and selection is None:
         raise ValueError("mla: a dense context (no selection) needs the block table (paging)")
-    tbl, req, MB, log_bs = paging if paging is not None else (pos, pos, 0, 0)   # unused when not PAGED
+    tbl, req, MB, log_bs = paging if paging is not None else (pos, pos, 0, None)   # tbl, req unused when not PAGED
+    if log_bs is None:   # rows given: a block view's rows split as (block, row in block)
+        bs = int(block_size) if block_size is not None else (latent.shape[1] if latent.dim() == 3 else 1)
+        log_bs = bs.bit_length() - 1
+    sb, sr = pool_strides(lat, 1 << log_bs, 1, f"mla {latent_format} latent pool")
     _mla_sparse_kernel[(-(-H // bh), T, nsplit)](
         q_abs.contiguous(), q_pe.contiguous(), lat, sel, tbl, req, MB, pos,
-        po, plse, H, sel.shape[1] if selection is not None else 0, nsplit, chunk, lat.stride(0), scale * LOG2E,
+        po, plse, H, sel.shape[1] if selection is not None else 0, nsplit, chunk, sb, sr, scale * LOG2E,
         vs, ps, KV=KV, DR=DR, BLOCK_H=bh, BLOCK_N=bn, FMT=fmt,
         SPARSE=selection is not None, DOT_DT=dot_dt, PREC="ieee" if f32 else "tf32", SUB=int(cfg.get("SUB", 1)),
         PAGED=paging is not None, LOG_BS=log_bs, PREFETCH=prefetch,
@@ -423,7 +443,7 @@ def mla_sparse_decode(q_nope, q_pe, latent, kv_b, token_pos, token_req, block_ta
     paging = None if rows_given else paging_args(block_table, token_req, block_size, q_nope.device)
     o_lat, lse = sparse_latent_attention(q_abs, q_pe.to(dt), latent, token_pos, paging, scale, selection,
                                          latent_format=latent_format, latent_scale=latent_scale,
-                                         pe_scale=pe_scale, config=config)
+                                         pe_scale=pe_scale, config=config, block_size=block_size)
     o = o_lat.to(dt) if latent_out else torch.einsum("thk,hvk->thv", o_lat.to(dt), W_UV.to(dt))
     return (o, lse) if return_lse else o
 

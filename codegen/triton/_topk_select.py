@@ -1,0 +1,252 @@
+"""Exact top-k selection over unique 64-bit keys for the DSA indexer (`indexer_topk`): key encoding and
+the radix-select merge kernel.
+
+A score s of position p becomes key = (orderable(s) << 32) | (2^32 - 1 - p) (`_score_keys`), so signed
+int64 order is exactly the selection order (score desc, position asc) and keys are unique. The merge
+(`_merge_kernel`, grid: rows) finds theta, the topk-th largest key among a row's candidates, by radix
+select (first 11-bit digit from the score pass's histogram, then 8-bit steps with tl.histogram until the
+boundary bucket is taken whole), gathers the boundary bucket into a work row, and writes the keys
+>= theta in position order as positions or (through the block table) physical pool rows. PHASE 1 also
+flags rows whose overflow witnesses were selected; PHASE 2 re-selects those over candidates + rescored
+tiles. See `indexer_topk`'s docstring for the whole pipeline.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._paging import rows_of
+
+INVALID = tl.constexpr(-(2 ** 63))
+
+
+@triton.jit
+def _low32():  # an int64 constant (a bare 0xFFFFFFFF literal would be uint32)
+    return tl.full([], 0xFFFFFFFF, tl.int64)
+
+
+@triton.jit
+def _score_keys(s, p, valid):
+    """Unique int64 keys ordered like (score desc, position asc); invalid lanes get INVALID."""
+    s = tl.where(s == 0.0, 0.0, s)                     # -0 -> +0 (they tie in the reference)
+    bits = s.to(tl.int32, bitcast=True)
+    ordv = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # signed int order == float order
+    key = (ordv.to(tl.int64) << 32) | (_low32() - p.to(tl.int64))
+    return tl.where(valid, key, INVALID)
+
+
+@triton.jit
+def _digit0(k):
+    """The top 11 bits of a key in unsigned order (sign flipped): the first radix digit, 0 .. 2047."""
+    return ((k >> 53) & 2047).to(tl.int32) ^ 1024
+
+
+@triton.jit
+def _radix_step(hist, idx, need, prefix, pmask, shift: tl.constexpr, NBITS: tl.constexpr, FLIP: tl.constexpr):
+    """One radix-select step: given the histogram (unsigned digit order) of the NBITS-bit digit at `shift`
+    of the keys matching prefix/pmask, fix the digit of the need-th largest key (stored bits = digit ^
+    FLIP: the sign bit's flip when the digit holds it). Returns (need, prefix, pmask, done); done: the
+    boundary bucket is taken whole (or fewer keys than need remain: all of them are selected)."""
+    total = tl.sum(hist, 0)
+    suffix = total - tl.cumsum(hist, 0) + hist     # keys with digit >= idx
+    b = tl.sum((suffix >= need).to(tl.int32), 0) - 1
+    cnt_b = tl.sum(tl.where(idx == b, hist, 0), 0)
+    new_need = need - (tl.sum(tl.where(idx == b, suffix, 0), 0) - cnt_b)
+    bits = b ^ FLIP
+    new_prefix = prefix | (bits.to(tl.int64) << shift)
+    new_pmask = pmask | (tl.full([], (1 << NBITS) - 1, tl.int64) << shift)
+    few = total <= need
+    return (tl.where(few, need, new_need), tl.where(few, prefix, new_prefix), tl.where(few, pmask, new_pmask),
+            (few | (cnt_b == new_need)).to(tl.int32))
+
+
+@triton.jit
+def _gather_eq_vals(k, m, prefix, pmask, dst, cnt, LIMIT):
+    """Append the keys k (mask m) whose masked bits equal prefix to dst[cnt:LIMIT]; returns the new count
+    (every such key counted, also past LIMIT)."""
+    sel = m & (k != INVALID) & ((k & pmask) == prefix)
+    at = cnt + tl.cumsum(sel.to(tl.int32), 0) - 1
+    tl.store(dst + at, k, mask=sel & (at < LIMIT))
+    return cnt + tl.sum(sel.to(tl.int32), 0)
+
+
+@triton.jit
+def _gather_eq(ptr, n, prefix, pmask, dst, LIMIT, TILE: tl.constexpr):
+    """`_gather_eq_vals` over keys ptr[0:n], TILE at a time, from dst[0]."""
+    cnt = tl.zeros([], tl.int32)
+    for off in range(0, n, TILE):
+        o = off + tl.arange(0, TILE)
+        m = o < n
+        cnt = _gather_eq_vals(tl.load(ptr + o, mask=m, other=INVALID), m, prefix, pmask, dst, cnt, LIMIT)
+    return cnt
+
+
+@triton.jit
+def _rot32(k):  # swap the 32-bit halves (an involution): orders by position, INVALID stays smallest
+    return tl.where(k == INVALID, INVALID, (k << 32) | ((k >> 32) & _low32()))
+
+
+@triton.jit
+def _hist_vals(k, m, prefix, pmask, shift: tl.constexpr):
+    """Histogram of the 8-bit digit at `shift` (unsigned order) of the valid keys k (mask m) matching prefix."""
+    match = m & (k != INVALID) & ((k & pmask) == prefix)
+    d = ((k >> shift) & 255).to(tl.int32)
+    if shift == 56:
+        d = d ^ 128
+    return tl.histogram(d, 256, mask=match)
+
+
+@triton.jit
+def _hist_pass(ptr, n, prefix, pmask, shift: tl.constexpr, TILE: tl.constexpr):
+    """`_hist_vals` over keys ptr[0:n], TILE at a time."""
+    hist = tl.zeros([256], dtype=tl.int32)
+    for off in range(0, n, TILE):
+        o = off + tl.arange(0, TILE)
+        m = o < n
+        hist += _hist_vals(tl.load(ptr + o, mask=m, other=INVALID), m, prefix, pmask, shift)
+    return hist
+
+
+@triton.jit
+def _collect_vals(k, m, prefix, pmask, dst, cnt, tblrow, LIMIT, ROWS_OUT: tl.constexpr, LOG_BS: tl.constexpr):
+    """Append (in order) the position (its pool row when ROWS_OUT) of every selected key of k to dst[cnt:]."""
+    sel = m & (k != INVALID) & ((k & pmask) >= prefix)
+    c = tl.cumsum(sel.to(tl.int32), 0)
+    at = cnt + c - 1
+    pos = _low32() - (k & _low32())
+    if ROWS_OUT:
+        pos = rows_of(tblrow, pos, sel, LOG_BS)
+    tl.store(dst + at, pos, mask=sel & (at < LIMIT))
+    return cnt + tl.sum(sel.to(tl.int32), 0)
+
+
+@triton.jit
+def _collect(ptr, n, prefix, pmask, dst, cnt, tblrow, LIMIT, TILE: tl.constexpr, ROWS_OUT: tl.constexpr,
+             LOG_BS: tl.constexpr):
+    """`_collect_vals` over keys ptr[0:n] in stored order, TILE at a time; returns cnt."""
+    for off in range(0, n, TILE):
+        o = off + tl.arange(0, TILE)
+        m = o < n
+        cnt = _collect_vals(tl.load(ptr + o, mask=m, other=INVALID), m, prefix, pmask, dst, cnt, tblrow, LIMIT,
+                            ROWS_OUT, LOG_BS)
+    return cnt
+
+
+@triton.jit
+def _merge_kernel(cand_ptr, tmin_ptr, hist_ptr, ext_ptr, ovf_ptr, novf_ptr, work_ptr, out_ptr, tbl_ptr, req_ptr, MB,
+                  pos_ptr,
+                  NT, TOPK, MAX_OVF, BLOCK_N: tl.constexpr, KT: tl.constexpr, KP: tl.constexpr,
+                  PHASE: tl.constexpr, ROWS_OUT: tl.constexpr, TILE: tl.constexpr, LOG_BS: tl.constexpr,
+                  RESIDENT: tl.constexpr):
+    """PHASE 1 radix-selects theta over a row's candidates, flags overflowed tiles and, without overflow,
+    writes the output; PHASE 2 redoes the selection over candidates + rescored tiles (8-bit digits).
+    PHASE 1 takes its first digit (the top 11 bits) from the histogram the score kernel counted, copies
+    the boundary bucket's keys to the work row when they fit (KP) and finishes the select there, on
+    registers (else: 8-bit passes over all candidates, RESIDENT: loaded once when they fit one TILE);
+    one last pass over the candidates writes the selection."""
+    row = tl.program_id(0)
+    ctx = tl.load(pos_ptr + row) + 1
+    tblrow = tbl_ptr + tl.load(req_ptr + row) * MB
+    orow = out_ptr + row.to(tl.int64) * TOPK
+    if PHASE == 1:
+        n_ovf = tl.zeros([], tl.int32)
+        active = ctx > TOPK
+        if ctx <= TOPK:  # everything is selected
+            for off in range(0, TOPK, TILE):
+                j = off + tl.arange(0, TILE)
+                jj = rows_of(tblrow, j, j < ctx, LOG_BS) if ROWS_OUT else j.to(tl.int64)
+                tl.store(orow + j, tl.where(j < ctx, jj, -1), mask=j < TOPK)
+    else:
+        n_ovf = tl.load(novf_ptr + row)
+        active = (ctx > TOPK) & (n_ovf > 0)
+    if active:
+        n_c = tl.cdiv(ctx, BLOCK_N) * KT
+        crow = cand_ptr + row.to(tl.int64) * NT * KT
+        erow = ext_ptr + row.to(tl.int64) * MAX_OVF * BLOCK_N
+        n_e = n_ovf * BLOCK_N
+        # ---- radix select of the TOPK-th largest key (most significant digit first)
+        prefix = tl.zeros([], tl.int64)
+        pmask = tl.zeros([], tl.int64)
+        need = TOPK + tl.zeros([], tl.int32)
+        idx = tl.arange(0, 256)
+        if PHASE == 1:
+            if RESIDENT:
+                o_r = tl.arange(0, TILE)
+                m_r = o_r < n_c
+                k_r = tl.load(crow + o_r, mask=m_r, other=INVALID)
+            i11 = tl.arange(0, 2048)
+            need, prefix, pmask, done = _radix_step(tl.load(hist_ptr + row * 2048 + i11), i11, need, prefix, pmask,
+                                                    53, 11, 1024)
+            wrow = work_ptr + row.to(tl.int64) * KP
+            n_w = tl.zeros([], tl.int32)
+            if done == 0:   # the boundary bucket's keys -> work row (when they fit), refined there
+                if RESIDENT:
+                    n_w = _gather_eq_vals(k_r, m_r, prefix, pmask, wrow, n_w, KP)
+                else:
+                    n_w = _gather_eq(crow, n_c, prefix, pmask, wrow, KP, TILE)
+                if n_w <= KP:
+                    tl.debug_barrier()
+                    wo = tl.arange(0, KP)
+                    wm = wo < n_w
+                    wk = tl.load(wrow + wo, mask=wm, other=INVALID)
+                    for p in tl.static_range(6):   # digits at bits 45, 37, ..., 5, then the last at 0
+                        if done == 0:
+                            need, prefix, pmask, done = _radix_step(_hist_vals(wk, wm, prefix, pmask, 45 - 8 * p),
+                                                                    idx, need, prefix, pmask, 45 - 8 * p, 8, 0)
+                    if done == 0:
+                        need, prefix, pmask, done = _radix_step(_hist_vals(wk, wm, prefix, pmask, 0), idx, need,
+                                                                prefix, pmask, 0, 8, 0)
+            if n_w > KP:    # a huge boundary bucket: 8-bit passes over every candidate
+                for p in tl.static_range(7):
+                    if done == 0:
+                        sh = 45 - 8 * p if p < 6 else 0
+                        if RESIDENT:
+                            h = _hist_vals(k_r, m_r, prefix, pmask, sh)
+                        else:
+                            h = _hist_pass(crow, n_c, prefix, pmask, sh, TILE)
+                        need, prefix, pmask, done = _radix_step(h, idx, need, prefix, pmask, sh, 8, 0)
+        else:
+            done = tl.zeros([], tl.int32)
+            for p in tl.static_range(8):
+                if done == 0:
+                    hist = _hist_pass(crow, n_c, prefix, pmask, 56 - 8 * p, TILE) + \
+                        _hist_pass(erow, n_e, prefix, pmask, 56 - 8 * p, TILE)
+                    need, prefix, pmask, done = _radix_step(hist, idx, need, prefix, pmask, 56 - 8 * p, 8,
+                                                            128 if p == 0 else 0)
+        if PHASE == 1:
+            if KT < BLOCK_N:  # tiles whose last candidate is selected may hold more winners
+                n_tiles = tl.cdiv(ctx, BLOCK_N)
+                for t0 in range(0, n_tiles, TILE):
+                    tt = t0 + tl.arange(0, TILE)
+                    m = tt < n_tiles
+                    last = tl.load(tmin_ptr + row.to(tl.int64) * NT + tt, mask=m, other=INVALID)
+                    ov = m & (last != INVALID) & ((last & pmask) >= prefix)
+                    at = n_ovf + tl.cumsum(ov.to(tl.int32), 0) - 1
+                    tl.store(ovf_ptr + row * MAX_OVF + at, tt, mask=ov & (at < MAX_OVF))
+                    n_ovf += tl.sum(ov.to(tl.int32), 0)
+            tl.store(novf_ptr + row, tl.minimum(n_ovf, MAX_OVF))
+            if n_ovf == 0:  # candidates are in position order: compaction gives the sorted output
+                if RESIDENT:
+                    cnt = _collect_vals(k_r, m_r, prefix, pmask, orow, tl.zeros([], tl.int32), tblrow, TOPK, ROWS_OUT,
+                                        LOG_BS)
+                else:
+                    cnt = _collect(crow, n_c, prefix, pmask, orow, tl.zeros([], tl.int32), tblrow, TOPK, TILE,
+                                   ROWS_OUT, LOG_BS)
+                for off in range(0, TOPK, TILE):
+                    j = off + tl.arange(0, TILE)
+                    tl.store(orow + j, tl.full([TILE], -1, tl.int64), mask=(j >= cnt) & (j < TOPK))
+        else:
+            wrow = work_ptr + row.to(tl.int64) * KP
+            cnt = _collect(crow, n_c, prefix, pmask, wrow, tl.zeros([], tl.int32), tblrow, KP, TILE, False, LOG_BS)
+            cnt = _collect(erow, n_e, prefix, pmask, wrow, cnt, tblrow, KP, TILE, False, LOG_BS)
+            tl.debug_barrier()
+            j = tl.arange(0, KP)
+            v = tl.load(wrow + j, mask=j < cnt, other=(1 << 62))
+            v = tl.sort(v)
+            if ROWS_OUT:
+                v = rows_of(tblrow, v, j < cnt, LOG_BS)
+            tl.store(orow + j, tl.where(j < cnt, v, -1), mask=j < TOPK)
+
+
+# ------------------------------------------------------------------------------------ host API

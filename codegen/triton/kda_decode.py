@@ -41,6 +41,7 @@ import triton.language as tl
 
 from ..kernel import KernelTemplate, Tunable, pow2_bucket
 from ._kda_common import kda_gate_math
+from codegen.triton import _precision as precision
 
 FUSED_OP = "fused.kda_decode"
 OPERANDS = ("q", "k", "v", "q_conv", "k_conv", "v_conv", "conv_state", "f_a", "f_b", "A_log", "dt_bias", "b",
@@ -305,7 +306,7 @@ def kda_decode(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_
                 H=H, D=D, KW=KW, KWP=triton.next_power_of_2(KW), RL=RL, BV=bv_, SPLIT=split,
                 RB=max(16, min(rank_block, triton.next_power_of_2(RL))), GATE=1 if lower_bound is not None else 2,
                 HAS_BIAS=dt_bias is not None, HAS_NW=o_norm_w is not None, KEEP=bool(keep_states),
-                LOWRANK=f_b is not None, MAXT=group, PREFETCH=bool(prefetch), PREC="tf32" if low else "ieee",
+                LOWRANK=f_b is not None, MAXT=group, PREFETCH=bool(prefetch), PREC=precision.fast_fp32() if low else "ieee",
                 num_warps=num_warps)
         except BaseException:
             if split > 1:  # an interrupted launch (time-out, error) must not leave arrivals counted

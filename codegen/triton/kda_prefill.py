@@ -42,6 +42,7 @@ from ._kda_common import (_SAFE_SPAN, BC, CHUNK, _diag_exact, _inv_unit_lower, _
                           _solve_store, _spans, _st, _st64, _sub, device_chunk_table, host_chunk_table, kda_gate,
                           kda_gate_math)
 from ._kda_wu import new_inverse_workspace, run_wu
+from codegen.triton import _precision as precision
 
 
 @triton.jit
@@ -219,7 +220,7 @@ def run_intra(q, k, v, graw, beta, starts, lens, scale, cfg, *, gate_mode=0, A_l
     dtb, alog = dt_bias if dt_bias is not None else dummy, A_log if A_log is not None else dummy
     split = bool(cfg.get("SPLIT_INTRA", 0))
     ai = new_inverse_workspace(W) if split else dummy
-    prec, lb = "tf32" if low else "ieee", float(lower_bound) if lower_bound is not None else 0.0
+    prec, lb = precision.fast_fp32() if low else "ieee", float(lower_bound) if lower_bound is not None else 0.0
     lowp_a, lowp_wu = low and bool(cfg.get("LOWP_A", 0)), low and bool(cfg.get("LOWP_WU", 0))  # bf16/fp16 in only
     _kda_intra_kernel[(N, H)](
         qv, kv_, vv, gv, bv, dtb, alog, starts, lens, *ws, gw, ai, qv.stride(0), kv_.stride(0), vv.stride(0),
@@ -247,7 +248,7 @@ def run_state(ws, state, state_slot, starts, lens, req_chunks, cfg, out_dtype, c
     if R > 0:
         _kda_state_kernel[(R, H, Dv // bv)](
             *ws, o, H * Dv, state, state_slot, starts, lens, req_chunks, CK, ck_index if n_ck else lens,
-            H=H, D=D, DV=Dv, BV=bv, HAS_CK=n_ck > 0, PREC="ieee" if W.dtype == torch.float32 else "tf32",
+            H=H, D=D, DV=Dv, BV=bv, HAS_CK=n_ck > 0, PREC="ieee" if W.dtype == torch.float32 else precision.fast_fp32(),
             # fp32 workspaces take twice the shared memory per stage: 3 stages of BV 32 overflow the H200's 227 KiB
             num_warps=cfg["WARPS"], num_stages=cfg["STAGES"] if W.element_size() <= 2 else min(cfg["STAGES"], 2))
     return o, CK

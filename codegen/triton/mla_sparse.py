@@ -44,6 +44,7 @@ import triton.language as tl
 
 from ..kernel import KernelTemplate, Tunable, pow2_bucket
 from ._paging import paging_args, pool_strides, row_offsets, rows_of
+from codegen.triton import _precision as precision
 
 LOG2E = 1.4426950408889634
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -411,7 +412,7 @@ def sparse_latent_attention(q_abs, q_pe, latent, token_pos, paging, scale: float
         q_abs.contiguous(), q_pe.contiguous(), lat, sel, tbl, req, MB, pos,
         po, plse, H, sel.shape[1] if selection is not None else 0, nsplit, chunk, sb, sr, scale * LOG2E,
         vs, ps, KV=KV, DR=DR, BLOCK_H=bh, BLOCK_N=bn, FMT=fmt,
-        SPARSE=selection is not None, DOT_DT=dot_dt, PREC="ieee" if f32 else "tf32", SUB=int(cfg.get("SUB", 1)),
+        SPARSE=selection is not None, DOT_DT=dot_dt, PREC="ieee" if f32 else precision.low_bits(), SUB=int(cfg.get("SUB", 1)),
         PAGED=paging is not None, LOG_BS=log_bs, PREFETCH=prefetch,
         num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
     if nsplit > 1:

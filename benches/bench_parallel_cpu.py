@@ -1,6 +1,8 @@
 """CPU bench of the parallel layouts (issue 8): gloo ranks started by k31c.parallel.launch, the reference
-interpreter, a k31-tiny variant with 8 KDA / 8 MLA heads. What it shows is the *mechanics*: per layout the
-step time on each world size, the bytes each rank's collectives move per step (from
+interpreter, a k31-tiny variant with 8 KDA / 8 MLA heads. What it shows is the *mechanics*: per layout
+(DCP and EP over the whole world or, at W >= 4, in groups of W/2 consecutive ranks) the step time on each
+world size, the cache blocks a rank reserves per request (under DCP only its share of the positions),
+the bytes each rank's collectives move per step (from
 the IR's costs of the inserted collective ops, at the step's shape) and the measured DCP top-k merge
 traffic against W·⌈1.5k/W⌉·4 (first round) and W·k·8 (generic merge). Every time is set against the
 unsharded model run on every rank at the same moment (same machine load). CPU times with W processes
@@ -39,23 +41,28 @@ from k31c.parallel.dcp_attention import MERGE_TRAFFIC  # noqa: E402
 from k31c.parallel.dcp_topk import candidates_per_rank  # noqa: E402
 from k31c.parallel.launch import add_launch_args, launch_main  # noqa: E402
 from k31c.parallel.prefill_choice import choose_prefill_function  # noqa: E402
-from k31c.parallel.serving import ParallelLayout, shard_module  # noqa: E402
+from k31c.parallel.groups import build_groups  # noqa: E402
+from k31c.parallel.serving import ParallelLayout, shard_module, use_local_cache_rows  # noqa: E402
 from k31c.parallel.weights import shard_weights  # noqa: E402
 from k31c.runtime.reference import ReferenceRuntime  # noqa: E402
 
 CFG = get_preset("k31-tiny").replace(name="k31-tiny-par8", kda_num_heads=8, kda_head_dim=32,
                                     num_attention_heads=8).validate()
-COLLECTIVES = ("all_reduce", "all_gather", "heads_to_tokens", "tokens_to_heads", "dcp_mla", "dcp_gather_context")
+COLLECTIVES = ("all_reduce", "all_gather", "heads_to_tokens", "tokens_to_heads", "dcp_mla", "dcp_mla_dense",
+               "dcp_gather_context")
 BASE = "unsharded (every rank alone)"
-LAYOUTS = {  # name -> (tp, ep, dcp, token-sharded prefill allowed); tp False = the one-process model
-    BASE: (False, False, False, False), "tp": (True, False, False, False), "tp+ep": (True, True, False, False),
-    "tp+ep token-sharded prefill": (True, True, False, True), "tp+ep+dcp": (True, True, True, False),
-    "tp+ep+dcp merge-free prefill": (True, True, True, True)}
+LAYOUTS = {  # name -> (tp, ep, dcp, token-sharded prefill allowed): group sizes as divisors of the world W
+    # (1 = the whole world, 2 = W/2: runs of W/2 consecutive ranks, 0 = off); tp 0 = the one-process model
+    BASE: (0, 0, 0, False), "tp": (1, 0, 0, False), "tp+ep": (1, 1, 0, False),
+    "tp+ep token-sharded prefill": (1, 1, 0, True), "tp+ep+dcp": (1, 1, 1, False),
+    "tp+ep+dcp merge-free prefill": (1, 1, 1, True),
+    "tp, ep W/2, dcp W/2": (1, 2, 2, False), "tp, ep W/2, dcp W/2 merge-free prefill": (1, 2, 2, True)}
 
 
 def comm_bytes(module, fn: str, env: dict) -> float:
     """Bytes one rank's collective ops move in one step of `fn` (IR costs at the step's shape; the
-    workspace gather of merge-free DCP prefill is costed at the whole pool, an upper bound)."""
+    workspace gather of merge-free DCP prefill is costed at its whole workspace, R·MB·W·bs rows, an upper
+    bound)."""
     total = sympy.Integer(0)
     for n in module.function(fn).nodes:
         if n.op in COLLECTIVES:
@@ -68,10 +75,13 @@ def comm_bytes(module, fn: str, env: dict) -> float:
     return float(total)
 
 
-def serve_timed(module, weights, prompt: int, decode_steps: int, token_sharded: bool) -> dict:
+def serve_timed(module, weights, prompt: int, decode_steps: int, token_sharded: bool,
+                layout: ParallelLayout | None = None) -> dict:
     g = torch.Generator().manual_seed(3)
     rows = 4 * (prompt + decode_steps + 16)
     rt = ReferenceRuntime(module, weights, max_rows=rows, max_requests=4)
+    if layout is not None:
+        use_local_cache_rows(rt, layout)  # under DCP: blocks for this rank's share of each request only
     for rid in "ab":
         rt.add_request(rid, prompt + decode_steps + 1)
     chunks = {rid: torch.randint(0, CFG.vocab_size, (prompt,), generator=g).tolist() for rid in "ab"}
@@ -85,9 +95,10 @@ def serve_timed(module, weights, prompt: int, decode_steps: int, token_sharded: 
         rt.decode({"a": s + 1, "b": s + 2})
         dec.append((time.perf_counter() - t) * 1e3)
     ctx = prompt + decode_steps
-    n_blocks = -(-ctx // module_block_size(module))
-    ctx_env = {"N": rows, "L": ctx, "MB": n_blocks}
+    bs = module_block_size(module)
+    ctx_env = {"N": rt.blocks.num_blocks * bs, "NB": rt.blocks.num_blocks, "L": ctx, "MB": len(rt.blocks_of("a"))}
     return {"prefill_fn": fn, "prefill_ms": prefill_ms, "decode_median_ms": statistics.median(dec),
+            "cache_blocks_per_request": len(rt.blocks_of("a")), "block_size": bs,
             "prefill_comm_bytes": comm_bytes(module, fn, {"B": 2 * prompt, "R": 2, **ctx_env}),
             "decode_comm_bytes": comm_bytes(module, "decode", {"R": 2, **ctx_env})}
 
@@ -105,24 +116,29 @@ def rank_main(args) -> int:
     weights = random_weights(CFG, 0)
     rows = []
     for name, (tp, ep, dcp, tokens) in LAYOUTS.items():
-        w_of = lambda on: layout.tp if on else 1  # noqa: E731
+        if 2 in (ep, dcp) and layout.tp < 4:
+            continue  # groups of W/2 need W >= 4 (W/2 = 1 is the layout without them)
+        w_of = lambda part: layout.tp // part if part else 1  # noqa: E731
         lay = ParallelLayout(tp=w_of(tp), ep=w_of(ep), dcp=w_of(dcp), rank=layout.rank if tp else 0)
+        if tp:
+            build_groups(lay.tp, lay.dcp, lay.ep)
         m = shard_module(build_module(CFG), lay)
         if not tokens and "prefill_token_sharded" in m.functions:
             del m.functions["prefill_token_sharded"]
-        w = shard_weights(m, weights, tp_rank=lay.rank, ep_rank=lay.rank if ep else 0)
+        w = shard_weights(m, weights, tp_rank=lay.rank, ep_rank=lay.ep_rank)
         torch.manual_seed(0)
         MERGE_TRAFFIC.clear()
         dist.barrier()
-        row = {"layout": name, "world": layout.tp, **serve_timed(m, w, args.prompt, args.decode_steps, tokens)}
+        row = {"layout": name, "world": layout.tp, "tp": lay.tp, "ep": lay.ep, "dcp": lay.dcp,
+               **serve_timed(m, w, args.prompt, args.decode_steps, tokens, lay)}
         if dcp:
-            k, c = CFG.index_topk, candidates_per_rank(CFG.index_topk, layout.tp)
+            k, c = CFG.index_topk, candidates_per_rank(CFG.index_topk, lay.dcp)
             row["merge"] = {"rows": MERGE_TRAFFIC["rows"],
                             "first_round_B_per_row": MERGE_TRAFFIC["first_round_bytes"] / max(1, MERGE_TRAFFIC["rows"]),
-                            "issue_first_round_B_per_row": layout.tp * c * 4,
+                            "issue_first_round_B_per_row": lay.dcp * c * 4,
                             "resend_rows": MERGE_TRAFFIC["resend_rows"],
                             "resend_B_per_row": MERGE_TRAFFIC["resend_bytes"] / max(1, MERGE_TRAFFIC["rows"]),
-                            "generic_B_per_row": layout.tp * k * 8}
+                            "generic_B_per_row": lay.dcp * k * 8}
         rows.append(row)
     if layout.rank == 0:
         with open(args.out, "w") as f:

@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.add_argument("--jit-fallback", action="store_true",
                    help="on a GPU, JIT-compile kernels the artifact has no stored binary for (else refuse)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="on a GPU, replay decode steps as CUDA graphs per batch-size bucket (artifacts only)")
     add_launch_args(p)
     p.set_defaults(func=cmd_run)
 

@@ -28,9 +28,16 @@ def _resolve_source(args, artifact: str | None, problems: list[str]) -> _Source 
     from .model.build import build_module
     from .parallel.serving import parallel_runtime
     from .runtime.executor import Executor
+    from .runtime.cuda_graphs import GraphedRuntime
     from .runtime.reference import ReferenceRuntime
 
     dtype = _torch_dtype(args.dtype)
+    if getattr(args, "cuda_graphs", False):
+        if not args.device.startswith("cuda"):
+            problems.append(f"--cuda-graphs needs --device cuda (found --device {args.device})")
+        if not artifact:
+            problems.append("--cuda-graphs replays a compiled artifact's kernels: give an artifact directory "
+                            "(k31c compile), not --model")
     if artifact and args.model:
         problems.append(f"give either an artifact ({artifact}) or --model ({args.model}), not both")
         return None
@@ -60,8 +67,10 @@ def _resolve_source(args, artifact: str | None, problems: list[str]) -> _Source 
             def build(module, weights):
                 engine = Executor(module, weights, art.choices, target=target, configs=art.configs,
                                   batch_invariant=art.manifest["options"].get("batch_invariant", False),
-                                  compute_dtype=dtype, device=args.device)
-                return ReferenceRuntime(module, weights, max_rows=rows, max_requests=requests, engine=engine)
+                                  compute_dtype=dtype, device=args.device,
+                                  cuda_graphs=bool(getattr(args, "cuda_graphs", False)))
+                runtime = GraphedRuntime if engine.cuda_graphs else ReferenceRuntime
+                return runtime(module, weights, max_rows=rows, max_requests=requests, engine=engine)
             return parallel_runtime(getattr(args, "parallel", None), art.module, art.weights, build)
 
         return _Source(cfg, f"artifact {artifact} (target {target}, compiled kernels)", make)

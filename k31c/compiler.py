@@ -237,7 +237,8 @@ def _representative_configs(module: Module, choices: list[Choice], opts: Compile
     for c in choices:
         if c.template is None:
             continue
-        env = {**POOL_SIZES, **REPRESENTATIVE.get(c.function, {"B": 64, "R": 4})}
+        env = {**POOL_SIZES, "NB": POOL_SIZES["N"] // int(module.attrs.get("block_size", 1)),
+               **REPRESENTATIVE.get(c.function, {"B": 64, "R": 4})}
         node, metas = _meta_operands(module, c, env, opts.target)
         op = OPS.get(node.op)
         a = op.bind(metas) if op is not None and node.body is None else SimpleNamespace(operands=metas)

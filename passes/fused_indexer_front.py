@@ -19,7 +19,8 @@ The fused op (what a kernel's `launch` receives, `a.operands` in this order):
     ik         [T, DI]           the index-key projection W_Ik x (kept in the packed input projection)
     k_norm_w   [DI], k_norm_b [DI]  LayerNorm weight and bias
     iw         [T, HI]           the head-weight projection W_Iw x (kept in the packed input projection)
-    key_pool   f8e4m3[N, DI], scale_pool f32[N]   index-key cache pools, updated in place
+    key_pool   f8e4m3[N, DI], scale_pool f32[N]   index-key cache pools, updated in place (or block views
+               f8e4m3[NB, bs, DI] / f32[NB, bs]: pages of the packed block pool, `ir.ref.paging`)
     token_req, token_pos [T], block_table [R, MB] cache addressing (`ir.ref.paging`, block_size rows per block)
   attrs: heads=HI, head_dim=DI, eps (LayerNorm), weight_scale (= HI^-1/2 DI^-1/2), quant="fp8_pow2", block_size
   results, in indexer_topk's operand order:

@@ -11,7 +11,8 @@ Rewrite:
 
 The fused op (`a.operands` in this order, exactly indexer_topk's):
     q8 f8e4m3[T, HI, DI], q_scale f32[T, HI], w [T, HI], keys f8e4m3[N, DI] | u8[N, DI/2],
-    key_scale f32[N] | u8[N, DI/32], token_pos [T], token_req [T], block_table [R, MB]
+    key_scale f32[N] | u8[N, DI/32] (or block views [NB, bs, ...] of both, `ir.ref.paging`),
+    token_pos [T], token_req [T], block_table [R, MB]
   attrs: topk (int), block_size (rows per cache block), key_format ("fp8" | "mxfp4", indexer_topk's),
     emits="rows"
   result: rows i64[T, topk] — for token t of request r = token_req[t], the top-k positions s <= token_pos[t]

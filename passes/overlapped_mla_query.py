@@ -15,7 +15,8 @@ Rewrite:
 
 The fused op (`a.operands` in this order):
     c_q [T, q_lora], q_b [H*(dn+dr), q_lora], kv_a [T, kv+dr] (the packed input projection's c_KV|k_pe
-    columns), kv_norm_w [kv], latent_pool [N, kv+dr] (updated in place), token_req [T], token_pos [T],
+    columns), kv_norm_w [kv], latent_pool [N, kv+dr] or a block
+    view [NB, bs, kv+dr] (updated in place), token_req [T], token_pos [T],
     block_table [R, MB]
   attrs: overlap="indexer" (scheduling annotation: on GPU the node runs on a second stream, concurrently
     with the indexer nodes, joined before mla_attention), heads, nope_dim, rope_dim, kv_lora_rank, eps,

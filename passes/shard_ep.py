@@ -6,14 +6,15 @@ Rewrite:
     %weights.ep, %ids.ep = ep_local_routing(%weights, %ids) {experts_per_rank=E/ep, group, world=ep}
     %y.partial = moe_experts(%z, %weights.ep, %ids.ep, @w1, @w2, @w3)      @w*: [E/ep, ...] (rank's block)
     %y = all_reduce(%y.partial) {group, world=ep}
-Rank r holds experts r·E/ep .. (r+1)·E/ep − 1. The router runs replicated (its logits, top-k and weights
-are identical on every rank), so dispatch needs no traffic: each rank keeps the (token, expert) entries
-of its experts; the combine is one all-reduce of the fp32 latent partial sums [T, ℓ], which lands before
-the latent RMSNorm as SPEC §6 requires (the norm is not linear, so it must see the full sum). Every
-later op (latent norm, up-projection, shared experts) is unchanged.
+EP rank r (= TP rank % ep) holds experts r·E/ep .. (r+1)·E/ep − 1. The router runs replicated (its
+logits, top-k and weights are identical on every rank), so dispatch needs no traffic: each rank keeps the
+(token, expert) entries of its experts; the combine is one all-reduce of the fp32 latent partial sums
+[T, ℓ], which lands before the latent RMSNorm as SPEC §6 requires (the norm is not linear, so it must see
+the full sum). Every later op (latent norm, up-projection, shared experts) is unchanged.
 
-Context options: `ep` (int, default 1: no-op), `ep_group` (default "ep"; an unregistered group name
-means the default group, so TP and EP share the world unless told otherwise).
+Context options: `ep` (int, default 1: no-op), `ep_group` (default "ep"). An EP group may be the whole TP
+group or a run of `ep` consecutive TP ranks (experts replicated once per group, k31c/parallel/groups.py,
+which registers the group's handle under "ep"); an unregistered name means the default (world) group.
 Preconditions: no fused nodes; E divisible by ep. Postconditions: expert params carry ep_dim=0,
 ep_parts=ep; module attr ep; counter `shard_ep` = rewritten moe_experts nodes.
 """

@@ -65,3 +65,18 @@ def test_bad_requests_are_refused_before_any_work(artifact):
         build_binaries(art, workload=[{"prompts": [], "decode": 1}])
     with pytest.raises(AOTError, match="dtype 'fp8'"):
         build_binaries(art, dtypes=("fp8",))
+
+
+def test_every_prefill_kernel_builds_for_gfx950(tmp_path):
+    """mi355x: every selected Triton kernel compiles for gfx950 (dot precisions spelled for AMD, no tf32)."""
+    out = str(tmp_path / "tiny-mi355x")
+    p = subprocess.run([sys.executable, "-m", "k31c", "compile", "--model", "k31-tiny", "--target", "mi355x", "-o", out],
+                       cwd=REPO_ROOT, env=dict(os.environ, PYTHONPATH=REPO_ROOT), capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    report = build_binaries(out, workload=WORKLOAD, timeout_s=600)
+    folder = os.path.join(out, "kernels", "bin", "gfx950")
+    index = read_index(folder)
+    assert index["errors"] == [] and report.arch == "gfx950" and report.kernels > 10, index["errors"]
+    for k in index["kernels"]:
+        assert embedded_arch(os.path.join(folder, k["key"], k["files"]["hsaco"])) == "gfx950"

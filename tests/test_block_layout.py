@@ -119,3 +119,64 @@ def test_bad_inputs():
         plan_block_layout(K31.replace(index_head_dim=16), 64, key_fmt="mxfp4")
     with pytest.raises(LayoutError, match="not divisible by tp"):
         plan_block_layout(K31, 64, tp=5)
+
+
+IR_LATENT = {"fp8": "f8e4m3", "nvfp4": "nvfp4", "bf16": "bf16"}
+IR_TO_LAYOUT = {"f8e4m3": "e4m3", "u8": "u8", "bf16": "bf16", "f32": "f32"}
+
+
+def _pool_specs(cfg, block, latent, key):
+    """(block pools, slot pools) of the model's pool inputs (`k31c.model.build.pool_inputs`) as the
+    runtime passes them to `layout_for_pools`."""
+    from k31c.model.build import BuildOptions, pool_inputs
+
+    blocks, slots = [], []
+    for name, dt, dims in pool_inputs(cfg, BuildOptions(block_size=block, latent_cache_dtype=IR_LATENT[latent],
+                                                        key_cache=key)):
+        if dims[0] == "NB":
+            assert dims[1] == block
+            blocks.append((name, IR_TO_LAYOUT[dt], tuple(dims[2:])))
+        else:
+            slots.append((name, IR_TO_LAYOUT[dt], tuple(dims[1:])))
+    return blocks, slots
+
+
+@pytest.mark.parametrize("cfg", [K31, K3, TINY, K3_TINY], ids=lambda c: c.name)
+@pytest.mark.parametrize("latent,key", FORMATS)
+@pytest.mark.parametrize("block", [1, 16, 64])
+def test_runtime_layout_from_pool_inputs_is_the_plan(cfg, latent, key, block):
+    """The IR's pool inputs (block views [NB, bs, *row] and KDA slots) laid out by `layout_for_pools` are
+    plan.json's layout byte for byte: every page section is one pool operand as the IR reads it."""
+    from k31c.runtime.block_layout import layout_for_pools
+
+    blocks, slots = _pool_specs(cfg, block, latent, key)
+    lay = layout_for_pools(cfg.name, block, blocks, slots)
+    assert lay == plan_block_layout(cfg, block, latent, key)
+    for p in lay.pages:  # the latent page is one token-major row; the key page the indexer's two operands
+        assert [s.name for s in p.sections] == (["latent"] if p.kind == "latent" else ["keys", "scales"])
+
+
+def test_nvfp4_latent_is_one_token_major_row():
+    lay = plan_block_layout(K31, 64, "nvfp4", "mxfp4")
+    (sec,) = lay.page(lay.layers[0], "latent").sections
+    assert (sec.dtype, sec.width, sec.offset) == ("u8", 512 // 2 + 512 // 16 + 64, 0) and sec.bytes_per_token() == 352
+    keys, scales = lay.page(lay.layers[0], "key").sections
+    assert (keys.dtype, keys.width, scales.dtype, scales.width, scales.offset) == ("u8", 64, "u8", 4, 64 * 64)
+
+
+def test_layout_for_pools_errors():
+    from k31c.runtime.block_layout import layout_for_pools
+
+    blocks, slots = _pool_specs(TINY, 16, "fp8", "fp8")
+    with pytest.raises(LayoutError, match="'weird.3' is not a block pool"):
+        layout_for_pools("m", 16, blocks + [("weird.3", "u8", (4,))], slots)
+    with pytest.raises(LayoutError, match="key page: pools give sections"):
+        layout_for_pools("m", 16, [b for b in blocks if not b[0].startswith("index_scales")], slots)
+    with pytest.raises(LayoutError, match="power of two"):
+        layout_for_pools("m", 12, blocks, slots)
+    with pytest.raises(LayoutError, match="KDA slot pools"):
+        layout_for_pools("m", 16, blocks, [s for s in slots if not s[0].startswith("conv_state")])
+    # a widened pool (the interpreter holds a bf16 latent in f32) is laid out in what the engine holds
+    wide = layout_for_pools("m", 16, [(n, "f32" if n.startswith("latent") else d, r) for n, d, r in blocks], slots)
+    assert wide.latent_fmt == "f32" and wide.page(wide.layers[0], "latent").bytes_per_token == 4 * TINY.latent_cache_dim
+    _check_layout(wide)

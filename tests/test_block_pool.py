@@ -113,11 +113,11 @@ def test_typed_views_alias_pool():
     off = pool.layout.page(layer, "latent").offset + 3 * TINY.latent_cache_dim + 5
     assert changed.tolist() == [[2, off]]
     assert pool.rows[2, off].item() == torch.tensor(1.5, dtype=torch.float8_e4m3fn).view(torch.uint8).item()
-    scale = pool.page_view(1, layer, "key")["scale"]
+    scale = pool.page_view(1, layer, "key")["scales"]
     assert scale.dtype == torch.float32 and scale.shape == (8,)
     scale[7] = 3.25
     key_page = pool.layout.page(layer, "key")
-    s_off = key_page.offset + key_page.section("scale").offset + 7 * 4
+    s_off = key_page.offset + key_page.section("scales").offset + 7 * 4
     assert pool.rows[1, s_off:s_off + 4].view(torch.float32).item() == 3.25
     # KDA state slots: views alias the slot pool and have today's pool shapes
     pool.allocate("a", 1)
@@ -125,6 +125,7 @@ def test_typed_views_alias_pool():
     state, conv = pool.state_view(kda)
     assert state.shape == (8, TINY.kda_num_heads, TINY.kda_head_dim, TINY.kda_head_dim)
     assert conv.shape == (8, TINY.conv_kernel_size - 1, 3 * TINY.kda_proj_dim)
+    assert state.is_contiguous() and conv.is_contiguous(), "layer-major planes: the KDA kernels need contiguous pools"
     s1, c1 = pool.state_view(kda, pool.state_slot("a"))
     s1.fill_(2.0)
     c1[1, 3] = -1.0
@@ -137,12 +138,13 @@ def test_nvfp4_and_mxfp4_sections():
     layer = pool.layout.layers[0]
     lat = pool.page_view(0, layer, "latent")
     kv, r, d = TINY.kv_lora_rank, TINY.qk_rope_head_dim, TINY.index_head_dim
+    # the latent page is one token-major row per token (codes | E4M3 block scales | k_pe), as the IR and
+    # the MLA kernels read it; the key page is the indexer's two operands
     assert {k: (v.dtype, tuple(v.shape)) for k, v in lat.items()} == {
-        "codes": (torch.uint8, (16, kv // 2)), "scales": (torch.float8_e4m3fn, (16, kv // 16)),
-        "k_pe": (torch.float8_e4m3fn, (16, r))}
+        "latent": (torch.uint8, (16, kv // 2 + kv // 16 + r))}
     key = pool.page_view(1, layer, "key")
     assert {k: (v.dtype, tuple(v.shape)) for k, v in key.items()} == {
-        "codes": (torch.uint8, (16, d // 2)), "scales": (torch.uint8, (16, d // 32))}
+        "keys": (torch.uint8, (16, d // 2)), "scales": (torch.uint8, (16, d // 32))}
 
 
 def test_errors():

@@ -113,3 +113,10 @@ def test_help_has_examples():
         out = subprocess.run([sys.executable, "-m", "k31c", cmd, "--help"], capture_output=True, text=True,
                              check=True).stdout
         assert "example" in out.lower(), cmd
+
+
+def test_cuda_graphs_flag_needs_cuda_and_an_artifact(capsys):
+    assert main(["run", "--model", "k31-tiny", "--prompt-tokens", "1,2", "--cuda-graphs"]) == 2
+    err = capsys.readouterr().err
+    assert "--cuda-graphs needs --device cuda (found --device cpu)" in err
+    assert "give an artifact directory" in err

@@ -36,6 +36,26 @@ def test_artifact_layout_and_dumps_reparse(artifact):
     assert "packed_projection" in report and "reference fallbacks:" in report
 
 
+def test_plan_cache_layout_is_what_the_runtime_allocates(artifact, capsys):
+    """plan.json's `cache_layout` (SPEC §7 totals, row bytes, pages, alignment) is exactly the packed pool a
+    runtime of the artifact allocates, the IR's MLA pools are block views of it, and inspect shows it."""
+    from k31c.runtime.reference import ReferenceRuntime
+
+    plan = json.loads((artifact / "plan.json").read_text())
+    cl = plan["cache_layout"]
+    art = load_artifact(str(artifact))
+    rt = ReferenceRuntime(art.module, art.weights, max_rows=128, max_requests=2)
+    assert rt.block_pool.layout.to_json() == cl
+    assert cl["bytes_per_token"] == plan["cache"]["per_token"] and cl["alignment"] == 128
+    assert rt.block_pool.rows.shape[1] == cl["row_bytes"] == cl["block_size"] * cl["row_bytes_per_token"]
+    lat = art.module.function("decode").input("latent.3").type
+    assert str(lat.shape[0]) == "NB" and int(lat.shape[1]) == cl["block_size"]
+    assert main(["inspect", str(artifact)]) == 0
+    out = capsys.readouterr().out
+    assert f"one row = {cl['row_bytes']:,} B" in out and f"{cl['bytes_per_token']:,} B per token" in out
+    assert "keys e4m3[B, 32] @0, scales f32[B]" in out
+
+
 def test_compiling_twice_is_byte_identical(artifact, tmp_path):
     again = tmp_path / "again"
     assert main(["compile", "--model", "k31-tiny", "--target", "cpu", "-o", str(again)]) == 0
@@ -134,7 +154,8 @@ def test_quantised_cache_formats_compile_and_run_through_kernels(tmp_path):
     kernels = {c.op: c.kernel for c in art.choices}
     assert kernels["mla_attention"] == "mla_sparse" and kernels["fused.indexer_select"] == "indexer_select_rows"
     latent = art.module.function("decode").input("latent.3").type
-    assert latent.dtype.name == "u8" and int(latent.shape[1]) == 64 // 2 + 64 // 16 + 16
+    assert latent.dtype.name == "u8" and str(latent.shape[0]) == "NB"  # a block view of the packed pool
+    assert int(latent.shape[1]) == 64 and int(latent.shape[2]) == 64 // 2 + 64 // 16 + 16
     toks = list(range(3, 31))
     outs = []
     for eng in (None, Executor(art.module, art.weights, art.choices, configs=art.configs)):

@@ -33,14 +33,14 @@ BS = 4
 
 
 @functools.lru_cache(maxsize=None)
-def _model():
+def _model(pool_view="blocks"):
     cfg = dataclasses.replace(get_preset("k31-tiny"), name="engine-tiny", num_hidden_layers=4,
                               full_attn_layers=(1, 3), index_topk=4)
-    return build_module(cfg, BuildOptions(block_size=BS)), random_weights(cfg, 0)
+    return build_module(cfg, BuildOptions(block_size=BS, pool_view=pool_view)), random_weights(cfg, 0)
 
 
-def _engine(rows=256, requests=4, **kw):
-    m, w = _model()
+def _engine(rows=256, requests=4, pool_view="blocks", **kw):
+    m, w = _model(pool_view)
     return Engine(ReferenceRuntime(m, w, max_rows=rows, max_requests=requests), keep_logits=True, **kw)
 
 
@@ -62,14 +62,22 @@ def _baseline():
     return _run(_engine(), _prompts(3))
 
 
+VARIANTS = {"prefix_cache": dict(prefix_caching=True, max_num_seqs=1),
+            "chunked": dict(prefill_chunk=3, max_batched_tokens=7),
+            "preemption": dict(rows=8 * BS, requests=3)}
+
+
+@functools.lru_cache(maxsize=None)
+def _variant_run(variant: str, pool_view: str = "blocks"):
+    """(engine, tokens, logits) of the three-prompt run scheduled as `variant`."""
+    eng = _engine(pool_view=pool_view, **VARIANTS[variant])
+    return (eng, *_run(eng, _prompts(3)))
+
+
 @pytest.mark.parametrize("variant", ["prefix_cache", "chunked", "preemption"])
 def test_greedy_outputs_do_not_depend_on_scheduling(variant):
     want_tokens, want_logits = _baseline()
-    kw = {"prefix_cache": dict(prefix_caching=True, max_num_seqs=1),
-          "chunked": dict(prefill_chunk=3, max_batched_tokens=7),
-          "preemption": dict(rows=8 * BS, requests=3)}[variant]
-    eng = _engine(**kw)
-    tokens, logits = _run(eng, _prompts(3))
+    eng, tokens, logits = _variant_run(variant)
     assert tokens == want_tokens
     for rid in want_logits:
         for a, b in zip(logits[rid], want_logits[rid]):
@@ -80,6 +88,24 @@ def test_greedy_outputs_do_not_depend_on_scheduling(variant):
         st = eng.stats()["prefix_cache"]
         assert st["hit_rate"]["latent_pages"] > 0 and st["hit_rate"]["reused_tokens"] > 0, st
     assert eng.rt.blocks.num_free + (eng.cache.held_blocks if eng.cache else 0) == eng.rt.blocks.num_blocks
+
+
+@pytest.mark.parametrize("variant", ["prefix_cache", "preemption"])
+def test_packed_pool_runtime_equals_the_flat_pool_runtime(variant):
+    """The packed block pool (one row buffer, pools are its views) serves exactly what the previous
+    runtime with one flat tensor per pool served: same tokens, bit-identical logits, with prefix caching
+    and with preemption; the packed run's writes all landed in the pool (no copy back)."""
+    packed, *got = _variant_run(variant)
+    flat, *want = _variant_run(variant, "flat")
+    assert packed.rt.block_pool is not None and flat.rt.block_pool is None
+    assert got[0] == want[0]
+    for rid in want[1]:
+        assert len(got[1][rid]) == len(want[1][rid])
+        for a, b in zip(got[1][rid], want[1][rid]):
+            assert torch.equal(a, b), f"{variant} {rid}: packed-pool logits differ from the flat-pool runtime"
+    assert packed.rt.pool_copies == 0
+    if variant == "preemption":
+        assert packed.counters["preemptions"] == flat.counters["preemptions"] > 0
 
 
 def test_shared_prefix_hits_even_without_interval_checkpoints():

@@ -84,7 +84,7 @@ def test_rms_norm_batch_invariant():
 
 
 def _front_node():
-    m = build_module(get_preset("k31-tiny"), BuildOptions(block_size=16))
+    m = build_module(get_preset("k31-tiny"), BuildOptions(block_size=16, pool_view="flat"))
     ctx = PassContext()
     packed_projection.run(m, ctx)
     assert fused_indexer_front.run(m, ctx) > 0

@@ -55,7 +55,8 @@ def dying_main(args) -> int:
     return 0
 
 
-@pytest.mark.parametrize("layout", [["--tp", "2"], ["--tp", "2", "--dcp", "2", "--dcp-interleave", "2"]])
+@pytest.mark.parametrize("layout", [["--tp", "2"], ["--tp", "2", "--dcp", "2", "--dcp-interleave", "2"],
+                                    ["--tp", "4", "--dcp", "2", "--ep", "2"]])
 def test_launched_ranks_give_single_process_logits(tmp_path, capfd, layout):
     want = reference_logits()
     out = tmp_path / "logits.safetensors"
@@ -93,16 +94,27 @@ def test_every_rank_failing_alike_returns_its_code(capfd):
 
 
 def test_layout_errors_before_start(capfd, monkeypatch):
-    assert launch_main(parse(["--tp", "4", "--dcp", "3"]), serve_main) == 2
+    assert launch_main(parse(["--tp", "4", "--dcp", "3", "--ep", "3"]), serve_main) == 2
     err = capfd.readouterr().err
-    assert "--dcp 3 must divide --tp 4" in err and "DCP subgroups" in err
-    assert launch_main(parse(["--tp", "4", "--ep", "2"]), serve_main) == 2
-    assert "EP subgroups" in capfd.readouterr().err
+    assert "--dcp 3 does not divide --tp 4" in err and "--ep 3 does not divide --tp 4" in err  # reported together
     for k, v in {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                  "MASTER_PORT": "29511"}.items():
         monkeypatch.setenv(k, v)
     assert launch_main(parse(["--tp", "2"]), serve_main) == 2
     assert "torchrun started 3 ranks, --tp is 2" in capfd.readouterr().err
+
+
+def bad_model_main(args) -> int:
+    """A model whose 9 experts the default --ep (= --tp 2) does not divide: every rank refuses alike."""
+    parallel_runtime(args.parallel, build_module(PAR_CFG.replace(num_experts=9).validate()), {}, None)
+    return 0
+
+
+def test_model_layout_errors_are_reported_once_as_a_usage_error(capfd):
+    assert launch_main(parse(["--tp", "2"]), bad_model_main) == 2
+    err = capfd.readouterr().err
+    assert err.count("k31c: error: parallel layout: --ep 2 does not divide the 9 experts") == 1, err
+    assert "Traceback" not in err and "the run was ended on every rank" not in err
 
 
 def test_tp1_runs_the_command_unchanged():

@@ -139,3 +139,52 @@ def test_topk_over_scattered_blocks():
     a = _setup(12, lengths, None, n_blocks * 4, dtype=torch.float64, paging=(tbl, 4))
     sel, _ = indexer.indexer_topk(*_args(a), 5)
     assert torch.equal(sel, _ref_topk(_scores64(a), 5))
+
+
+def _key_page_views(keys: torch.Tensor, scales: torch.Tensor, block_size: int, page_offset: int = 64):
+    """(row bytes, keys view, scales view): flat key / scale pools copied into one key page per block row
+    (keys section [bs, *key row] then scales section [bs, *scale row] at a 4-byte multiple, after
+    `page_offset` bytes of other pages filled with 0xFF), as `block_layout` places them."""
+    nb = keys.shape[0] // block_size
+    kb = block_size * keys[0].numel() * keys.element_size()
+    s_off = -(-(page_offset + kb) // 4) * 4
+    row = s_off + block_size * scales[0].numel() * scales.element_size() + 8
+    buf = torch.full((nb, row), 0xFF, dtype=torch.uint8)
+
+    def view(pool, off):
+        es = pool.element_size()
+        per_tok = pool[0].numel()
+        v = buf.view(-1).view(pool.dtype).as_strided((nb, block_size, *pool.shape[1:]),
+                                                     (row // es, per_tok, *([1] if pool.dim() > 1 else [])), off // es)
+        v.copy_(pool.view(nb, block_size, *pool.shape[1:]))
+        return v
+    return buf, view(keys, page_offset), view(scales, s_off)
+
+
+def test_indexer_op_reads_fp8_and_mxfp4_keys_from_block_views_of_packed_rows():
+    """indexer_topk's reference with keys + key scales as block views of one byte row per block gives the
+    flat pools' selection; cache_write of new keys through the views lands in the rows."""
+    from ir import formats
+    from ir.ops import OPS
+
+    lengths = [(13, 13), (7, 2), (10, 1)]
+    tbl, n_blocks = scattered_table([c for c, _ in lengths], 4, seed=5)
+    a = _setup(6, lengths, None, n_blocks * 4, dtype=torch.float32, paging=(tbl, 4))
+    q8, qs = formats.quantize_fp8_pow2(a["q"])
+    op, write = OPS["indexer_topk"], OPS["cache_write"]
+    for fmt, quant in (("fp8", formats.quantize_fp8_pow2), ("mxfp4", formats.quantize_mxfp4)):
+        keys, scales = quant(a["keys"])
+        buf, kv, sv = _key_page_views(keys, scales, 4)
+        attrs = {"block_size": 4, "topk": 5, "key_format": fmt}
+        meta = [a["token_pos"], a["token_req"], tbl]
+        want = op.reference(op.bind([q8, qs, a["w"], keys, scales, *meta]), attrs)
+        got = op.reference(op.bind([q8, qs, a["w"], kv, sv, *meta]), attrs)
+        assert torch.equal(got, want) and bool((want >= 0).any()), fmt
+        new_k, new_s = quant(torch.randn(3, DI, generator=torch.Generator().manual_seed(1)))
+        at = [torch.tensor([0, 1, 2]), torch.tensor([12, 6, 9]), tbl]
+        for pool, views, vals in ((keys, kv, new_k), (scales, sv, new_s)):
+            flat = pool.clone()
+            write.reference(write.bind([flat, vals, *at]), {"block_size": 4})
+            assert write.reference(write.bind([views, vals, *at]), {"block_size": 4}) is views
+            assert torch.equal(views.reshape(flat.shape).view(torch.uint8), flat.view(torch.uint8)), fmt
+        assert int((buf[:, :64] == 0xFF).sum()) == buf.shape[0] * 64, "a write reached another page"

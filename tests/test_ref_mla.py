@@ -159,3 +159,40 @@ def test_mla_paged_blocks_in_random_order(block_size):
     foreign[0, 0] = int(tbl[other, 0]) * block_size
     with pytest.raises(ValueError, match="does not own"):
         mla.selection_rows_to_positions(foreign, a["token_req"], tbl, block_size)
+
+
+def _page_view(flat: torch.Tensor, block_size: int, before: int = 5, after: int = 3):
+    """(row buffer, view): flat pool rows [N, W] copied into a block view [NB, bs, W] that is a page of
+    wider NaN-filled block rows (the page starts `before` elements into its row), like a packed pool."""
+    n, w = flat.shape
+    nb = n // block_size
+    buf = torch.full((nb, before + block_size * w + after), float("nan"), dtype=flat.dtype)
+    view = buf[:, before:before + block_size * w].view(nb, block_size, w)
+    view.copy_(flat.view(nb, block_size, w))
+    assert view.stride(0) > block_size * w and view.data_ptr() != buf.data_ptr()
+    return buf, view
+
+
+@pytest.mark.parametrize("block_size", [2, 4])
+def test_mla_reads_and_cache_write_writes_a_block_view_of_a_packed_row(block_size):
+    """The latent pool given as a block view [NB, bs, W] (a page of wider rows, NaN around it) gives
+    exactly the flat pool's attention; cache_write through the view lands in the row buffer."""
+    from ir.ops import OPS
+
+    tbl, n_blocks = scattered_table([c for c, _ in LENGTHS], block_size, seed=7 + block_size)
+    a = _setup(9, LENGTHS, BASES, n_blocks * block_size, paging=(tbl, block_size))
+    scale = (DN + DR) ** -0.5
+    buf, view = _page_view(a["latent"], block_size)
+    for form in ("absorbed", "decompressed", "latent"):
+        want = _call(a, scale, form)
+        got = _call(dict(a, latent=view), scale, form)
+        assert torch.equal(got, want), f"{form}: a block view reads other values than the flat pool"
+    op = OPS["cache_write"]
+    g = torch.Generator().manual_seed(2)
+    vals = torch.randn(len(a["token_pos"]), KV + DR, generator=g, dtype=torch.float64)
+    flat = a["latent"].clone()
+    for pool in (flat, view):
+        out = op.reference(op.bind([pool, vals, a["token_req"], a["token_pos"], tbl]), {"block_size": block_size})
+        assert out is pool
+    assert torch.equal(view.reshape(-1, KV + DR), flat), "cache_write through a block view"
+    assert int(torch.isnan(buf).sum()) == buf.numel() - view.numel(), "cache_write wrote outside its page"

@@ -58,3 +58,12 @@ def paging_args(block_table: torch.Tensor, token_req: torch.Tensor, block_size: 
     tbl = block_table.to(device=device, dtype=torch.int32).contiguous()
     req = token_req.to(device=device, dtype=torch.int64).contiguous()
     return tbl, req, tbl.shape[1], int(block_size).bit_length() - 1
+
+
+def context_bound(token_pos, attrs) -> int:
+    """The step's context length for config keys: attrs["max_context"] when the runtime states a bound
+    (CUDA-graph capture: no host sync), else max(token_pos) + 1 (0 for compile-time meta tensors)."""
+    if attrs.get("max_context"):
+        return int(attrs["max_context"])
+    tp = token_pos
+    return int(tp.max()) + 1 if isinstance(tp, torch.Tensor) and tp.numel() and tp.device.type != "meta" else 0

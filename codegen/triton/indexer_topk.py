@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from ..kernel import KernelTemplate, Tunable, pow2_bucket
-from ._paging import paging_args, pool_strides, row_offsets, rows_of
+from ._paging import context_bound, paging_args, pool_strides, row_offsets, rows_of
 from ._topk_select import INVALID, _digit0, _low32, _merge_kernel, _rot32, _score_keys
 from .mla_sparse import e2m1_to_f32, e8m0_to_f32
 
@@ -344,13 +344,12 @@ def _launch(a, attrs, config):
         raise ValueError(f"fused.indexer_select: emits={attrs.get('emits')!r}, this kernel writes 'rows'")
     return indexer_topk(*(getattr(a, n) for n in _NAMES), int(attrs["block_size"]), int(attrs["topk"]),
                         key_format=attrs.get("key_format", "fp8"),
-                        output="rows" if rows else "positions", config=config)
+                        output="rows" if rows else "positions", config=config, max_context=attrs.get("max_context"))
 
 
 def _key(a, attrs) -> dict:
     a = _fused(a)
-    tp = a.token_pos   # compile time binds meta tensors: context unknown (0)
-    L = int(tp.max()) + 1 if isinstance(tp, torch.Tensor) and tp.numel() and tp.device.type != "meta" else 0
+    L = context_bound(a.token_pos, attrs)
     T, HI, DI = (int(x) if hasattr(x, "__index__") else 0 for x in a.q.shape)
     return {"T": T, "HI": HI, "DI": DI, "L": L, "K": int(attrs["topk"])}
 

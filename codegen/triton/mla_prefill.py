@@ -3,7 +3,8 @@ values decompressed from the latent pool, and sparse prefill when the indexer se
 
 Dense (no selection), per request r with context positions 0 .. L_r - 1 (L_r = its largest token
 position + 1, cached prefix included):
-    c = the latent rows of positions [0, L_r) (paged: `ir.ref.paging`; dequantised for fp8 / nvfp4 pools)
+    c = the latent rows of positions [0, L_r) (paged: `ir.ref.paging`, from a flat pool or a block view
+        of the packed pool; dequantised for fp8 / nvfp4 pools)
     k_nope^h = c W_UK^h^T,  v^h = c W_UV^h^T  (one batched matmul per request, [L_r, H, dn|dv])
     z_h(t, s) = scale (q_nope^h(t) . k_nope^h(s) + q_pe^h(t) . k_pe(s)),  s <= token_pos[t]
     o^h(t) = softmax_s(z) v^h,  lse = log sum_s e^z.
@@ -30,9 +31,10 @@ import triton
 import triton.language as tl
 
 from ir import formats
-from ir.ref.paging import cache_rows
+from ir.ref.paging import cache_rows, read_rows
 
 from ..kernel import KernelTemplate, Tunable, pow2_bucket
+from . import _precision as precision
 from .mla_sparse import (_LN2, LATENT_FORMATS, LOG2E, mla_sparse_decode, pool_and_selection_problem, pool_format,
                          split_kv_b)
 from .mla_sparse import heuristic as sparse_heuristic
@@ -147,7 +149,8 @@ def mla_prefill(q_nope, q_pe, latent, kv_b, token_pos, token_req, block_table, b
                 latent_format: str = "bf16", latent_scale: float = 1.0, pe_scale: float = 1.0,
                 selection_rows: bool = False, return_lse: bool = False, config: dict | None = None):
     """Decompressed-form MLA over each token's causal context (or its selection, via the sparse
-    kernel). q_nope [T, H, dn], q_pe [T, H, dr], latent pool rows, kv_b [H*(dn+dv), kv].
+    kernel). q_nope [T, H, dn], q_pe [T, H, dr], latent pool (flat [N, W] or a block view [NB, bs, W] of
+    the packed pool: the context rows are gathered once per request), kv_b [H*(dn+dv), kv].
     Returns o [T, H, dv] in q_nope's dtype (and lse [T, H] fp32 when return_lse)."""
     if selection is not None:
         return mla_sparse_decode(q_nope, q_pe, latent, kv_b, token_pos, token_req, block_table, block_size, scale,
@@ -176,7 +179,7 @@ def mla_prefill(q_nope, q_pe, latent, kv_b, token_pos, token_req, block_table, b
     for r, i, j in runs:                      # decompress each request's context once
         L = int(pos_cpu[order[i:j]].max()) + 1
         rows = cache_rows(block_table, block_size, torch.tensor(r), torch.arange(L, device=dev))
-        c = dequantize_latent(latent[rows], latent_format, KV, latent_scale, pe_scale).to(dt)
+        c = dequantize_latent(read_rows(latent, rows, block_size), latent_format, KV, latent_scale, pe_scale).to(dt)
         kn.append(torch.einsum("lk,hnk->lhn", c[:, :KV], W_UK.to(dt)))
         vv.append(torch.einsum("lk,hvk->lhv", c[:, :KV], W_UV.to(dt)))
         kp.append(c[:, KV:])
@@ -188,7 +191,7 @@ def mla_prefill(q_nope, q_pe, latent, kv_b, token_pos, token_req, block_table, b
         q_nope.contiguous(), q_pe.to(dt).contiguous(), torch.cat(kn).contiguous(), torch.cat(kp).contiguous(),
         torch.cat(vv).contiguous(), order.to(dev), token_pos.to(device=dev, dtype=torch.int64).contiguous(), blk,
         o, lse, H, scale * LOG2E, DN=DN, DR=DR, DV=DV, BLOCK_M=bm, BLOCK_N=int(cfg["BLOCK_N"]),
-        DOT_DT=tl.float32 if f32 else tl.bfloat16, PREC="ieee" if f32 else "tf32",
+        DOT_DT=tl.float32 if f32 else tl.bfloat16, PREC="ieee" if f32 else precision.low_bits(),
         num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
     return (o.to(dt), lse) if return_lse else o.to(dt)
 

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from ..kernel import KernelTemplate, Tunable, pow2_bucket
-from ._paging import paging_args, pool_strides, row_offsets, rows_of
+from ._paging import context_bound, paging_args, pool_strides, row_offsets, rows_of
 from codegen.triton import _precision as precision
 
 LOG2E = 1.4426950408889634
@@ -432,7 +432,7 @@ def mla_sparse_decode(q_nope, q_pe, latent, kv_b, token_pos, token_req, block_ta
                       selection=None, *,
                       latent_format: str = "bf16", latent_scale: float = 1.0, pe_scale: float = 1.0,
                       selection_rows: bool = False, return_lse: bool = False, latent_out: bool = False,
-                      config: dict | None = None):
+                      config: dict | None = None, max_context: int | None = None):
     """Absorbed MLA attention: o [T, H, dv] (latent_out: o~ [T, H, kv], the IR's form="latent", W_UV left
     to mla_value_proj), and lse [T, H] (natural log) when return_lse. q~ = W_UK^T q_nope and
     o = W_UV o~ are batched matmuls in q_nope's dtype around the kernel."""
@@ -444,7 +444,8 @@ def mla_sparse_decode(q_nope, q_pe, latent, kv_b, token_pos, token_req, block_ta
     paging = None if rows_given else paging_args(block_table, token_req, block_size, q_nope.device)
     o_lat, lse = sparse_latent_attention(q_abs, q_pe.to(dt), latent, token_pos, paging, scale, selection,
                                          latent_format=latent_format, latent_scale=latent_scale,
-                                         pe_scale=pe_scale, config=config, block_size=block_size)
+                                         pe_scale=pe_scale, config=config, block_size=block_size,
+                                         max_context=max_context)
     o = o_lat.to(dt) if latent_out else torch.einsum("thk,hvk->thv", o_lat.to(dt), W_UV.to(dt))
     return (o, lse) if return_lse else o
 
@@ -455,7 +456,7 @@ def _launch(a, attrs, config):
     return mla_sparse_decode(a.q_nope, a.q_pe, a.latent, a.kv_b, a.token_pos, a.token_req, a.block_table,
                              int(attrs["block_size"]), float(attrs["scale"]), a.selection, latent_format=fmt, config=config,
                              selection_rows=attrs.get("selection_kind", "positions") == "rows",
-                             latent_out=attrs.get("form") == "latent")
+                             latent_out=attrs.get("form") == "latent", max_context=attrs.get("max_context"))
 
 
 def _key(a, attrs) -> dict:
@@ -463,8 +464,7 @@ def _key(a, attrs) -> dict:
     if a.selection is not None:
         L = int(a.selection.shape[1])
     else:
-        tp = a.token_pos   # compile time binds meta tensors: context unknown (0)
-        L = int(tp.max()) + 1 if isinstance(tp, torch.Tensor) and tp.numel() and tp.device.type != "meta" else 0
+        L = context_bound(a.token_pos, attrs)
     fmt = {"fp8": 1, "nvfp4": 2}.get(pool_format(a.latent, attrs), 0) if isinstance(a.latent, torch.Tensor) else 0
     return {"H": H, "L": L, "KV": int(a.kv_b.shape[1]), "sparse": int(a.selection is not None), "fmt": fmt}
 

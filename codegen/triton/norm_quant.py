@@ -24,15 +24,17 @@ import triton.language as tl
 
 from codegen.kernel import KernelTemplate, Tunable, pow2_bucket
 from codegen.triton.gemm import dot_numerics, gemm_tile
-from codegen.triton._paging import paging_args, rows_of
+from codegen.triton import _precision as precision
+from codegen.triton._paging import paging_args, pool_strides, row_offsets, rows_of
 
 MAX_BLOCK_D = 32768
 AMAX_FLOOR = tl.constexpr(1e-4)
 
 
 @triton.jit
-def _hadamard_tile(y, BLOCK_D: tl.constexpr):
-    """y [BR, BLOCK_D] @ H_BLOCK_D / sqrt(BLOCK_D) (fp32 dot; H from the parity of i & j)."""
+def _hadamard_tile(y, BLOCK_D: tl.constexpr, HPREC: tl.constexpr):
+    """y [BR, BLOCK_D] @ H_BLOCK_D / sqrt(BLOCK_D) (fp32 dot at ~fp32 accuracy, HPREC =
+    `_precision.precise_fp32()`; H from the parity of i & j)."""
     i = tl.arange(0, BLOCK_D)[:, None]
     j = tl.arange(0, BLOCK_D)[None, :]
     v = i & j
@@ -41,7 +43,7 @@ def _hadamard_tile(y, BLOCK_D: tl.constexpr):
     v = v ^ (v >> 2)
     v = v ^ (v >> 1)
     h = tl.where((v & 1) == 0, 1.0, -1.0).to(tl.float32)
-    return tl.dot(y.to(tl.float32), h, input_precision="tf32x3") * (1.0 / tl.sqrt(BLOCK_D * 1.0))
+    return tl.dot(y.to(tl.float32), h, input_precision=HPREC) * (1.0 / tl.sqrt(BLOCK_D * 1.0))
 
 
 @triton.jit
@@ -73,7 +75,7 @@ def _quantize_rows(y, col_ok, AMAX_FLOOR: tl.constexpr):
 def _norm_rot_quant_kernel(x_ptr, w_ptr, b_ptr, y_ptr, q_ptr, s_ptr, R, D, stride_x, stride_y, stride_q, eps,
                            NORM: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROTATE: tl.constexpr,
                            QUANT: tl.constexpr, STORE_Y: tl.constexpr, CDT: tl.constexpr,
-                           BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                           BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HPREC: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
     row_ok = rows < R
@@ -94,7 +96,7 @@ def _norm_rot_quant_kernel(x_ptr, w_ptr, b_ptr, y_ptr, q_ptr, s_ptr, R, D, strid
     if HAS_B:
         y = y + tl.load(b_ptr + cols, mask=cols < D, other=0.0).to(CDT)[None, :]
     if ROTATE:
-        y = _hadamard_tile(y, BLOCK_D).to(CDT)
+        y = _hadamard_tile(y, BLOCK_D, HPREC).to(CDT)
     if STORE_Y:
         tl.store(y_ptr + rows64[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)
     if QUANT:
@@ -133,7 +135,7 @@ def norm_rot_quant(x: torch.Tensor, config: dict, *, norm: str | None = None, we
             y if y is not None else dummy, q if q is not None else dummy, s if s is not None else dummy,
             R, D, x2.stride(0), D, D, float(eps),
             NORM={None: 0, "rms": 1, "layer": 2}[norm], HAS_W=weight is not None, HAS_B=bias is not None,
-            ROTATE=rotate, QUANT=quant, STORE_Y=store_y, CDT=_cdt(x),
+            ROTATE=rotate, QUANT=quant, STORE_Y=store_y, CDT=_cdt(x), HPREC=precision.precise_fp32(),
             BLOCK_R=config["BLOCK_R"], BLOCK_D=bd, num_warps=config["num_warps"])
     return (None if y is None else y.reshape(*lead, D),
             None if q is None else q.view(torch.float8_e4m3fn).reshape(*lead, D),
@@ -145,7 +147,7 @@ def norm_rot_quant(x: torch.Tensor, config: dict, *, norm: str | None = None, we
 def _indexer_query_kernel(x_ptr, w_ptr, q_ptr, s_ptr, T, K, HEADS, stride_xm, stride_wn,
                           DOT_DTYPE: tl.constexpr, ACC_DTYPE: tl.constexpr, X_SPLITS: tl.constexpr,
                           PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
-                          BLOCK_M: tl.constexpr, DI: tl.constexpr, BLOCK_K: tl.constexpr):
+                          BLOCK_M: tl.constexpr, DI: tl.constexpr, BLOCK_K: tl.constexpr, HPREC: tl.constexpr):
     """Program (token block, head j): acc = c_q @ W_Iq[j]^T (one head = one DI-wide tile), then rotate
     and quantise each (token, head) row in registers: q8[t, j, :], q_scale[t, j]."""
     head = tl.program_id(1)
@@ -155,7 +157,7 @@ def _indexer_query_kernel(x_ptr, w_ptr, q_ptr, s_ptr, T, K, HEADS, stride_xm, st
     n_ok = offs_n < HEADS * DI
     acc = gemm_tile(x_ptr, w_ptr, w_ptr, offs_m, offs_n, m_ok, n_ok, K, stride_xm, 1, stride_wn, 1, 0, 0,
                     0, 1, 1, DOT_DTYPE, ACC_DTYPE, X_SPLITS, PRECISION, EVEN_K, BLOCK_M, DI, BLOCK_K)
-    rot = _hadamard_tile(acc, DI)
+    rot = _hadamard_tile(acc, DI, HPREC)
     code, scale = _quantize_rows(rot, n_ok[None, :], AMAX_FLOOR)
     cols = tl.arange(0, DI)
     rows64 = offs_m.to(tl.int64)
@@ -165,10 +167,12 @@ def _indexer_query_kernel(x_ptr, w_ptr, q_ptr, s_ptr, T, K, HEADS, stride_xm, st
 
 @triton.jit
 def _indexer_key_kernel(ik_ptr, g_ptr, b_ptr, iw_ptr, w_ptr, kpool_ptr, spool_ptr, req_ptr, pos_ptr, tbl_ptr, MB,
-                        T, HEADS, stride_ik, stride_iw, stride_pool, eps, weight_scale,
-                        BLOCK_R: tl.constexpr, DI: tl.constexpr, BLOCK_H: tl.constexpr, LOG_BS: tl.constexpr):
+                        T, HEADS, stride_ik, stride_iw, k_sblk, k_srow, s_sblk, s_srow, eps, weight_scale,
+                        BLOCK_R: tl.constexpr, DI: tl.constexpr, BLOCK_H: tl.constexpr, LOG_BS: tl.constexpr,
+                        HPREC: tl.constexpr):
     """Per token: key = fp8(H LayerNorm(ik)) written at the pool row of (token_req, token_pos) through
-    the block table (bytes and scale), and w = weight_scale * iw."""
+    the block table (bytes and scale; pools flat or block views: row r at (r >> LOG_BS) * s_blk +
+    (r & (bs - 1)) * s_row elements, `_paging.row_offsets`), and w = weight_scale * iw."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < T
     rows64 = rows.to(tl.int64)
@@ -178,11 +182,12 @@ def _indexer_key_kernel(ik_ptr, g_ptr, b_ptr, iw_ptr, w_ptr, kpool_ptr, spool_pt
     kc = k - mu[:, None]
     k = kc / tl.sqrt(tl.sum(kc * kc, axis=1) / DI + eps)[:, None]
     k = k * tl.load(g_ptr + cols).to(tl.float32)[None, :] + tl.load(b_ptr + cols).to(tl.float32)[None, :]
-    code, scale = _quantize_rows(_hadamard_tile(k, DI), cols[None, :] < DI, AMAX_FLOOR)
+    code, scale = _quantize_rows(_hadamard_tile(k, DI, HPREC), cols[None, :] < DI, AMAX_FLOOR)
     req = tl.load(req_ptr + rows, mask=row_ok, other=0)
     dest = rows_of(tbl_ptr + req * MB, tl.load(pos_ptr + rows, mask=row_ok, other=0), row_ok, LOG_BS)
-    tl.store(kpool_ptr + dest[:, None] * stride_pool + cols[None, :], code.to(tl.uint8), mask=row_ok[:, None])
-    tl.store(spool_ptr + dest, scale, mask=row_ok)
+    kdst = row_offsets(dest, LOG_BS, k_sblk, k_srow)
+    tl.store(kpool_ptr + kdst[:, None] + cols[None, :], code.to(tl.uint8), mask=row_ok[:, None])
+    tl.store(spool_ptr + row_offsets(dest, LOG_BS, s_sblk, s_srow), scale, mask=row_ok)
     hs = tl.arange(0, BLOCK_H)
     h_ok = row_ok[:, None] & (hs[None, :] < HEADS)
     iw = tl.load(iw_ptr + rows64[:, None] * stride_iw + hs[None, :], mask=h_ok, other=0.0)
@@ -217,16 +222,20 @@ def indexer_front(ops: list, attrs: dict, config: dict):
         bm, bk = config["BLOCK_M"], config["BLOCK_K"]
         _indexer_query_kernel[(triton.cdiv(T, bm), hi)](
             x, wq, q8, qs, T, K, hi, x.stride(0), wq.stride(0), **dot_numerics(x.dtype, wq.dtype),
-            EVEN_K=K % bk == 0, BLOCK_M=bm, DI=di, BLOCK_K=bk, num_warps=config["num_warps"],
+            EVEN_K=K % bk == 0, BLOCK_M=bm, DI=di, BLOCK_K=bk, HPREC=precision.precise_fp32(), num_warps=config["num_warps"],
             num_stages=config["num_stages"])
         ikc = ik if ik.stride(-1) == 1 else ik.contiguous()
         iwc = iw if iw.stride(-1) == 1 else iw.contiguous()
         br = config["BLOCK_R"]
-        tbl, req, mb, log_bs = paging_args(block_table, token_req, int(attrs["block_size"]), dev)
+        bsz = int(attrs["block_size"])
+        tbl, req, mb, log_bs = paging_args(block_table, token_req, bsz, dev)
+        k_strides = pool_strides(key_pool, bsz, 1, "fused.indexer_front key_pool")
+        s_strides = pool_strides(scale_pool, bsz, 0, "fused.indexer_front scale_pool")
         _indexer_key_kernel[(triton.cdiv(T, br),)](
             ikc, g, b, iwc, w, key_pool.view(torch.uint8), scale_pool, req, token_pos, tbl, mb,
-            T, hi, ikc.stride(0), iwc.stride(0), key_pool.stride(0), float(attrs["eps"]), float(attrs["weight_scale"]),
-            BLOCK_R=br, DI=di, BLOCK_H=pow2_bucket(hi), LOG_BS=log_bs, num_warps=config["num_warps"])
+            T, hi, ikc.stride(0), iwc.stride(0), *k_strides, *s_strides, float(attrs["eps"]), float(attrs["weight_scale"]),
+            BLOCK_R=br, DI=di, BLOCK_H=pow2_bucket(hi), LOG_BS=log_bs, HPREC=precision.precise_fp32(),
+            num_warps=config["num_warps"])
     return q8.view(torch.float8_e4m3fn), qs, w, key_pool, scale_pool
 
 

@@ -2,6 +2,8 @@
 
 Caches are pools of rows grouped in blocks of `block_size` rows; request r's position p lives at row
 block_table[r, p // block_size] * block_size + p % block_size (paged addressing, `ir.ref.paging`).
+A pool operand is flat, [N, *row], or a block view [NB, block_size, *row] (a page of every row of the
+packed block pool, DESIGN §5 T1); both address the same physical rows.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from ..core import TensorType
 from ..dtypes import f32, f8e4m3, i64, u8
 from ..ref import indexer as ref_indexer
 from ..ref import mla as ref_mla
-from ..ref.paging import cache_rows, check_block_size
+from ..ref.paging import cache_rows, check_block_size, write_rows
 from ..shapes import numel, shapes_equal, sym
 from .basic import expect
 from .registry import attr, defop
@@ -34,10 +36,29 @@ def _block_table_ok(a, at, op: str):
 BLOCK_SIZE = {"block_size": attr(int)}
 
 
+def pool_fits(pool, row_shape, block_size: int) -> bool:
+    """Whether pool type `pool` holds rows of `row_shape`: flat [N, *row] or block view [NB, bs, *row]."""
+    k = len(row_shape)
+    if pool.rank == k + 1:
+        return shapes_equal(pool.shape[1:], tuple(row_shape))
+    return pool.rank == k + 2 and shapes_equal(pool.shape[1:], (block_size, *row_shape))
+
+
+def pool_row_shape(pool, row_rank: int) -> tuple:
+    """The row shape of a flat pool or block view type whose rows have `row_rank` dims."""
+    return tuple(pool.shape[pool.rank - row_rank:])
+
+
+def _pool_desc(row_shape, block_size) -> str:
+    row = "".join(f", {d}" for d in row_shape)
+    return f"[N{row}] or [NB, {block_size}{row}]"
+
+
 def _cache_write_infer(a, at):
     _block_table_ok(a, at, "cache_write")
-    expect(a.values.rank == a.pool.rank and shapes_equal(a.values.shape[1:], a.pool.shape[1:]),
-           f"cache_write: values {a.values} do not fit pool rows {a.pool}")
+    expect(a.values.rank >= 1 and pool_fits(a.pool, a.values.shape[1:], at["block_size"]),
+           f"cache_write: values {a.values} do not fit pool rows {a.pool} (expected "
+           f"{_pool_desc(a.values.shape[1:], at['block_size'])})")
     expect(a.values.dtype == a.pool.dtype or (a.values.dtype.is_float and a.pool.dtype.is_float
                                                and f8e4m3 not in (a.values.dtype, a.pool.dtype)),
            f"cache_write: values {a.values} cannot be stored in pool {a.pool}")
@@ -46,14 +67,14 @@ def _cache_write_infer(a, at):
 
 def _cache_write_ref(a, at):
     rows = cache_rows(a.block_table, at["block_size"], a.token_req, a.token_pos)
-    a.pool[rows] = a.values.to(a.pool.dtype)
-    return a.pool
+    return write_rows(a.pool, rows, a.values, at["block_size"], a.values.dim() - 1)
 
 
 defop("cache_write", ["pool", "values", "token_req", "token_pos", "block_table"], ["pool_out"],
       _cache_write_infer, _cache_write_ref, inplace={0: "pool"}, attrs=BLOCK_SIZE,
       bytes=lambda a, o, at: 2 * a.values.nbytes() + 3 * a.token_pos.nbytes(),
-      doc="pool[row(token_req[i], token_pos[i])] = values[i], row(r, p) = block_table[r, p // bs] * bs + p % bs")
+      doc="pool[row(token_req[i], token_pos[i])] = values[i], row(r, p) = block_table[r, p // bs] * bs + p % bs "
+          "(pool flat [N, *row] or a block view [NB, bs, *row])")
 
 
 def _mla_infer(a, at):
@@ -63,11 +84,14 @@ def _mla_infer(a, at):
     kv = a.kv_b.shape[1]
     expect(at["latent_format"] in ("plain", "nvfp4"),
            f"mla: latent_format must be plain|nvfp4, found {at['latent_format']!r}")
+    bs = at["block_size"]
     if at["latent_format"] == "nvfp4":
-        expect(a.latent.dtype == u8 and shapes_equal(a.latent.shape[1:], (kv / 2 + kv / 16 + dr,)),
-               f"mla: an nvfp4 latent pool must be u8[N, {kv}/2 + {kv}/16 + {dr}], found {a.latent}")
+        row = (sympy.sympify(kv) / 2 + sympy.sympify(kv) / 16 + dr,)
+        expect(a.latent.dtype == u8 and pool_fits(a.latent, row, bs),
+               f"mla: an nvfp4 latent pool must be u8 {_pool_desc(row, bs)}, found {a.latent}")
     else:
-        expect(shapes_equal(a.latent.shape[1:], (kv + dr,)), f"mla: latent pool {a.latent} must be [N, {kv}+{dr}]")
+        expect(pool_fits(a.latent, (kv + dr,), bs),
+               f"mla: latent pool {a.latent} must be {_pool_desc((kv + dr,), bs)}")
     dv = sympy.simplify(a.kv_b.shape[0] / h - dn)
     expect(dv.is_integer and dv > 0, f"mla: kv_b {a.kv_b} is not [H*(dn+dv), kv] for H={h}, dn={dn}")
     if a.selection is not None:
@@ -94,14 +118,14 @@ def _mla_ctx(a):
 
 def _mla_flops(a, o, at):
     t, h, _ = a.q_nope.shape
-    width = a.latent.shape[1]
+    width = a.latent.shape[-1]
     return 2 * t * h * _mla_ctx(a) * (width + a.kv_b.shape[1])
 
 
 def _mla_bytes(a, o, at):
     t = a.q_nope.shape[0]
     return a.q_nope.nbytes() + a.q_pe.nbytes() + o[0].nbytes() + a.kv_b.nbytes() + \
-        t * _mla_ctx(a) * a.latent.shape[1] * a.latent.dtype.bits / 8
+        t * _mla_ctx(a) * a.latent.shape[-1] * a.latent.dtype.bits / 8
 
 
 defop("mla_attention", ["q_nope", "q_pe", "latent", "kv_b", "token_pos", "token_req", "block_table", "selection?"],
@@ -199,17 +223,19 @@ def _indexer_infer(a, at):
     expect(a.q.dtype == f8e4m3, f"indexer: q {a.q} must be f8e4m3")
     expect(shapes_equal(a.q_scale.shape, (t, hi)) and shapes_equal(a.w.shape, (t, hi)),
            f"indexer: q_scale {a.q_scale} and w {a.w} must be [{t},{hi}]")
+    bs, di = at["block_size"], sympy.sympify(di)
     if fmt == "fp8":
         expect(a.keys.dtype == f8e4m3, f"indexer: key_format fp8 needs f8e4m3 keys, found {a.keys}")
-        expect(shapes_equal(a.keys.shape[1:], (di,)) and shapes_equal(a.key_scale.shape, a.keys.shape[:1]),
-               f"indexer: keys {a.keys} / key_scale {a.key_scale} must be [N,{di}] / [N]")
+        key_row, scale_row = (di,), ()
     else:
         expect(a.keys.dtype == u8 and a.key_scale.dtype == u8,
                f"indexer: key_format mxfp4 needs u8 keys (E2M1 pairs) and u8 E8M0 scales, found {a.keys} / "
                f"{a.key_scale}")
-        expect(a.keys.rank == 2 and a.key_scale.rank == 2 and shapes_equal(a.keys.shape[1:], (sympy.sympify(di) / 2,))
-               and shapes_equal(a.key_scale.shape, (a.keys.shape[0], sympy.sympify(di) / formats.MXFP4_BLOCK)),
-               f"indexer: mxfp4 keys {a.keys} / key_scale {a.key_scale} must be [N,{di}/2] / [N,{di}/32]")
+        key_row, scale_row = (di / 2,), (di / formats.MXFP4_BLOCK,)
+    expect(pool_fits(a.keys, key_row, bs) and pool_fits(a.key_scale, scale_row, bs)
+           and shapes_equal(a.key_scale.shape[:a.keys.rank - 1], a.keys.shape[:-1]),
+           f"indexer: {fmt} keys {a.keys} / key_scale {a.key_scale} must be {_pool_desc(key_row, bs)} / "
+           f"{_pool_desc(scale_row, bs)}, both flat or both block views of the same blocks")
     expect(at["topk"] > 0, "indexer: topk must be positive")
     return [TensorType(i64, (t, at["topk"]))]
 
@@ -243,4 +269,5 @@ defop("indexer_topk", ["q", "q_scale", "w", "keys", "key_scale", "token_pos", "t
       + a.q.shape[0] * CONTEXT * _key_bytes(a),
       doc="I(t,s) = sum_j w_j relu(deq(q_j) . deq(k_s)) over s <= t; top-k positions (ties to the lower "
           "position) ascending, -1 padded when the context is shorter than topk; key_format fp8: keys f8e4m3 [N, DI] + "
-          "f32 scale [N]; mxfp4: keys u8 [N, DI/2] (low nibble = even element) + E8M0 u8 [N, DI/32]")
+          "f32 scale [N]; mxfp4: keys u8 [N, DI/2] (low nibble = even element) + E8M0 u8 [N, DI/32] "
+          "(or block views [NB, bs, ...] of both)")

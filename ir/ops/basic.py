@@ -59,9 +59,10 @@ def _linear_infer(a, at):
     return [TensorType(a.x.dtype, (*a.x.shape[:-1], a.w.shape[0]))]
 
 
-defop("linear", ["x", "w"], ["y"], _linear_infer, lambda a, at: a.x @ a.w.t(),
+defop("linear", ["x", "w"], ["y"], _linear_infer, lambda a, at: a.x @ a.w.t().to(a.x.dtype),
       flops=lambda a, o, at: 2 * numel(a.x.shape[:-1]) * a.w.shape[0] * a.w.shape[1],
-      doc="y = x @ w^T (w stored in any format; packed formats are dequantised by the reference)")
+      doc="y = x @ w^T in x's dtype (w stored in any format, e.g. an fp32 router over bf16 weights; packed "
+          "formats are dequantised by the reference)")
 
 
 # ---- norms -------------------------------------------------------------------------------------

@@ -27,13 +27,21 @@ Ops
       (weights_local f32[T,k], ids_local i64[T,k]): expert e lives on rank e // experts_per_rank as local
       expert e % experts_per_rank; entries routed elsewhere get weight 0 and local id 0, so
       moe_experts(z, weights_local, ids_local, local experts) is this rank's partial latent sum.
+DCP pools are flat [N, *row] or block views [NB, block_size, *row]; block_table is the rank's *local* table
+(under DCP it covers only the positions the rank stores).
 - dcp_cache_write(pool, values, token_req, token_pos, block_table) {block_size, interleave, group, world}
       in place: store only this rank's positions ((p // interleave) % world == rank) at their local position
 - dcp_mla(q_nope, q_pe, latent, kv_b, iq, iq_scale, iw, keys, key_scale, token_pos, token_req, block_table)
-      {block_size, interleave, group, world, scale, topk} -> this rank's heads [T, H/W, dv]: local indexer
-      scores, exact one-round global top-k merge, partial attention of all heads, LSE combine
-- dcp_gather_context(pool, token_pos, token_req, block_table) {block_size, interleave, group, world}
-      merge-free DCP prefill: a pool-shaped workspace with the step's whole context at its ordinary rows
+      {block_size, interleave, group, world, scale, topk, key_format, latent_format} -> this rank's heads
+      [T, H/W, dv]: local indexer scores, exact one-round global top-k merge, partial attention of the
+      group's heads, LSE combine
+- dcp_mla_dense(q_nope, q_pe, latent, kv_b, token_pos, token_req, block_table) {block_size, interleave, group,
+      world, scale, latent_format} -> [T, H/W, dv]: K3 dense MLA over a DCP group (every own causal
+      position, LSE combine)
+- dcp_workspace_table(block_table) {world} -> i32[R, MB*W]: the T5 workspace's table (q*MB*W + j)
+- dcp_gather_context(pool, token_pos, token_req, block_table, ws_table) {block_size, interleave, row_rank,
+      group, world} -> flat [R*MB*W*bs, *row]: merge-free DCP prefill, the step's whole context at
+      ws_table's rows
 The DCP math lives in k31c/parallel/dcp_attention.py (see its docstring).
 """
 
@@ -46,6 +54,7 @@ import torch.distributed as dist
 from ..core import TensorType
 from ..dtypes import f32, i64
 from ..shapes import shapes_equal
+from .attention import CONTEXT, pool_fits, pool_row_shape
 from .basic import expect
 from .registry import attr, defop
 
@@ -234,6 +243,7 @@ defop("ep_local_routing", ["weights", "ids"], ["weights_local", "ids_local"], _e
 
 # ---- DCP (T4): interleaved context shards, exact top-k merge, LSE combine ------------------------------------
 _DCP = {"block_size": attr(int), "interleave": attr(int, default=1), **_COMM}
+_FORMATS = {"latent_format": attr(str, default="plain")}
 
 
 def _dcp_write_ref(a, at):
@@ -245,8 +255,8 @@ def _dcp_write_ref(a, at):
 
 
 def _dcp_write_infer(a, at):
-    expect(a.values.rank == a.pool.rank and shapes_equal(a.values.shape[1:], a.pool.shape[1:]),
-           f"dcp_cache_write: values {a.values} do not fit pool rows {a.pool}")
+    expect(a.values.rank >= 1 and pool_fits(a.pool, a.values.shape[1:], at["block_size"]),
+           f"dcp_cache_write: values {a.values} do not fit pool rows {a.pool} (flat [N, *row] or [NB, bs, *row])")
     expect(at["interleave"] >= 1, "dcp_cache_write: interleave must be >= 1")
     return [a.pool]
 
@@ -258,16 +268,26 @@ defop("dcp_cache_write", ["pool", "values", "token_req", "token_pos", "block_tab
           "(p // (world*interleave))*interleave + p % interleave of their request (paged rows)")
 
 
-def _dcp_mla_infer(a, at):
+def _dcp_attention_type(a, at, op: str) -> TensorType:
+    """[T, H/W, dv] of dcp_mla / dcp_mla_dense, checking kv_b and the latent pool (flat or block view,
+    plain [.., kv+dr] or NVFP4 u8 [.., kv/2+kv/16+dr])."""
     t, hl, dn = a.q_nope.shape
-    kv = a.kv_b.shape[1]
+    kv, dr = sympy.sympify(a.kv_b.shape[1]), a.q_pe.shape[2]
     dv = sympy.simplify(a.kv_b.shape[0] / hl - dn)
-    expect(dv.is_integer and dv > 0, f"dcp_mla: kv_b {a.kv_b} is not [H/W*(dn+dv), kv] for {hl} local heads")
-    expect(shapes_equal(a.latent.shape[1:], (kv + a.q_pe.shape[2],)), f"dcp_mla: latent pool {a.latent} width")
+    expect(dv.is_integer and dv > 0, f"{op}: kv_b {a.kv_b} is not [H/W*(dn+dv), kv] for {hl} local heads")
+    expect(at["latent_format"] in ("plain", "nvfp4"), f"{op}: latent_format must be plain|nvfp4")
+    row = (kv / 2 + kv / 16 + dr,) if at["latent_format"] == "nvfp4" else (kv + dr,)
+    expect(pool_fits(a.latent, row, at["block_size"]), f"{op}: latent pool {a.latent} must hold rows {list(row)}")
+    return TensorType(a.q_nope.dtype, (t, hl, dv))
+
+
+def _dcp_mla_infer(a, at):
+    t = a.q_nope.shape[0]
     expect(shapes_equal(a.iq.shape[:1], (t,)) and shapes_equal(a.iw.shape, a.iq.shape[:2]),
            f"dcp_mla: indexer q {a.iq} / w {a.iw} do not match {t} tokens")
     expect(at["topk"] > 0, "dcp_mla: topk must be positive")
-    return [TensorType(a.q_nope.dtype, (t, hl, dv))]
+    expect(at["key_format"] in ("fp8", "mxfp4"), f"dcp_mla: key_format must be fp8|mxfp4, found {at['key_format']!r}")
+    return [_dcp_attention_type(a, at, "dcp_mla")]
 
 
 def _dcp_mla_ref(a, at):
@@ -276,14 +296,15 @@ def _dcp_mla_ref(a, at):
     _live(at["group"], at["world"], "dcp_mla")
     return dcp_mla(a.q_nope, a.q_pe, a.latent, a.kv_b, a.iq, a.iq_scale, a.iw, a.keys, a.key_scale, a.token_pos,
                    a.token_req, a.block_table, block_size=at["block_size"], scale=at["scale"], topk=at["topk"],
-                   interleave=at["interleave"], group=get_group(at["group"]))
+                   interleave=at["interleave"], group=get_group(at["group"]), key_format=at["key_format"],
+                   latent_format=at["latent_format"])
 
 
 def _dcp_mla_bytes(a, o, at):
     t, hl, _ = a.q_nope.shape
     w, k = at["world"], at["topk"]
-    width = a.latent.shape[1]
-    gather = t * hl * width * 4 * (w - 1)                       # absorbed queries, all-gathered
+    width = a.latent.shape[-1]
+    gather = t * hl * (a.kv_b.shape[1] + a.q_pe.shape[2]) * 4 * (w - 1)  # absorbed queries, all-gathered
     merge = t * w * sympy.ceiling(sympy.Rational(3, 2) * k / w) * 4  # round 1 of the exact top-k
     combine = 2 * t * hl * w * (a.kv_b.shape[1] + 1) * 4        # LSE combine all-reduce
     latent = t * k * width * a.latent.dtype.bits / 8 / w        # own share of the selected latents
@@ -292,22 +313,79 @@ def _dcp_mla_bytes(a, o, at):
 
 defop("dcp_mla", ["q_nope", "q_pe", "latent", "kv_b", "iq", "iq_scale", "iw", "keys", "key_scale", "token_pos",
                   "token_req", "block_table"], ["o"], _dcp_mla_infer, _dcp_mla_ref,
-      attrs={**_DCP, "scale": attr(float), "topk": attr(int)}, bytes=_dcp_mla_bytes,
+      attrs={**_DCP, **_FORMATS, "scale": attr(float), "topk": attr(int), "key_format": attr(str, default="fp8")},
+      bytes=_dcp_mla_bytes,
       doc="indexer top-k + sparse MLA over a DCP group: local scores, exact one-round global top-k "
           "(k31c.parallel.dcp_topk), partial attention of all heads over own selected tokens, LSE combine; "
           "returns this rank's heads [T, H/W, dv]")
+
+
+def _dense_infer(a, at):
+    return [_dcp_attention_type(a, at, "dcp_mla_dense")]
+
+
+def _dense_ref(a, at):
+    from k31c.parallel.dcp_attention import dcp_mla_dense
+
+    _live(at["group"], at["world"], "dcp_mla_dense")
+    return dcp_mla_dense(a.q_nope, a.q_pe, a.latent, a.kv_b, a.token_pos, a.token_req, a.block_table,
+                         block_size=at["block_size"], scale=at["scale"], interleave=at["interleave"],
+                         group=get_group(at["group"]), latent_format=at["latent_format"])
+
+
+def _dense_bytes(a, o, at):
+    t, hl, _ = a.q_nope.shape
+    w, width = at["world"], a.latent.shape[-1]
+    gather = t * hl * (a.kv_b.shape[1] + a.q_pe.shape[2]) * 4 * (w - 1)
+    combine = 2 * t * hl * w * (a.kv_b.shape[1] + 1) * 4
+    return gather + combine + t * CONTEXT * width * a.latent.dtype.bits / 8 / w
+
+
+defop("dcp_mla_dense", ["q_nope", "q_pe", "latent", "kv_b", "token_pos", "token_req", "block_table"], ["o"],
+      _dense_infer, _dense_ref, attrs={**_DCP, **_FORMATS, "scale": attr(float)}, bytes=_dense_bytes,
+      doc="dense MLA (K3, no indexer) over a DCP group: partial attention of all heads over every causal "
+          "context position this rank stores, LSE combine; returns this rank's heads [T, H/W, dv]")
+
+
+def _ws_table_infer(a, at):
+    expect(a.block_table.rank == 2 and a.block_table.dtype.kind == "int",
+           f"dcp_workspace_table: block_table {a.block_table} must be an integer [R, MB] table")
+    r, mb = a.block_table.shape
+    return [TensorType(a.block_table.dtype, (r, mb * at["world"]))]
+
+
+def _ws_table_ref(a, at):
+    from k31c.parallel.dcp_attention import dcp_workspace_table
+
+    return dcp_workspace_table(a.block_table, at["world"])
+
+
+defop("dcp_workspace_table", ["block_table"], ["ws_table"], _ws_table_infer, _ws_table_ref,
+      attrs={"world": attr(int)}, bytes=lambda a, o, at: o[0].nbytes(),
+      doc="merge-free DCP prefill: the gathered-context workspace's block table, ws_table[q, j] = q*MB*W + j "
+          "(request q's global positions at rows q*MB*W*bs + p), so a rank's own table stays local")
+
+
+def _gather_ctx_infer(a, at):
+    r, mbw = a.ws_table.shape
+    row = pool_row_shape(a.pool, at["row_rank"])
+    expect(pool_fits(a.pool, row, at["block_size"]),
+           f"dcp_gather_context: pool {a.pool} is not [N, *row] or [NB, {at['block_size']}, *row] with rows of "
+           f"{at['row_rank']} dims")
+    return [a.pool.with_shape((r * mbw * at["block_size"], *row))]
 
 
 def _gather_ctx_ref(a, at):
     from k31c.parallel.dcp_attention import dcp_gather_context
 
     _live(at["group"], at["world"], "dcp_gather_context")
-    return dcp_gather_context(a.pool, a.token_pos, a.token_req, a.block_table, block_size=at["block_size"],
-                              interleave=at["interleave"], group=get_group(at["group"]))
+    return dcp_gather_context(a.pool, a.token_pos, a.token_req, a.block_table, a.ws_table,
+                              block_size=at["block_size"], interleave=at["interleave"], row_rank=at["row_rank"],
+                              group=get_group(at["group"]))
 
 
-defop("dcp_gather_context", ["pool", "token_pos", "token_req", "block_table"], ["workspace"],
-      lambda a, at: [a.pool], _gather_ctx_ref, attrs=dict(_DCP),
-      bytes=lambda a, o, at: a.pool.nbytes() * sympy.Rational(at["world"] - 1, at["world"]),
-      doc="merge-free DCP prefill (T5): a pool-shaped workspace holding every context position of the step's "
-          "requests at its ordinary row, all-gathered from the interleaved owners (bytes exact)")
+defop("dcp_gather_context", ["pool", "token_pos", "token_req", "block_table", "ws_table"], ["workspace"],
+      _gather_ctx_infer, _gather_ctx_ref, attrs={**_DCP, "row_rank": attr(int, default=1)},
+      bytes=lambda a, o, at: o[0].nbytes() * sympy.Rational(at["world"] - 1, at["world"]),
+      doc="merge-free DCP prefill (T5): a workspace holding every context position of the step's requests at "
+          "its ws_table row, all-gathered from the interleaved owners' local rows (bytes exact)")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .paging import cache_rows
+from .paging import cache_rows, read_rows
 
 __all__ = ["indexer_topk", "indexer_dense_scores", "indexer_scores_padded"]
 
@@ -23,7 +23,8 @@ def indexer_scores_padded(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor,
                           block_table: torch.Tensor, block_size: int):
     """(scores [B, L], valid [B, L]) with L = max(token_pos)+1; column s is position s.
 
-    scores[i, s] = sum_j w[i, j] * relu(q[i, j] . keys[row(r_i, s)]) for s <= token_pos[i];
+    scores[i, s] = sum_j w[i, j] * relu(q[i, j] . keys[row(r_i, s)]) for s <= token_pos[i]; keys is a
+    flat pool [N, DI] or a block view [NB, block_size, DI] (``ir.ref.paging``);
     invalid (non-causal) entries are -inf.  Computed in q's dtype.
     """
     B, HI, DI = q.shape
@@ -39,7 +40,7 @@ def indexer_scores_padded(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor,
     for s in range(0, B, bs):
         e = min(B, s + bs)
         rows = cache_rows(block_table, block_size, req[s:e].unsqueeze(1), torch.where(valid[s:e], pos, 0))  # [b, L]
-        kk = keys[rows].to(dt)                                            # [b, L, DI]
+        kk = read_rows(keys, rows, block_size).to(dt)                     # [b, L, DI]
         logits = torch.relu(torch.einsum("bjd,bld->bjl", q[s:e], kk))     # [b, HI, L]
         sc = torch.einsum("bj,bjl->bl", w[s:e], logits)
         scores[s:e] = sc.masked_fill(~valid[s:e], float("-inf"))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .paging import cache_rows, rows_to_positions
+from .paging import cache_rows, read_rows, rows_to_positions
 
 __all__ = ["mla_attention", "mla_value_proj", "context_positions", "selection_positions_to_rows",
            "selection_rows_to_positions"]
@@ -87,7 +87,8 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor
                   form: str = "absorbed", selection_kind: str = "positions") -> torch.Tensor:
     """MLA attention for a ragged batch of tokens against a latent cache pool.
 
-    q_nope [B, H, dn], q_pe [B, H, dr]; latent [N, kv+dr] pool rows = [c_KV (normalised); k_pe];
+    q_nope [B, H, dn], q_pe [B, H, dr]; latent pool rows [c_KV (normalised); k_pe], flat [N, kv+dr]
+    or a block view [NB, block_size, kv+dr] (``ir.ref.paging``);
     kv_b_w [H*(dn+dv), kv] in DeepSeek's kv_b_proj layout (view(H, dn+dv, kv): first dn rows of
     head h are W_UK^h, next dv rows W_UV^h).  token_pos/token_req [B], block_table [R, MB] with
     block_size rows per block (``ir.ref.paging``).
@@ -112,8 +113,8 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor
     dr = q_pe.shape[-1]
     dt, dev = q_nope.dtype, q_nope.device
     kv = kv_b_w.shape[1]
-    if latent.shape[1] != kv + dr:
-        raise ValueError(f"latent rows must be kv+dr = {kv + dr} wide, got {latent.shape[1]}")
+    if latent.shape[-1] != kv + dr:
+        raise ValueError(f"latent rows must be kv+dr = {kv + dr} wide, got {latent.shape[-1]}")
     if kv_b_w.shape[0] % H:
         raise ValueError("kv_b_w rows must be a multiple of H")
     dv = kv_b_w.shape[0] // H - dn
@@ -131,7 +132,7 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor
     for s, e in _token_blocks(B, per_tok):
         m = valid[s:e]
         rows = cache_rows(block_table, block_size, req[s:e].unsqueeze(1), torch.where(m, pos[s:e], 0))  # [b, L]
-        ctx = latent[rows].to(dt)                                        # [b, L, kv+dr]
+        ctx = read_rows(latent, rows, block_size).to(dt)                 # [b, L, kv+dr]
         c, kpe = ctx[..., :kv], ctx[..., kv:]
         rope_part = torch.einsum("bhr,blr->bhl", q_pe[s:e], kpe)
         if form in ("absorbed", "latent"):

@@ -8,13 +8,19 @@ request r lives at the physical row
     row(r, p) = block_table[r, p // block_size] * block_size + p % block_size
 
 Blocks may be shared between requests (a cached prefix) and need not be contiguous or ordered.
+
+A pool is held either flat, [N, *row] with N = blocks * block_size, or as a block view
+[NB, block_size, *row] (DESIGN §5 T1: one page of every block row of the packed cache pool, so its
+block stride may exceed block_size * row elements). `read_rows` / `write_rows` address physical rows in
+either form (row r is element [r] of a flat pool, [r // block_size, r % block_size] of a block view),
+reading and writing the given tensor itself: a write through a view of the packed pool lands in it.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["cache_rows", "rows_to_positions", "check_block_size"]
+__all__ = ["cache_rows", "rows_to_positions", "check_block_size", "is_block_view", "read_rows", "write_rows"]
 
 
 def check_block_size(block_size: int) -> int:
@@ -64,3 +70,36 @@ def rows_to_positions(rows: torch.Tensor, block_table: torch.Tensor, block_size:
     logical = hit.to(torch.int8).argmax(-1)
     pos = logical * block_size + rows % block_size
     return torch.where(valid, pos, torch.full_like(rows, -1))
+
+
+def is_block_view(pool: torch.Tensor, row_rank: int, block_size: int | None = None) -> bool:
+    """True for a block view [NB, bs, *row], False for a flat pool [N, *row] (`row_rank` = len(row)).
+    Raises ValueError for any other rank, or a block view whose second dim is not `block_size`."""
+    if pool.dim() == row_rank + 1:
+        return False
+    if pool.dim() != row_rank + 2:
+        raise ValueError(f"pool {tuple(pool.shape)}: expected [N{', row' * row_rank}] or a block view "
+                         f"[NB, block_size{', row' * row_rank}] (rows of rank {row_rank})")
+    if block_size is not None and pool.shape[1] != block_size:
+        raise ValueError(f"block view {tuple(pool.shape)} holds {pool.shape[1]} rows per block, the block "
+                         f"table's blocks hold {block_size}")
+    return True
+
+
+def _index(pool: torch.Tensor, rows: torch.Tensor, block_size: int, row_rank: int):
+    rows = rows.to(device=pool.device, dtype=torch.int64)
+    if not is_block_view(pool, row_rank, check_block_size(block_size)):
+        return (rows,)
+    return rows // block_size, rows % block_size
+
+
+def read_rows(pool: torch.Tensor, rows: torch.Tensor, block_size: int, row_rank: int = 1) -> torch.Tensor:
+    """pool rows `rows` (any shape S of int) -> [*S, *row], from a flat pool or a block view."""
+    return pool[_index(pool, rows, block_size, row_rank)]
+
+
+def write_rows(pool: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, block_size: int,
+               row_rank: int = 1) -> torch.Tensor:
+    """pool[rows] = values (cast to the pool dtype), in place in `pool` itself (flat or block view)."""
+    pool[_index(pool, rows, block_size, row_rank)] = values.to(pool.dtype)
+    return pool

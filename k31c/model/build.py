@@ -9,8 +9,12 @@ Inputs, in order: `tokens i64[T]`, `token_pos i64[T]` (position in the request),
 (request index), `cu_seqlens i64[R+1]` (request r's tokens are rows cu[r]:cu[r+1]), `block_table i32[R, MB]`
 (the request's cache blocks: position p lives at pool row block_table[r, p // bs] * bs + p % bs, bs the
 module's `block_size`), `state_slot i64[R]` (row in the KDA state pools), then the cache
-pools of every layer: MLA `latent.{i} [N, kv_lora+rope]` (+ indexer `index_keys.{i} f8e4m3[N, D_I]`,
-`index_scales.{i} f32[N]`), KDA `conv_state.{i} f32[S, K-1, 3P]`, `kda_state.{i} f32[S, H, D, D]`.
+pools of every layer. MLA pools are block views `[NB, bs, *row]` (NB blocks of bs rows: the pages of one
+layer in every row of the packed block pool, DESIGN §5 T1, `k31c.runtime.block_layout`): `latent.{i}
+[NB, bs, kv_lora+rope]` (u8 [NB, bs, kv/2+kv/16+rope] for NVFP4), indexer `index_keys.{i} f8e4m3[NB, bs, D_I]`
+and `index_scales.{i} f32[NB, bs]` (MXFP4: u8 [NB, bs, D_I/2] and u8 [NB, bs, D_I/32]); with
+`pool_view="flat"` they are flat `[N, *row]` instead (N = NB·bs, one tensor per pool). KDA pools are
+per-request slots: `conv_state.{i} f32[S, K-1, 3P]`, `kda_state.{i} f32[S, H, D, D]`.
 Outputs: `logits f32[T, vocab]`, then every pool (updated in place) in input order.
 """
 
@@ -40,28 +44,35 @@ class BuildOptions:
     latent_cache_dtype: str = "f8e4m3"  # the plan's --latent-cache fp8 (per-layer scale 1); "nvfp4", "bf16", "f32"
     block_size: int = 64  # cache rows per block (a power of two); the plan's --block-size
     key_cache: str = "fp8"  # index-key cache format: "fp8" | "mxfp4" (the plan's --key-cache)
+    pool_view: str = "blocks"  # MLA pool inputs: "blocks" [NB, bs, *row] (packed pool pages) | "flat" [N, *row]
 
     def to_attrs(self) -> dict:
         return {"act_dtype": self.act_dtype, "latent_cache_dtype": self.latent_cache_dtype,
-                "block_size": self.block_size, "key_cache": self.key_cache}
+                "block_size": self.block_size, "key_cache": self.key_cache, "pool_view": self.pool_view}
+
+
+POOL_VIEWS = ("blocks", "flat")
 
 
 def pool_inputs(cfg: ModelConfig, opts: BuildOptions = BuildOptions()) -> list[tuple[str, str, tuple]]:
     """(name, dtype, dims) of every cache/state pool input, in function-input order."""
+    if opts.pool_view not in POOL_VIEWS:
+        raise ValueError(f"pool_view must be one of {POOL_VIEWS}, found {opts.pool_view!r}")
+    rows = ("NB", opts.block_size) if opts.pool_view == "blocks" else ("N",)
     out = []
     for i in range(cfg.num_hidden_layers):
         if cfg.layer_kind(i) == "mla":
             if opts.latent_cache_dtype == "nvfp4":  # c_KV E2M1 pairs | E4M3 block scales | k_pe e4m3 (SPEC §7)
                 kv = cfg.kv_lora_rank
-                out.append((f"latent.{i}", "u8", ("N", kv // 2 + kv // 16 + cfg.qk_rope_head_dim)))
+                out.append((f"latent.{i}", "u8", (*rows, kv // 2 + kv // 16 + cfg.qk_rope_head_dim)))
             else:
-                out.append((f"latent.{i}", opts.latent_cache_dtype, ("N", cfg.latent_cache_dim)))
+                out.append((f"latent.{i}", opts.latent_cache_dtype, (*rows, cfg.latent_cache_dim)))
             if cfg.has_indexer and opts.key_cache == "mxfp4":   # E2M1 pairs + one E8M0 byte per 32 values
-                out.append((f"index_keys.{i}", "u8", ("N", cfg.index_head_dim // 2)))
-                out.append((f"index_scales.{i}", "u8", ("N", cfg.index_head_dim // 32)))
+                out.append((f"index_keys.{i}", "u8", (*rows, cfg.index_head_dim // 2)))
+                out.append((f"index_scales.{i}", "u8", (*rows, cfg.index_head_dim // 32)))
             elif cfg.has_indexer:
-                out.append((f"index_keys.{i}", "f8e4m3", ("N", cfg.index_head_dim)))
-                out.append((f"index_scales.{i}", "f32", ("N",)))
+                out.append((f"index_keys.{i}", "f8e4m3", (*rows, cfg.index_head_dim)))
+                out.append((f"index_scales.{i}", "f32", rows))
         else:
             k, p = cfg.conv_kernel_size, cfg.kda_proj_dim
             out.append((f"conv_state.{i}", "f32", ("S", k - 1, 3 * p)))

@@ -2,9 +2,11 @@
 
 Everything moves through torch.distributed (NCCL on GPU, gloo on CPU).
 
-Modules: dcp_topk (exact one-round global top-k), lse_combine, token_shard (causal-balanced pieces and
-the head<->token all-to-alls), dcp_attention (the DCP ops' references), weights (per-rank shards from
-the params' sharding attrs), prefill_choice (head- or token-sharded prefill per step), serving (rank 0
+Modules: groups (the TP / DCP / EP process groups: DCP and EP groups are runs of consecutive TP ranks,
+built once per run), dcp_topk (exact one-round global top-k), lse_combine, token_shard (causal-balanced
+pieces and the head<->token all-to-alls), dcp_attention (the DCP ops' references: sparse and dense MLA,
+the merge-free workspace), weights (per-rank shards from the params' sharding attrs), prefill_choice
+(head- or token-sharded prefill per step), serving (layout checks, per-rank DCP cache rows, rank 0
 schedules, the other ranks replay), launch (`--tp/--dcp/--ep`, spawn or torchrun, failure handling).
 The passes that insert the collectives: passes/shard_tp.py, shard_ep.py, shard_tokens.py, shard_dcp.py.
 """

@@ -1,35 +1,39 @@
-"""DCP (T4, issue 8): the references of `dcp_cache_write` and `dcp_mla` (declared in ir/ops/collective.py).
+"""DCP (T4, issue 8): the references of `dcp_cache_write`, `dcp_mla`, `dcp_mla_dense`, `dcp_workspace_table`
+and `dcp_gather_context` (declared in ir/ops/collective.py).
 
-Layout. W ranks of the DCP group (= the TP group), interleave B: position p of a request is owned by
-rank (p // B) % W, which stores it at its *local* position lp(p) = (p // (W·B))·B + p % B of the same
-request (addressed through the request's block table like any position, so a rank needs ~1/W of the
-rows). Inverse: local index i of rank r is global position (i // B)·W·B + r·B + i % B
-(`dcp_topk.global_positions`).
+Layout. W ranks of a DCP group (a run of W consecutive TP ranks, k31c/parallel/groups.py), interleave B:
+position p of a request is owned by rank (p // B) % W, which stores it at its *local* position
+lp(p) = (p // (W·B))·B + p % B of the same request, addressed through the rank's own block table, which
+covers only its local positions (~1/W of the rows, `k31c.parallel.serving.rows_per_rank`). Inverse:
+local index i of rank r is global position (i // B)·W·B + r·B + i % B (`dcp_topk.global_positions`).
 
 dcp_mla for query token t of request q at position p_t (context 0..p_t, k_t = min(topk, p_t + 1)):
 1. indexer: this rank scores its own context tokens, I(t, s) = Σ_j w_j·relu(q_j·k_s) (SPEC §5, same
    formula and dtype as the reference), over its n_r(p_t + 1) local rows;
 2. exact global top-k: `dcp_topk` (one round of ⌈1.5·k/W⌉ 32-bit keys per rank and row, re-sends only
    when a rank may hold more); this rank learns which of *its* tokens are selected;
-3. absorbed queries q̃^h = [W_UK^hᵀ q_nope^h ; q_pe^h] of this rank's H/W heads are all-gathered, so every
-   rank holds all H heads' queries;
-4. partial attention of all H heads over this rank's selected tokens: lse_r = log Σ exp(scale·q̃·c),
+3. absorbed queries q̃^h = [W_UK^hᵀ q_nope^h ; q_pe^h] of this rank's H/TP heads are all-gathered over the
+   DCP group, so every rank holds the queries of the group's W·H/TP heads;
+4. partial attention of those heads over this rank's selected tokens: lse_r = log Σ exp(scale·q̃·c),
    õ_r = Σ softmax_r · c[:kv] (an empty share gives lse = −inf, õ = 0);
 5. `lse_combine` (all-reduce max + sum) gives õ over the whole selection; this rank keeps its heads and
    applies its W_UV: o^h = W_UV^h õ^h.
-This equals SPEC §4 over Sel(t) (softmax is a convex combination; W_UV is linear). Counters: MERGE_TRAFFIC
-accumulates dcp_topk's bytes per call (rows, first round, re-sent rows and bytes).
+This equals SPEC §4 over Sel(t) (softmax is a convex combination; W_UV is linear). Dense MLA (K3,
+`dcp_mla_dense`) skips 1–2: Sel(t) = every position 0..p_t, so each rank attends over all it stores.
+Counters: MERGE_TRAFFIC accumulates dcp_topk's bytes per call (rows, first round, re-sent rows and bytes).
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import torch
 import torch.distributed as dist
 
-from ir.formats import dequantize_fp8
-from ir.ref.paging import cache_rows
+from ir.formats import dequantize_fp8, dequantize_latent_nvfp4
+from ir.ops.attention import dequantize_index_keys
+from ir.ref.paging import cache_rows, read_rows, write_rows
 
 from .dcp_topk import dcp_topk, global_positions, local_count
 from .lse_combine import lse_combine
@@ -45,12 +49,13 @@ def owner_and_local(pos: torch.Tensor, world: int, interleave: int) -> tuple[tor
 
 def dcp_cache_write(pool, values, token_req, token_pos, block_table, *, block_size: int, interleave: int,
                     rank: int, world: int):
-    """pool[row(req, lp(p))] = values for the tokens this rank owns; other tokens are not stored here."""
+    """pool[row(req, lp(p))] = values for the tokens this rank owns; other tokens are not stored here.
+    `pool` is flat [N, *row] or a block view [NB, block_size, *row] (written in place either way)."""
     owner, lp = owner_and_local(token_pos, world, interleave)
     mine = owner == rank
     if bool(mine.any()):
         rows = cache_rows(block_table, block_size, token_req[mine], lp[mine])
-        pool[rows] = values[mine].to(pool.dtype)
+        write_rows(pool, rows, values[mine], block_size, values.dim() - 1)
     return pool
 
 
@@ -63,28 +68,24 @@ def _local_scores(q, w, keys, token_req, block_table, block_size, n_local):
     if L == 0:
         return q.new_full((T, 0), float("-inf")), valid
     rows = cache_rows(block_table, block_size, token_req.to(torch.int64)[:, None], torch.where(valid, li, 0))
-    kk = keys[rows]                                                     # [T, L, DI]
+    kk = read_rows(keys, rows, block_size)                              # [T, L, DI]
     logits = torch.relu(torch.einsum("bjd,bld->bjl", q, kk))
     sc = torch.einsum("bj,bjl->bl", w, logits)
     return sc.masked_fill(~valid, float("-inf")), valid
 
 
 def dcp_mla(q_nope, q_pe, latent, kv_b, iq, iq_scale, iw, keys, key_scale, token_pos, token_req, block_table, *,
-            block_size: int, scale: float, topk: int, interleave: int, group=None):
-    """o [T, H/W, dv] of this rank's heads (see the module docstring)."""
+            block_size: int, scale: float, topk: int, interleave: int, group=None, key_format: str = "fp8",
+            latent_format: str = "plain"):
+    """o [T, H/W, dv] of this rank's heads (see the module docstring). Pools flat or block views; keys
+    FP8 or MXFP4 (`key_format`), latents plain or NVFP4 (`latent_format`), read as the reference reads them."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    T, hl, dn = q_nope.shape
-    dt, dev = q_nope.dtype, q_nope.device
-    kv = kv_b.shape[1]
-    dv = kv_b.shape[0] // hl - dn
-    wkv = kv_b.to(dt).view(hl, dn + dv, kv)
-    w_uk, w_uv = wkv[:, :dn], wkv[:, dn:]
-    pos = token_pos.to(device=dev, dtype=torch.int64)
-    ctx_len = pos + 1
+    T = q_nope.shape[0]
+    ctx_len = token_pos.to(device=q_nope.device, dtype=torch.int64) + 1
 
     # 1–2: local indexer scores, exact global top-k
     q = dequantize_fp8(iq, iq_scale).to(iw.dtype)
-    k = dequantize_fp8(keys, key_scale).to(iw.dtype)
+    k = dequantize_index_keys(keys, key_scale, key_format).to(iw.dtype)
     n_local = local_count(ctx_len, rank, world, interleave)
     scores, _ = _local_scores(q, iw, k, token_req, block_table, block_size, n_local)
     if scores.shape[1] == 0:  # no rank-local context in the whole step: one dummy column keeps shapes
@@ -92,20 +93,52 @@ def dcp_mla(q_nope, q_pe, latent, kv_b, iq, iq_scale, iw, keys, key_scale, token
     res = dcp_topk(scores.float(), topk, ctx_len=ctx_len, interleave=interleave, group=group)
     MERGE_TRAFFIC.update(calls=1, rows=T, first_round_bytes=res.first_round_bytes, resend_rows=res.resend_rows,
                          resend_bytes=res.resend_bytes)
+    return _attend_own_and_combine(q_nope, q_pe, latent, kv_b, res.own_positions, token_req, block_table,
+                                   block_size=block_size, scale=scale, interleave=interleave, group=group,
+                                   latent_format=latent_format)
 
-    # 3: absorbed queries of every head
+
+def dcp_mla_dense(q_nope, q_pe, latent, kv_b, token_pos, token_req, block_table, *, block_size: int, scale: float,
+                  interleave: int, group=None, latent_format: str = "plain"):
+    """Dense MLA (K3, no indexer) over a DCP group: token t attends over every position <= p_t; this rank
+    takes the n_r(p_t + 1) of them it stores (steps 3–5 of the module docstring with Sel(t) = 0..p_t).
+    Returns o [T, H/W, dv] of this rank's heads."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    n_local = local_count(token_pos.to(device=q_nope.device, dtype=torch.int64) + 1, rank, world, interleave)
+    L = int(n_local.max()) if n_local.numel() else 0
+    gp = global_positions(rank, L, world, interleave, device=q_nope.device)
+    own = torch.where(torch.arange(L, device=q_nope.device)[None, :] < n_local[:, None], gp[None, :], -1)
+    return _attend_own_and_combine(q_nope, q_pe, latent, kv_b, own, token_req, block_table,
+                                   block_size=block_size, scale=scale, interleave=interleave, group=group,
+                                   latent_format=latent_format)
+
+
+def _attend_own_and_combine(q_nope, q_pe, latent, kv_b, own_positions, token_req, block_table, *, block_size: int,
+                            scale: float, interleave: int, group=None, latent_format: str = "plain"):
+    """Steps 3–5: all heads' absorbed queries gathered, partial attention over `own_positions` [T, K]
+    (global positions this rank stores, -1 padding), LSE combine, this rank's heads' value projection."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    T, hl, dn = q_nope.shape
+    dt = q_nope.dtype
+    kv = kv_b.shape[1]
+    dv = kv_b.shape[0] // hl - dn
+    wkv = kv_b.to(dt).view(hl, dn + dv, kv)
+    w_uk, w_uv = wkv[:, :dn], wkv[:, dn:]
+
+    # 3: absorbed queries of every head of the group
     q_abs = torch.cat([torch.einsum("bhn,hnk->bhk", q_nope, w_uk), q_pe.to(dt)], dim=-1).contiguous()
     comm = torch.float32 if dist.get_backend(group) == "gloo" and q_abs.element_size() < 4 else q_abs.dtype
     parts = [torch.empty_like(q_abs, dtype=comm) for _ in range(world)]
     dist.all_gather(parts, q_abs.to(comm), group=group)
-    q_all = torch.cat(parts, dim=1).to(dt)                              # [T, H, kv+dr]
+    q_all = torch.cat(parts, dim=1).to(dt)                              # [T, H_group, kv+dr]
 
-    # 4: partial attention over this rank's selected tokens
-    sel = res.own_positions
+    # 4: partial attention over this rank's share
+    sel = own_positions
     valid = sel >= 0
     _, lp = owner_and_local(torch.where(valid, sel, 0), world, interleave)
     rows = cache_rows(block_table, block_size, token_req.to(torch.int64)[:, None], lp)
-    ctx = latent[rows].to(dt)                                           # [T, K, kv+dr]
+    ctx = read_rows(latent, rows, block_size)
+    ctx = (dequantize_latent_nvfp4(ctx, kv) if latent_format == "nvfp4" else ctx).to(dt)  # [T, K, kv+dr]
     logits = scale * torch.einsum("bhk,blk->bhl", q_all, ctx)
     logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)                               # −inf for an empty share
@@ -119,18 +152,30 @@ def dcp_mla(q_nope, q_pe, latent, kv_b, iq, iq_scale, iw, keys, key_scale, token
     return torch.einsum("bhk,hvk->bhv", mine, w_uv)
 
 
-def dcp_gather_context(pool, token_pos, token_req, block_table, *, block_size: int, interleave: int, group=None):
-    """Merge-free DCP prefill (T5): a workspace shaped like `pool` whose row(q, p) holds position p of
-    request q for every p in the step's context of q (0 .. its last step position), gathered from the
-    owners' local rows. Rows move as raw bytes (exact for any dtype); other rows are zero. Every rank can
-    compute every rank's share sizes, so one padded all-gather suffices."""
+def dcp_workspace_table(block_table: torch.Tensor, world: int) -> torch.Tensor:
+    """ws_table [R, MB·W] with ws_table[q, j] = q·MB·W + j: request q's global position p at workspace row
+    q·MB·W·bs + p. A rank's local table of MB blocks covers MB·bs·W global positions (`rows_per_rank`)."""
+    R, MB = block_table.shape
+    j = torch.arange(MB * world, dtype=block_table.dtype, device=block_table.device)
+    return (torch.arange(R, dtype=block_table.dtype, device=block_table.device)[:, None] * (MB * world) + j).contiguous()
+
+
+def dcp_gather_context(pool, token_pos, token_req, block_table, ws_table, *, block_size: int, interleave: int,
+                       row_rank: int = 1, group=None):
+    """Merge-free DCP prefill (T5): a workspace of ws_table's R·MB·W·bs rows whose row(q, p) under
+    `ws_table` holds position p of request q for every p in the step's context of q (0 .. its last step
+    position), gathered from the owners' local rows (`block_table`, the rank's local table; `pool` flat
+    [N, *row] or a block view [NB, bs, *row], rows of `row_rank` dims). The workspace is flat [n, *row].
+    Rows move as raw bytes (exact for any dtype); other rows are zero. Every rank can compute every rank's
+    share sizes, so one padded all-gather suffices."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     req, pos = token_req.to(torch.int64), token_pos.to(torch.int64)
     reqs = torch.unique(req)
     ctx = torch.stack([pos[req == q].max() + 1 for q in reqs.tolist()]) if reqs.numel() else pos[:0]
     counts = [local_count(ctx, r, world, interleave) for r in range(world)]           # [W] x [n_req]
     sizes = [int(c.sum()) for c in counts]
-    width = pool[:1].contiguous().view(torch.uint8).shape[-1] if pool.dim() > 1 else pool.element_size()
+    row_shape = tuple(pool.shape[pool.dim() - row_rank:])
+    width = pool.element_size() * math.prod(row_shape)                 # bytes per row
 
     def share(r):  # (request, local index, global position) of rank r's context rows
         qs, li, gp = [], [], []
@@ -143,16 +188,17 @@ def dcp_gather_context(pool, token_pos, token_req, block_table, *, block_size: i
 
     q_own, li_own, _ = share(rank)
     rows = cache_rows(block_table, block_size, q_own, li_own)
-    mine = pool[rows].contiguous().view(torch.uint8).reshape(len(rows), width)
+    mine = read_rows(pool, rows, block_size, row_rank).contiguous().view(torch.uint8).reshape(len(rows), width)
     pad = max(sizes) if sizes else 0
     send = torch.zeros((pad, width), dtype=torch.uint8, device=pool.device)
     send[:len(rows)] = mine
     recv = [torch.empty_like(send) for _ in range(world)]
     dist.all_gather(recv, send, group=group)
-    ws = torch.zeros_like(pool)
-    flat = ws.view(ws.shape[0], -1).view(torch.uint8) if pool.dim() > 1 else ws.view(torch.uint8).view(-1, width)
+    n_ws = ws_table.shape[0] * ws_table.shape[1] * block_size
+    ws = pool.new_zeros((n_ws, *row_shape))
+    flat = ws.view(n_ws, -1).view(torch.uint8).view(n_ws, width)
     for r in range(world):
         q_r, _, gp_r = share(r)
-        dest = cache_rows(block_table, block_size, q_r, gp_r)
+        dest = cache_rows(ws_table, block_size, q_r, gp_r)
         flat[dest] = recv[r][:sizes[r]]
     return ws

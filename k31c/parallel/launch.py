@@ -13,6 +13,10 @@ factory passes it to `k31c.parallel.serving.parallel_runtime`, so rank 0 owns th
 and ranks > 0 replay rank 0's steps with their stdout and stderr silenced (their own failure is still
 reported: see below).
 
+A layout that does not fit the model (serving.LayoutError: heads, experts; raised alike on every rank) is
+said once by rank 0 and every rank exits 2, like a usage error; the layout alone is checked before any
+rank starts (every problem named together).
+
 Failure: a rank that dies (exception, signal, os._exit) ends the run on every rank, never a hang:
 - under launch_main's own spawn, the parent polls the ranks; when one is killed by a signal, or exits
   non-zero while others are still running after SETTLE_S (all ranks failing alike on a bad argument just
@@ -42,7 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .serving import FollowerDone, ParallelLayout, stop_followers
+from .serving import FollowerDone, LayoutError, ParallelLayout, stop_followers
 
 ABORT_EXIT = 3
 ABORT_GRACE_S = 10.0
@@ -53,10 +57,14 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT
 def add_launch_args(parser: argparse.ArgumentParser):
     g = parser.add_argument_group("parallel layout (started here, or one rank under torchrun)")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (heads split; default 1)")
-    g.add_argument("--dcp", type=int, default=1, help="decode-context-parallel ranks: --tp or 1 (default)")
+    g.add_argument("--dcp", type=int, default=1,
+                   help="decode-context-parallel group size, divides --tp: runs of --dcp consecutive ranks each "
+                        "hold one interleaved copy of the context (default 1)")
     g.add_argument("--dcp-interleave", type=int, default=1,
                    help="DCP: rank r stores the blocks of this many positions numbered r mod W (default 1)")
-    g.add_argument("--ep", type=int, default=None, help="expert-parallel ranks: --tp (default) or 1")
+    g.add_argument("--ep", type=int, default=None,
+                   help="expert-parallel group size, divides --tp and the experts: runs of --ep consecutive ranks "
+                        "split the experts, replicated once per group (default --tp)")
     g.add_argument("--collective-timeout", type=float, default=120.0,
                    help="seconds a collective may wait before the rank fails (default 120)")
 
@@ -120,6 +128,10 @@ def _run_rank(args, single_rank_main, rank: int, local_rank: int) -> int:
             code = single_rank_main(args)
     except FollowerDone:
         code = 0
+    except LayoutError as e:  # the same on every rank: rank 0 says it once, every rank exits as a usage error
+        if rank == 0:
+            print(f"k31c: error: {e}", file=sys.stderr, flush=True)
+        code = 2
     finally:
         if rank == 0:
             try:

@@ -18,7 +18,7 @@ import os
 import sys
 
 from .options import PlanConfigError, add_plan_args, resolve_plan_options
-from .report import format_plan, make_plan, nbytes, plan_json, table
+from .report import format_cache_layout, format_plan, make_plan, nbytes, plan_json, table
 
 _FMT = argparse.RawDescriptionHelpFormatter
 
@@ -116,6 +116,9 @@ def format_inspect(path: str, man: dict, plan: dict | None, kernels: dict | None
                        f"{cap['context_tokens']:,}-token contexts")
     else:
         out.append("  no plan.json")
+    if (plan or {}).get("cache_layout"):
+        out += ["", "packed cache block row (plan.json cache_layout; the runtime allocates one pool of these)"]
+        out += format_cache_layout(plan["cache_layout"])
     out += ["", "kernels (kernels/configs.json)"]
     if kernels:
         # entries: kernel name (or a shape-bucket id with `kernel_name`) -> {family, op, config, source, ...}

@@ -254,3 +254,23 @@ def format_plan(plan: dict) -> str:
                                                                 for k in kn["kernels"]]))
     out += ["", "notes"] + [f"  - {n}" for n in plan["notes"]]
     return "\n".join(out) + "\n"
+
+
+def format_cache_layout(cl: dict) -> list[str]:
+    """Lines describing plan.json's `cache_layout` (the packed block row, DESIGN §5 T1): row bytes, pages,
+    alignment, the SPEC §7 bytes per token and the KDA slot."""
+    per = cl["bytes_per_token_per_layer"]
+    out = [f"  {cl['block_size']} tokens per block; one row = {cl['row_bytes']:,} B = {cl['payload_bytes_per_row']:,} B "
+           f"of pages + {cl['padding_bytes_per_row']:,} B padding (pages aligned to {cl['alignment']} B)",
+           f"  {cl['bytes_per_token']:,} B per token = {cl['full_attention_layers']} full-attention layers x "
+           f"({per['latent']} B latent {cl['latent_format']} + {per['key']} B key {cl['key_format'] or '-'}); "
+           f"{cl['row_bytes_per_token']:,.2f} B per token in rows",
+           table(["layer", "page", "format", "offset", "bytes", "sections (name dtype[B, width] @offset)"],
+                 [[p["layer"], p["kind"], p["format"], f"{p['offset']:,}", f"{p['bytes']:,}",
+                   ", ".join(f"{s['name']} {s['dtype']}[B{'' if s['width'] is None else ', ' + str(s['width'])}] "
+                             f"@{s['offset']}" for s in p["sections"])] for p in cl["pages"]])]
+    st = cl.get("kda_state")
+    if st:
+        out.append(f"  KDA state: {st['slot_bytes']:,} B per request slot ({len(st['kda_layers'])} layers, "
+                   f"{st['state_format']} state + {st.get('conv_format', 'f32')} conv tail), {st['placement']}")
+    return out

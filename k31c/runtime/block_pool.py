@@ -11,17 +11,21 @@ slot s = p & (B−1) of that block. With row = block_table[req, j]:
 `page_addresses` produces the first for all layers at once ([L, R, W] int64, −1 where a request holds no
 block); `slot_rows` produces (row, s) per token once per step; `layer_view` gives each section of a
 layer's pages as a typed [N, B, width] view of the pool (no copy), so a kernel or torch code indexes
-`view[row, s]` with the step's (row, s) for every layer.
+`view[row, s]` with the step's (row, s) for every layer. These views are the IR's block-view pool
+operands ([NB, bs, *row], `ir.ref.paging`): `pool_view(name)` gives the view of an IR pool input by name.
 
 KDA state lives in a separate slot pool (see `block_layout`): `states` is one uint8 allocation of
-`max_requests` slots; a request takes one slot on its first allocation and returns it with its blocks.
+`max_requests` slots in layer-major planes (each layer's [S, H, D, D] states contiguous, as the KDA
+kernels read them); a request takes one slot on its first allocation and returns it with its blocks.
+Blocks are reference-counted (`blocks.BlockAllocator`, `allocator`) so a cached prefix can be shared.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .block_layout import DTYPES, DTYPE_BYTES, BlockLayout, Page, Section
+from .block_layout import DTYPES, DTYPE_BYTES, POOL_SECTIONS, SLOT_POOLS, BlockLayout, Page, Section
+from .blocks import BlockAllocator
 
 
 class PoolExhausted(RuntimeError):
@@ -46,7 +50,7 @@ class BlockPool:
         self.states = (torch.zeros(max_requests, st.slot_bytes, dtype=torch.uint8, device=self.device)
                        if st is not None and max_requests > 0 else None)
         self.max_requests = max_requests
-        self._free_blocks = list(range(num_blocks - 1, -1, -1))  # a stack: lowest row handed out first
+        self.allocator = BlockAllocator(num_blocks)  # lowest free row handed out first
         self._free_slots = list(range(max_requests - 1, -1, -1))
         self._blocks: dict[object, list[int]] = {}
         self._slots: dict[object, int] = {}
@@ -54,7 +58,7 @@ class BlockPool:
     # ---- allocation ------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_blocks)
+        return self.allocator.num_free
 
     @property
     def num_free_slots(self) -> int:
@@ -82,19 +86,19 @@ class BlockPool:
             raise ValueError(f"request {request!r}: token count must be >= 0, found {num_tokens}")
         have = self._blocks.get(request, [])
         need = max(0, self.layout.blocks_for_tokens(num_tokens) - len(have))
-        if need > len(self._free_blocks):
+        if need > self.num_free_blocks:
             raise PoolExhausted(
                 f"request {request!r} needs {need} more block(s) for {num_tokens} tokens "
                 f"({self.block_size} tokens per block, holds {len(have)}) but only "
-                f"{len(self._free_blocks)} of {self.num_blocks} blocks are free", request, need,
-                len(self._free_blocks))
+                f"{self.num_free_blocks} of {self.num_blocks} blocks are free", request, need,
+                self.num_free_blocks)
         new_request = request not in self._blocks
         wants_slot = new_request and self.states is not None
         if wants_slot and not self._free_slots:
             raise PoolExhausted(f"request {request!r} needs a KDA state slot but all {self.max_requests} "
                                 f"slots are taken", request, 1, 0)
         blocks = self._blocks.setdefault(request, [])
-        blocks.extend(self._free_blocks.pop() for _ in range(need))
+        blocks.extend(self.allocator.allocate(need))
         if wants_slot:
             self._slots[request] = self._free_slots.pop()
         return list(blocks)
@@ -102,7 +106,7 @@ class BlockPool:
     def free(self, request) -> None:
         """Return all of `request`'s blocks and its state slot to the free lists."""
         blocks = self._blocks_or_raise(request)
-        self._free_blocks.extend(reversed(blocks))
+        self.allocator.release(blocks)
         del self._blocks[request]
         if request in self._slots:
             self._free_slots.append(self._slots.pop(request))
@@ -191,20 +195,31 @@ class BlockPool:
         return {s.name: self.layer_view(layer, kind, s.name)[row] for s in page.sections}
 
     def state_view(self, layer: int, slot: int | None = None):
-        """(state, conv) of KDA `layer` as typed views: [S, H, D, D] and [S, K−1, C] over all slots (the
-        shapes of today's `kda_state.{i}` / `conv_state.{i}` pools), or one slot's when `slot` is given."""
+        """(state, conv) of KDA `layer` as typed contiguous views: [S, H, D, D] and [S, K−1, C] over all
+        slots (the `kda_state.{i}` / `conv_state.{i}` pool inputs), or one slot's when `slot` is given."""
         if self.states is None:
             raise KeyError("this pool holds no KDA state slots (max_requests=0 or no KDA layer)")
-        st = self.layout.state
+        st, n = self.layout.state, self.max_requests
         s_off, c_off = st.offsets(layer)
-        sb = st.slot_bytes
         h, d = st.heads, st.head_dim
         es = DTYPE_BYTES[st.state_fmt]
-        state = self._typed(self.states, st.state_fmt, s_off, (self.max_requests, h, d, d),
-                            (sb, d * d * es, d * es, es))
+        state = self._typed(self.states, st.state_fmt, n * s_off, (n, h, d, d), (h * d * d * es, d * d * es, d * es, es))
         k1, c = st.conv_shape
-        conv = self._typed(self.states, "f32", c_off, (self.max_requests, k1, c), (sb, c * 4, 4))
+        ce = DTYPE_BYTES[st.conv_fmt]
+        conv = self._typed(self.states, st.conv_fmt, n * c_off, (n, k1, c), (k1 * c * ce, c * ce, ce))
         return (state, conv) if slot is None else (state[slot], conv[slot])
+
+    def pool_view(self, name: str) -> torch.Tensor:
+        """The view an IR pool input `name` is given: `latent.{i}` / `index_keys.{i}` / `index_scales.{i}`
+        as [N, B, *row] block views of the rows, `kda_state.{i}` / `conv_state.{i}` as [S, ...] slot views."""
+        prefix, _, layer = name.rpartition(".")
+        if prefix in POOL_SECTIONS and layer.isdigit():
+            kind, section = POOL_SECTIONS[prefix]
+            return self.layer_view(int(layer), kind, section)
+        if prefix in SLOT_POOLS and layer.isdigit():
+            return self.state_view(int(layer))[SLOT_POOLS.index(prefix)]
+        raise KeyError(f"{name!r} is not a pool input of this layout ({list(POOL_SECTIONS)} or {list(SLOT_POOLS)} "
+                       f"followed by .<layer>)")
 
 
 def _pick_section(page: Page, section: str | None) -> Section:

@@ -6,6 +6,13 @@ Configs are chosen per kernel and shape bucket: a record from the artifact's `ke
 when it has one for that bucket, else the template's declared heuristic (counted as a miss and shown
 by `stats()`). Packed weights (MXFP4) reach kernels packed; the reference fallback sees them
 dequantised.
+
+CUDA graphs (`cuda_graphs=True`, honoured only on a cuda device; `k31c.runtime.cuda_graphs` captures
+and replays): while `static_context` is set (a graph's warm-up and capture), nothing may read device
+data on the host. Kernels then get `attrs["max_context"] = static_context` (the graph's context bound:
+table width x block size) instead of deriving the context from `token_pos.max()`, their tuning key
+sees that bound through a host copy of the positions, and op references that read device data on the
+host get the sync-free versions listed in `cuda_graphs.GRAPH_SAFE_REFERENCE`.
 """
 
 from __future__ import annotations
@@ -32,10 +39,13 @@ def bucket_id(template: KernelTemplate, key: dict) -> str:
 class Executor(Interpreter):
     def __init__(self, module: Module, weights, choices: list[Choice], *, target: str = "cpu",
                  configs: dict | None = None, batch_invariant: bool = False, tuning=None,
-                 compute_dtype: torch.dtype = torch.float32, device: str = "cpu"):
+                 compute_dtype: torch.dtype = torch.float32, device: str = "cpu", cuda_graphs: bool = False):
         """`tuning`: an `autotune_cache.MissPolicy` consulted when the artifact has no config for a bucket
-        (records, declared heuristic with misses counted, or tune); without it the heuristic is used."""
+        (records, declared heuristic with misses counted, or tune); without it the heuristic is used.
+        `cuda_graphs`: ask the runtime to replay decode steps as CUDA graphs (ignored off cuda)."""
         super().__init__(module, weights, compute_dtype, device)
+        self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
+        self.static_context: int | None = None  # set only while a CUDA graph is warmed up / captured
         self.tuning = tuning
         self.target, self.batch_invariant = target, batch_invariant
         self.configs = dict(configs or {})  # bucket_id -> config
@@ -46,6 +56,7 @@ class Executor(Interpreter):
         self.calls: Counter = Counter()  # family -> launches
         self.misses: Counter = Counter()  # bucket_id -> launches that used the heuristic
         self._packed: dict[str, PackedMXFP4] = {}
+        self._checked: dict = {}  # (value, shape, dtype, env) -> symbols the check bound (see _check)
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._pending: dict[int, torch.cuda.Event] = {}  # id(Value) produced on the side stream -> its event
         self.overlapped = 0  # nodes run on the side stream
@@ -58,6 +69,22 @@ class Executor(Interpreter):
             torch.cuda.current_stream(self.device).wait_stream(self._side)
             self._pending.clear()
         return outs
+
+    def _check(self, v, t: torch.Tensor, env: dict, what: str):
+        """The interpreter's shape/dtype check, memoised: for the same value, shape, dtype and symbol bindings
+        it passes again and binds the same symbols, so only a new combination pays for the symbolic check
+        (sympy, about half of an eager step's host time otherwise). Failures are never memoised."""
+        if not self.check_shapes:
+            return
+        key = (id(v), tuple(t.shape), t.dtype, frozenset(env.items()))
+        bound = self._checked.get(key)
+        if bound is None:
+            before = set(env)
+            super()._check(v, t, env, what)
+            if len(self._checked) > 200_000:  # many distinct step shapes: start over rather than grow
+                self._checked.clear()
+            bound = self._checked[key] = {k: env[k] for k in env if k not in before}
+        env.update(bound)
 
     def _execute(self, n: Node, args: list, env: dict) -> list[torch.Tensor]:
         """Nodes annotated `overlap=...` (the MLA query path, independent of the indexer) run on a second
@@ -82,7 +109,13 @@ class Executor(Interpreter):
 
     def _dispatch(self, n: Node, args: list, env: dict) -> list[torch.Tensor]:
         t = self._kernel.get(id(n))
+        graph = None
+        if self.static_context is not None:
+            from . import cuda_graphs as graph
         if t is None:
+            if graph is not None and n.op in graph.GRAPH_SAFE_REFERENCE and n.body is None:
+                op = OPS[n.op]
+                return [graph.GRAPH_SAFE_REFERENCE[n.op](op.bind(args), op.full_attrs(n.attrs))]
             if self.batch_invariant and n.body is None:
                 return self._batch_invariant_reference(n, args, env)
             return super()._execute(n, args, env)
@@ -92,7 +125,12 @@ class Executor(Interpreter):
         a = op.bind(args) if op is not None and n.body is None else SimpleNamespace(operands=args)
         attrs = op.full_attrs(n.attrs) if op is not None else dict(n.attrs)
         attrs["batch_invariant"] = self.batch_invariant
-        key = t.key_dims(a, attrs)
+        launch = t.launch
+        if graph is not None:
+            attrs["max_context"] = self.static_context
+            key = t.key_dims(self._bound_for_key(n, op, args), attrs)
+        else:
+            key = t.key_dims(a, attrs)
         bid = bucket_id(t, key)
         config = self.configs.get(bid)
         if config is None:
@@ -103,7 +141,7 @@ class Executor(Interpreter):
                 self.misses[bid] += 1
         self.calls[t.family] += 1
         try:
-            out = t.launch(a, attrs, config)
+            out = launch(a, attrs, config)
         except Exception as e:
             raise InterpreterError(f"kernel {t.kernel_name(config, key)} for {n.op} "
                                    f"({', '.join(o.ref for o in n.outputs)}) failed: {e}") from e
@@ -111,6 +149,13 @@ class Executor(Interpreter):
         if len(outs) != len(n.outputs):
             raise InterpreterError(f"kernel {t.family} returned {len(outs)} results for {n.op}, expected {len(n.outputs)}")
         return outs
+
+    def _bound_for_key(self, n: Node, op, args: list):
+        """The node's operands with `token_pos` replaced by a host tensor holding the graph's last position:
+        tuning keys that read the context length from it then see the bound without a device sync."""
+        host = torch.tensor([self.static_context - 1], dtype=torch.int64)
+        args = [host if v.name == "token_pos" else x for v, x in zip(n.inputs, args)]
+        return op.bind(args) if op is not None and n.body is None else SimpleNamespace(operands=args)
 
     def _batch_invariant_reference(self, n: Node, args: list, env: dict) -> list[torch.Tensor]:
         """Run a reference op so that no reduction order depends on the batch: ops over whole requests

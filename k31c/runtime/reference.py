@@ -6,6 +6,13 @@ and one row (its slot) of every KDA state pool. Blocks are reference-counted (`b
 so a cached prefix's blocks can be shared. The pools are read from the module's function signatures
 (every input after the step metadata), so this runtime knows nothing about the model.
 
+Allocation (DESIGN §5 T1): when the pool inputs are block views [NB, bs, *row] (the default build), ONE
+packed `BlockPool` holds them: a block is one contiguous byte row with every layer's latent and
+index-key page (`block_layout.layout_for_pools`, placed as plan.json's `cache_layout`), and the KDA
+state / conv pools are views of its slot pool. Every pool input is handed a typed view of those two
+allocations, so the in-place cache writes land in the packed rows. A module built with flat pools
+([N, *row], `BuildOptions(pool_view="flat")`) gets one tensor per pool, as before.
+
     rt = ReferenceRuntime(module, weights, max_rows=1024, max_requests=4)
     rt.add_request("a", capacity=64)
     logits = rt.prefill({"a": [1, 2, 3]})          # [3, vocab]
@@ -27,7 +34,10 @@ from ir.interpreter import Interpreter
 from ir.shapes import evaluate
 
 from .sampling import Sampler, SamplingParams
+from .step_metadata import StepMetadataBuilder, check_step, host_metadata
 
+from .block_layout import layout_for_pools
+from .block_pool import BlockPool
 from .blocks import BlockAllocator, BlocksExhausted
 
 METADATA = ("tokens", "token_pos", "token_req", "cu_seqlens", "block_table", "state_slot")
@@ -69,17 +79,49 @@ class ReferenceRuntime:
             raise RequestError(f"max_rows must be positive, found {max_rows}")
         # max_rows tokens in all, plus one block per request slot for rounding each request to whole blocks
         num_blocks = -(-max_rows // self.block_size) + max_requests
-        env = {"N": num_blocks * self.block_size, "S": max_requests}
+        env = {"N": num_blocks * self.block_size, "NB": num_blocks, "S": max_requests}
+        self.block_pool = self._packed_pool(fn, num_blocks, max_requests)
         self.pools: dict[str, torch.Tensor] = {}
         for v in fn.inputs[len(METADATA):]:
-            dims = [evaluate(d, env) for d in v.type.shape]
-            name = v.type.dtype.name
-            dt = self.interp.float_dtype(name) if name in WIDENED_FLOATS else v.type.dtype.torch_dtype
-            self.pools[v.name] = torch.zeros(dims, dtype=dt, device=self.device)
+            if self.block_pool is not None:
+                self.pools[v.name] = self.block_pool.pool_view(v.name)
+            else:
+                dims = [evaluate(d, env) for d in v.type.shape]
+                self.pools[v.name] = torch.zeros(dims, dtype=self._held_dtype(v), device=self.device)
         self.state_pools = [n for n, t in self.pools.items() if _leading_symbol(fn, n) == "S"]
-        self.blocks = BlockAllocator(num_blocks)
+        self.blocks = self.block_pool.allocator if self.block_pool is not None else BlockAllocator(num_blocks)
+        self.pool_copies = 0  # pools an engine returned in new memory (copied back into the packed pool)
         self.free_slots = list(range(max_requests))
         self.requests: dict[str, _Request] = {}
+        self._metadata_builder = None  # StepMetadataBuilder, made at the first GPU step
+
+    def _held_dtype(self, v) -> torch.dtype:
+        name = v.type.dtype.name
+        return self.interp.float_dtype(name) if name in WIDENED_FLOATS else v.type.dtype.torch_dtype
+
+    def _packed_pool(self, fn, num_blocks: int, max_requests: int) -> BlockPool | None:
+        """The packed BlockPool when every MLA pool input is a block view [NB, block_size, *row] (None for
+        flat pools); KDA state / conv pools [S, ...] become its slot pool."""
+        pools = fn.inputs[len(METADATA):]
+        blocked = [v for v in pools if _leading_symbol(fn, v.name) == "NB"]
+        if not blocked:
+            return None
+        block_pools, slot_pools, bad = [], [], []
+        for v in pools:
+            shape = v.type.shape
+            held = _LAYOUT_DTYPE.get(self._held_dtype(v))
+            lead = _leading_symbol(fn, v.name)
+            if lead == "NB" and held and len(shape) >= 2 and shape[1] == self.block_size:
+                block_pools.append((v.name, held, tuple(int(d) for d in shape[2:])))
+            elif lead == "S" and held:
+                slot_pools.append((v.name, held, tuple(int(d) for d in shape[1:])))
+            else:
+                bad.append(f"%{v.name}: {v.type}")
+        if bad:
+            raise RequestError(f"module @{self.module.name}: pool inputs {bad} are neither block views "
+                               f"[NB, {self.block_size}, ...] nor per-request slots [S, ...] of a known dtype")
+        layout = layout_for_pools(self.module.name, self.block_size, block_pools, slot_pools)
+        return BlockPool(layout, num_blocks, max_requests, self.device)
 
     # ---- request lifetime --------------------------------------------------------------------
     def blocks_for(self, tokens: int) -> int:
@@ -196,49 +238,24 @@ class ReferenceRuntime:
         outs = self.interp.run(fn, {**meta, **self.pools})
         self._last_outs = outs
         for name, t in zip(self.pools, outs[1:]):
-            self.pools[name] = t
+            if self.block_pool is None:
+                self.pools[name] = t
+            elif not _same_memory(t, self.pools[name]):  # the pools are the packed pool's views: keep them
+                self.pools[name].copy_(t)
+                self.pool_copies += 1
         for rid, toks in chunks.items():
             self.requests[rid].length += len(toks)
         return outs[0]
 
     def _metadata(self, fn: str, chunks: Mapping[str, Sequence[int]]) -> dict[str, torch.Tensor]:
-        problems = []
-        if not chunks:
-            problems.append("a step needs at least one request")
-        limit = self.module.function(fn).attrs.get("max_tokens_per_request")
-        tokens, pos, req, cu, tables, slot = [], [], [], [0], [], []
-        for r_index, (rid, toks) in enumerate(chunks.items()):
-            r = self.requests.get(rid)
-            if r is None:
-                problems.append(f"unknown request {rid!r}")
-                continue
-            toks = [int(t) for t in toks]
-            if not toks:
-                problems.append(f"request {rid!r}: no tokens in this step")
-            if limit is not None and len(toks) > limit:
-                problems.append(f"request {rid!r}: {fn} takes at most {limit} tokens per request, got {len(toks)}")
-            bad = [t for t in toks if not 0 <= t < self.vocab_size]
-            if bad:
-                problems.append(f"request {rid!r}: token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
-            if r.length + len(toks) > r.capacity:
-                problems.append(f"request {rid!r}: {r.length} cached + {len(toks)} new tokens exceed its "
-                                f"capacity {r.capacity}")
-            tokens += toks
-            pos += range(r.length, r.length + len(toks))
-            req += [r_index] * len(toks)
-            cu.append(cu[-1] + len(toks))
-            tables.append(r.blocks)
-            slot.append(r.slot)
-        if problems:
-            raise RequestError(f"{fn} step rejected: " + "; ".join(problems))
-
-        def t(x):
-            return torch.tensor(x, dtype=torch.int64, device=self.device)
-
-        width = max(len(b) for b in tables)
-        table = torch.tensor([b + [-1] * (width - len(b)) for b in tables], dtype=torch.int32, device=self.device)
-        return {"tokens": t(tokens), "token_pos": t(pos), "token_req": t(req), "cu_seqlens": t(cu),
-                "block_table": table, "state_slot": t(slot)}
+        """The step's metadata tensors (RequestError naming every problem): on a GPU one copy and one fused
+        kernel (`step_metadata.StepMetadataBuilder`), else built on the host."""
+        rows = check_step(self, fn, chunks)
+        if self.device.type != "cuda":
+            return host_metadata(rows, self.device)
+        if self._metadata_builder is None:
+            self._metadata_builder = StepMetadataBuilder(self.device)
+        return self._metadata_builder.build(rows)
 
 
 def generate(rt: ReferenceRuntime, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
@@ -282,6 +299,14 @@ def generate(rt: ReferenceRuntime, prompts: Sequence[Sequence[int]], params: Sam
 
 def _module_config(module: Module) -> dict:
     return json.loads(module.attrs.get("config", "{}"))
+
+
+_LAYOUT_DTYPE = {torch.uint8: "u8", torch.float8_e4m3fn: "e4m3", torch.bfloat16: "bf16", torch.float16: "f16",
+                 torch.float32: "f32", torch.float64: "f64"}
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
 
 
 def _leading_symbol(fn, name: str) -> str:

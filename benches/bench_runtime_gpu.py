@@ -1,0 +1,402 @@
+"""One-GPU runtime bench (issue 7): one TP=8 rank's share of k31-pro at full width, random weights.
+
+Preset `rank` = k31-pro with, per rank: KDA and MLA heads / 8 (12 each), experts / 8 (112) with the
+expected per-rank top-k 16 * 112/896 = 2, the dense MLP and the vocabulary / 8; hidden, latent, kv-lora
+and indexer widths full (the indexer is replicated under TP). Layers: 4 = one dense KDA layer (layer 0 is
+dense in k31-pro), two MoE KDA layers and one MoE MLA layer (k31-pro has 3 KDA : 1 MLA). The shared
+expert keeps one full 3072 expert (a rank's TP share of 2 x 3072 would be 768; the preset cannot express
+it), so the rank preset reads a little more than a real rank does.
+
+Measured (one JSON document, stdout and $OUT/runtime_gpu.json, saved after every section):
+- bandwidth: a device-to-device copy (read + write bytes / time), the ceiling of the byte floor;
+- decode step time (runtime.decode, host work included) at batch 1, 8, 64 and context 8K / 32K, with
+  and without CUDA graphs, against the step's byte floor = (weights read: every non-expert weight, one
+  embedding row per token, the expected share 1 - (1 - k/E)^batch of routed experts; cache read: every
+  index key of the context and min(context, topk) latent rows per MLA layer; KDA state and conv tail read
+  and written per KDA layer) / measured bandwidth;
+- graph replay vs eager logits on the same state (the capture check: pad rows, scratch, side stream);
+- prefill throughput at 8K and 32K tokens (one request);
+- peers on the same weights: the reference interpreter (torch eager) and torch.compile of it (strict
+  compilation fails on the reference, DynamicOutputShapeException from the KDA reference's nonzero, so the
+  default compiles with suppress_errors: frames that fail run eagerly; the JSON names the mode).
+Contexts are cache contents written at random (a decode step's cost does not depend on the values).
+
+    PYTHONPATH=. python benches/bench_runtime_gpu.py        # H200; --preset tiny --device cpu: logic check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import signal
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+if not torch.cuda.is_available():  # before triton's first import: its own @jit helpers must be interpreted too
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from benches._report import BenchReport  # noqa: E402
+
+
+def rank_config():
+    from k31c.model.presets import get_preset
+
+    pro = get_preset("k31-pro")
+    tp = 8
+    return pro.replace(name="k31-pro-rank", num_hidden_layers=4, full_attn_layers=(3,),
+                       kda_num_heads=pro.kda_num_heads // tp, num_attention_heads=pro.num_attention_heads // tp,
+                       num_experts=pro.num_experts // tp,
+                       num_experts_per_token=pro.num_experts_per_token * (pro.num_experts // tp) // pro.num_experts,
+                       num_shared_experts=1, intermediate_size=pro.intermediate_size // tp,
+                       vocab_size=pro.vocab_size // tp, attn_res_block_size=2).validate("rank preset")
+
+
+def device_weights(cfg, device, seed: int = 0) -> dict:
+    """Random weights drawn on the device (per ParamSpec.init, as init_weights draws them; MXFP4 experts as
+    random E2M1 bytes with E8M0 scales near the linear init's scale)."""
+    from ir.packed import PackedMXFP4
+    from k31c.model.params import param_specs
+
+    g = torch.Generator(device).manual_seed(seed)
+    out = {}
+    for s in param_specs(cfg):
+        shape = s.shape
+        if s.format == "mxfp4":
+            k = shape[-1]
+            e = 127 + round(math.log2(0.7 / math.sqrt(k) / 3))
+            out[s.name] = PackedMXFP4(torch.randint(0, 256, (*shape[:-1], k // 2), generator=g, device=device,
+                                                    dtype=torch.uint8),
+                                      torch.randint(e - 1, e + 2, (*shape[:-1], k // 32), generator=g,
+                                                    device=device, dtype=torch.uint8))
+            continue
+        r = lambda: torch.randn(shape, generator=g, device=device)  # noqa: E731
+        u = lambda: torch.rand(shape, generator=g, device=device)  # noqa: E731
+        v = {"linear": lambda: r() * (0.7 / math.sqrt(shape[-1])), "embed": r, "norm": lambda: 1 + 0.1 * r(),
+             "zeros": lambda: torch.zeros(shape, device=device), "small": lambda: 0.1 * r(),
+             "a_log": lambda: torch.log(1 + 15 * u()), "dt_bias": lambda: torch.log(torch.expm1(1e-3 + 0.099 * u())),
+             "conv": lambda: r() * (0.5 / math.sqrt(shape[-1]))}[s.init]()
+        out[s.name] = v.to(torch.bfloat16 if s.format == "bf16" else torch.float32)
+    return out
+
+
+def fill_random(rt, lengths: dict, seed: int = 1):
+    """Admit requests of the given context lengths over random cache rows and states (finite values)."""
+    g = torch.Generator(rt.device).manual_seed(seed)
+    for rid, n in lengths.items():
+        rt.add_request(rid, n[1])
+        rt.requests[rid].length = n[0]
+    for name, t in rt.pools.items():
+        x = torch.randn(t.shape, generator=g, device=rt.device) * (0.05 if name in rt.state_pools else 0.5)
+        t.copy_(x.abs() + 0.5 if name.startswith("index_scales") else x)  # key scales positive
+
+
+def step_bytes(rt, cfg, weights, batch: int, ctx: int) -> dict:
+    """The bytes a decode step must move at least (see module doc)."""
+    from ir.packed import PackedMXFP4
+
+    E, k = cfg.num_experts, cfg.num_experts_per_token
+    frac = 1 - (1 - k / E) ** batch
+    w = 0.0
+    for name, t in weights.items():
+        nb = t.nbytes if isinstance(t, PackedMXFP4) else t.numel() * t.element_size()
+        if name == "model.embed_tokens.weight":
+            nb = batch * t.shape[1] * t.element_size()
+        elif ".experts." in name and name.endswith(("w1.weight", "w2.weight", "w3.weight")):
+            nb *= frac
+        w += nb
+    cache = 0
+    fn = rt.module.function("decode")
+    for name, t in rt.pools.items():
+        per = t.shape[1] if str(fn.input(name).type.shape[0]) == "NB" else 1  # rows in t[0]: a block or a row
+        row = t[0].numel() * t.element_size() // per
+        if name in rt.state_pools:
+            cache += 2 * row * batch
+        elif name.startswith("latent."):
+            cache += min(ctx, cfg.index_topk or ctx) * row * batch
+        else:  # index keys and their scales: the whole context
+            cache += ctx * row * batch
+    return {"weight_bytes": int(w), "cache_bytes": int(cache), "total_bytes": int(w + cache)}
+
+
+def time_ms(fn, n: int, device) -> list[float]:
+    """Wall times (ms, host work included) of n calls of fn, each between device synchronisations."""
+    out = []
+    for _ in range(n):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        out.append((time.perf_counter() - t) * 1e3)
+    return out
+
+
+def rel(a, b) -> float:
+    a, b = a.double().cpu(), b.double().cpu()
+    return float((a - b).norm() / b.norm()) if torch.isfinite(a).all() else float("nan")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="rank", choices=("rank", "tiny"))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--contexts", default="8192,32768")
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--budget-s", type=float, default=400, help="skip the remaining sections past this")
+    ap.add_argument("--compile-timeout-s", type=int, default=90)
+    ap.add_argument("--compile-modes", default="suppress",
+                    help="torch.compile attempts in order: strict (fails on the reference: the KDA reference's "
+                         "nonzero has a data-dependent shape), suppress (failing frames run eagerly)")
+    ap.add_argument("--sections", default="graph_check,decode,reference_peer,prefill,torch_compile_peer")
+    args = ap.parse_args()
+    import triton
+
+    from k31c.compiler import CompileOptions, build_options, compile_model
+    from k31c.model.build import build_module
+    from k31c.plan import plan_options
+    from k31c.runtime.cuda_graphs import GraphedRuntime
+    from k31c.runtime.executor import Executor
+    from k31c.runtime.reference import ReferenceRuntime
+
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    rep = BenchReport("runtime_gpu")
+    doc = rep.doc
+    doc["machine"] = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
+                      "gpu": torch.cuda.get_device_name(0) if cuda else None}
+    contexts = [int(c) for c in args.contexts.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.preset == "rank":
+        cfg = rank_config()
+    else:
+        from k31c.model.presets import get_preset
+        cfg = get_preset("k31-tiny")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    doc["preset"] = {"name": cfg.name, **{k: getattr(cfg, k) for k in (
+        "hidden_size", "num_hidden_layers", "full_attn_layers", "kda_num_heads", "num_attention_heads",
+        "num_experts", "num_experts_per_token", "vocab_size", "index_topk", "experts_format")}}
+    over = lambda: time.time() - rep.t0 > args.budget_s  # noqa: E731
+    st = {}
+
+    @rep.section
+    def bandwidth():
+        if not cuda:
+            return doc["ceilings"].update(bandwidth_GBps=10.0)  # CPU logic check: a nominal ceiling
+        src = torch.empty(1 << 31, dtype=torch.uint8, device=dev)
+        dst = torch.empty_like(src)
+        ts = []
+        for _ in range(6):
+            a, b = torch.cuda.Event(True), torch.cuda.Event(True)
+            a.record()
+            dst.copy_(src)
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b))
+        doc["ceilings"]["bandwidth_GBps"] = 2 * src.numel() / (sorted(ts)[3] * 1e-3) / 1e9
+        del src, dst
+
+    @rep.section
+    def build():
+        d = tempfile.mkdtemp()
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(cfg.to_hf(), f)
+        plan = plan_options(d, target="h200")
+        t = time.time()
+        art, _ = compile_model(cfg, None, os.path.join(d, "art"), CompileOptions(plan=plan), model_source="bench")
+        st["art"], st["plan"] = art, plan
+        st["weights"] = device_weights(cfg, dev) if cuda else __import__(
+            "k31c.model.init_weights", fromlist=["random_weights"]).random_weights(cfg, 0)
+        doc["build_s"] = time.time() - t
+        doc["kernel_families"] = sorted({c.template.family for c in art.choices if c.template})
+
+    def runtime(ctx, n_req, graphs=True, engine="compiled", ref_dtype=None):
+        art, w = st["art"], st["weights"]
+        if engine == "compiled":
+            eng = Executor(art.module, w, art.choices, target="h200", configs=art.configs, compute_dtype=dtype,
+                           device=args.device, cuda_graphs=graphs)
+            rt = GraphedRuntime(art.module, w, max_rows=n_req * ctx, max_requests=n_req, engine=eng)
+        else:
+            rt = ReferenceRuntime(build_module(cfg, build_options(st["plan"])), w, max_rows=n_req * ctx,
+                                  max_requests=n_req, compute_dtype=ref_dtype or dtype, device=args.device)
+        fill_random(rt, {f"r{i}": (ctx - 4 * args.steps - 8, ctx) for i in range(n_req)})
+        return rt
+
+    def reset(rt, ctx):
+        for r in rt.requests.values():
+            r.length = ctx - 4 * args.steps - 8
+
+    def measure(name, rt, ctx, b, extra, steps=None):
+        toks = {f"r{i}": (7 * i + 3) % cfg.vocab_size for i in range(b)}
+        time_ms(lambda: rt.decode(toks), 2, dev)  # warm-up (kernel compilation, graph capture)
+        ts = sorted(time_ms(lambda: rt.decode(toks), steps or args.steps, dev))
+        reset(rt, ctx)
+        by = step_bytes(rt, cfg, st["weights"], b, ctx)
+        floor_ms = by["total_bytes"] / (doc["ceilings"]["bandwidth_GBps"] * 1e9) * 1e3
+        m = {"name": name, "context": ctx, "batch": b, "median_ms": ts[len(ts) // 2], "min_ms": ts[0], **by,
+             "floor_ms": floor_ms, "x_floor": ts[len(ts) // 2] / floor_ms, **extra}
+        doc["measurements"].append(m)
+        print(json.dumps(m), flush=True)
+        return m
+
+    @rep.section
+    def graph_check():
+        ctx, b = contexts[0], min(8, max(batches))
+        rt = runtime(ctx, b)
+        toks = {f"r{i}": (5 * i + 1) % cfg.vocab_size for i in range(b)}
+        snap = {rid: rt.snapshot_state(rid) for rid in rt.requests}
+        rt.use_graphs = False
+        eager = rt.decode(toks)
+        for rid, s in snap.items():
+            rt.restore_state(rid, s)
+            rt.requests[rid].length -= 1
+        rt.use_graphs = cuda
+        graph = rt.decode(toks)
+        doc["graph_check"] = {"context": ctx, "batch": b, "rel_err_graph_vs_eager": rel(graph, eager),
+                              "bitwise_equal": bool(torch.equal(graph, eager)), "runtime_stats": rt.stats(),
+                              "overlapped_nodes": rt.interp.stats()["overlapped_nodes"]}
+        print(json.dumps(doc["graph_check"], default=str), flush=True)
+
+    @rep.section
+    def decode():
+        for ctx in contexts:
+            if over():
+                doc["notes"].append(f"decode at context {ctx} skipped: over the time budget")
+                continue
+            rt = runtime(ctx, max(batches))
+            for b in batches:
+                for g in (True, False):
+                    rt.use_graphs = g and cuda
+                    measure("decode_compiled" + ("_graphs" if g else "_eager"), rt, ctx, b, {"graphs": g and cuda})
+            doc.setdefault("graph_stats", {})[str(ctx)] = rt.stats()
+            doc.setdefault("kernel_stats", {})[str(ctx)] = rt.interp.stats()
+            del rt
+            if cuda:
+                torch.cuda.empty_cache()
+
+    @rep.section
+    def reference_peer():
+        """The reference interpreter in the bench dtype; if it cannot run in bf16 (at HEAD its `linear` does not
+        promote the f32 router input against the bf16 gate weight) it is run in fp32, and the note says so."""
+        ref_dtype = dtype
+        for ctx in contexts:
+            if over():
+                doc["notes"].append(f"reference peer at context {ctx} skipped: over the time budget")
+                continue
+            for b in batches:
+                rt = runtime(ctx, b, engine="reference", ref_dtype=ref_dtype)
+                try:
+                    measure("decode_reference_eager", rt, ctx, b, {"graphs": False, "dtype": str(ref_dtype)}, steps=3)
+                except Exception as e:
+                    if ref_dtype == torch.float32:
+                        raise
+                    doc["notes"].append(f"reference interpreter in {ref_dtype} failed ({type(e).__name__}: "
+                                        f"{str(e)[:200]}); the reference peer runs in float32")
+                    ref_dtype = torch.float32
+                    del rt
+                    rt = runtime(ctx, b, engine="reference", ref_dtype=ref_dtype)
+                    measure("decode_reference_eager", rt, ctx, b, {"graphs": False, "dtype": str(ref_dtype)}, steps=3)
+                del rt
+                if cuda:
+                    torch.cuda.empty_cache()
+
+    @rep.section
+    def prefill():
+        for n in contexts:
+            if over():
+                doc["notes"].append(f"prefill of {n} skipped: over the time budget")
+                continue
+            rt = runtime(n + 64, 2)
+            toks = torch.randint(0, cfg.vocab_size, (n,)).tolist()
+            for r in rt.requests.values():
+                r.length = 0
+            rt.prefill({"r1": toks})  # warm-up at the same shapes: kernel compilation and config buckets
+            if cuda:
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            rt.prefill({"r0": toks})
+            if cuda:
+                torch.cuda.synchronize()
+            s = time.perf_counter() - t
+            m = {"name": "prefill_compiled", "tokens": n, "seconds": s, "tokens_per_s": n / s}
+            doc["measurements"].append(m)
+            print(json.dumps(m), flush=True)
+            del rt
+            if cuda:
+                torch.cuda.empty_cache()
+
+    @rep.section
+    def torch_compile_peer():
+        if over():
+            doc["notes"].append("torch.compile peer skipped: over the time budget")
+            return
+        from ir.interpreter import Interpreter
+
+        ctx, b = contexts[0], 1
+        rt = runtime(ctx, b, engine="reference")
+        interp = Interpreter(rt.module, st["weights"], dtype, args.device, check_shapes=False)
+        meta = rt._metadata("decode", {"r0": [3]})
+
+        def timeout(*_):
+            raise TimeoutError(f"torch.compile did not finish in {args.compile_timeout_s} s")
+
+        fn, mode = None, None
+        for suppress in [m == "suppress" for m in args.compile_modes.split(",")]:  # strict; then failing frames eager
+            torch._dynamo.reset()
+            torch._dynamo.config.suppress_errors = suppress
+            f = torch.compile(lambda m, p: interp.run("decode", {**m, **p})[0])
+            old = signal.signal(signal.SIGALRM, timeout)
+            signal.alarm(args.compile_timeout_s)
+            try:
+                t = time.time()
+                f(meta, rt.pools)
+                doc[f"torch_compile_s_suppress_{suppress}"] = time.time() - t
+                fn, mode = f, "suppress_errors (failing frames eager)" if suppress else "strict"
+                break
+            except Exception as e:
+                doc["notes"].append(f"torch.compile of the reference decode (suppress_errors={suppress}) failed: "
+                                    f"{type(e).__name__}: {str(e)[:400]}")
+            finally:
+                signal.alarm(0)
+                signal.signal(signal.SIGALRM, old)
+        if fn is None:
+            return
+        ts = sorted(time_ms(lambda: fn(meta, rt.pools), args.steps, dev))
+        by = step_bytes(rt, cfg, st["weights"], b, ctx)
+        floor_ms = by["total_bytes"] / (doc["ceilings"]["bandwidth_GBps"] * 1e9) * 1e3
+        doc["measurements"].append({"name": "decode_torch_compile", "context": ctx, "batch": b, "mode": mode,
+                                    "median_ms": ts[len(ts) // 2], **by, "floor_ms": floor_ms,
+                                    "x_floor": ts[len(ts) // 2] / floor_ms})
+
+    bandwidth()
+    build()
+    if "art" in st:
+        sections = {"graph_check": graph_check, "decode": decode, "reference_peer": reference_peer,
+                    "prefill": prefill, "torch_compile_peer": torch_compile_peer}
+        for name in args.sections.split(","):
+            sections[name]()
+    summary(doc)
+    print(rep.save())
+
+
+def summary(doc):
+    """Per (context, batch): the graphed step's ratio to its byte floor and each peer's time over it."""
+    by = {(m["name"], m.get("context"), m.get("batch")): m for m in doc["measurements"] if "median_ms" in m}
+    doc["summary"] = [{"context": c, "batch": b, "graphs_ms": m["median_ms"], "graphs_x_floor": m["x_floor"],
+                       **{f"{p}_over_graphs": by[(p, c, b)]["median_ms"] / m["median_ms"] for p in
+                          ("decode_compiled_eager", "decode_reference_eager", "decode_torch_compile") if (p, c, b) in by}}
+                      for (name, c, b), m in by.items() if name == "decode_compiled_graphs"]
+    doc["goal"] = "batch-1 decode <= 1.25x byte floor and >= 1.5x faster than torch.compile"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The H200 benches in one call (device tool; run from the repository root). Each bench runs under its
+# own time limit and writes its JSON to $OUT; a failing or timed-out bench does not stop the others.
+#
+#   bash benches/h200_suite.sh [SECTION ...]     sections: tuning attention runtime moe kda (default: all)
+#
+# Wheels the H200 image lacks (fla-core, optuna, ...) are installed from .whl/ when it is present
+# (carry it). Limits in seconds: T_TUNING, T_ATTENTION, T_RUNTIME, T_MOE, T_KDA.
+set -u
+OUT=${OUT:-/tmp/h200_suite}; mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:.
+fi
+export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
+sections=${*:-tuning attention runtime moe kda}
+run() {  # name limit command...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout --signal=INT --kill-after=15 "$limit" "$@" > "$OUT/$name.stdout" 2> "$OUT/$name.stderr"
+  echo "== $name: exit $? after $((SECONDS - t0)) s (limit $limit s)" | tee -a "$OUT/suite.log"
+  tail -c 1500 "$OUT/$name.stderr" >> "$OUT/suite.log"
+  rm -f "$OUT/$name.stdout" "$OUT/$name.stderr"   # the benches write their JSON to $OUT themselves
+}
+for s in $sections; do
+  case $s in
+    tuning) run tuning "${T_TUNING:-170}" python3 benches/bench_tuning.py --trials 4 --budget-s 80 --timeout-s 25 \
+              --e2e-after-s 120 --store "$OUT/nvidia-h200.jsonl" ;;
+    attention) run attention "${T_ATTENTION:-130}" python3 benches/bench_attention.py --budget $(( ${T_ATTENTION:-130} - 25 ))
+              [ -f "$OUT/attention.json" ] && rm -f "$OUT/attention.partial.json" ;;
+    runtime) run runtime "${T_RUNTIME:-160}" python3 benches/bench_runtime_gpu.py --budget-s $(( ${T_RUNTIME:-160} - 20 )) \
+              --compile-timeout-s 60 ;;
+    moe) run moe "${T_MOE:-70}" env MOE_BENCH_SECTIONS=decode,layer MOE_BENCH_LAYER_T=64 python3 benches/bench_moe.py ;;
+    kda) run kda "${T_KDA:-300}" env KDA_BENCH_BUDGET_S=$(( ${T_KDA:-300} - 30 )) python3 benches/bench_kda.py ;;
+    *) echo "unknown section $s (tuning attention runtime moe kda)" | tee -a "$OUT/suite.log" ;;
+  esac
+done

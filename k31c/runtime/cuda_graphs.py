@@ -1,0 +1,191 @@
+"""CUDA graphs of the compiled decode step, one per (batch-size bucket, block-table-width bucket).
+
+    rt = GraphedRuntime(module, weights, max_rows=..., max_requests=..., engine=Executor(..., cuda_graphs=True,
+                        device="cuda"))
+    logits = rt.decode({"a": 7, "b": 9})      # replayed from the graph of bucket (2, W)
+
+Capture. A decode step of R requests whose block lists are at most `need` blocks long runs in the graph
+of batch bucket B = the smallest bucket >= R (default 1, 2, 4, ... up to max_num_seqs) and width bucket
+W = the smallest power of two >= need. The graph's static inputs are the six metadata tensors at shapes
+[B], [B+1], [B, W]; the cache and state pools are the runtime's own tensors, updated in place by every
+replay (their addresses are checked before each replay; a moved pool drops the graphs). The captured
+step is the Executor's, with its MLA-query branch on the side stream: the fork (side stream waits on an
+event of the capturing stream) and the join (events waited on where the branch's results are read) are
+captured as graph edges, so the overlap is inside the graph. Kernels see the context bound W x block_size
+instead of a host-read `token_pos.max()` (`Executor.static_context`).
+
+Padding. Rows R..B-1 are padding requests: token 0 at position 0, block table [scratch block, -1, ...],
+state slot = the scratch slot. The scratch block and slot are reserved for this purpose when the runtime
+is built (one block and one slot more than asked for), so a padded row writes only memory no request
+owns; its logits rows are dropped and never reach the caller.
+
+Metadata for a replay is built by one host->device copy and one kernel writing straight into the static
+inputs (`step_metadata.StepMetadataBuilder`). Steps outside the buckets (more requests than the largest
+bucket, a table wider than `max_width` blocks) and every prefill/verify step run eagerly; fallbacks are
+counted by reason in `stats()`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+from .reference import ReferenceRuntime
+from .step_metadata import StepMetadataBuilder, check_step
+
+
+def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """1, 2, 4, ... below max_num_seqs, then max_num_seqs itself."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, found {max_num_seqs}")
+    out, b = [], 1
+    while b < max_num_seqs:
+        out.append(b)
+        b *= 2
+    return tuple(out + [max_num_seqs])
+
+
+def bucket_for(n: int, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket >= n, or None when n exceeds them all."""
+    fit = [b for b in buckets if b >= n]
+    return min(fit) if fit else None
+
+
+def width_bucket(blocks: int) -> int:
+    """Block-table width of a graph: the next power of two (at least 1)."""
+    return 1 << max(0, int(blocks) - 1).bit_length()
+
+
+# ---- sync-free versions of launches / references that read device data on the host --------------------
+def _cache_write_no_sync(a, at):
+    """cache_write without `cache_rows`' host-side validation (the runtime validated every position when
+    it built the step): pool row blk * bs + p % bs, blk = block_table[req, p // bs]; flat or block-view pool."""
+    bs = int(at["block_size"])
+    pos, req = a.token_pos.to(torch.int64), a.token_req.to(torch.int64)
+    blk = a.block_table.to(torch.int64)[req, pos // bs]
+    pool, vals = a.pool, a.values.to(a.pool.dtype)
+    if pool.element_size() == 1:  # fp8 / byte pools copied as bytes (CPU has no fp8 index_copy / index_put)
+        pool, vals = pool.view(torch.uint8), vals.view(torch.uint8)
+    if pool.dim() == vals.dim():
+        pool.index_copy_(0, blk * bs + pos % bs, vals)
+    else:  # [NB, bs, ...] block view (a page of a packed row: any block stride)
+        pool[blk, pos % bs] = vals
+    return a.pool
+
+
+GRAPH_SAFE_REFERENCE = {"cache_write": _cache_write_no_sync}
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    inputs: dict[str, torch.Tensor]
+    logits: torch.Tensor
+
+
+class GraphedRuntime(ReferenceRuntime):
+    """A ReferenceRuntime whose decode steps replay CUDA graphs when its engine asks for them
+    (`Executor(cuda_graphs=True)` on cuda); every step's metadata comes from the fused kernel."""
+
+    def __init__(self, module, weights: Mapping, *, max_rows: int = 4096, max_requests: int = 8,
+                 max_num_seqs: int | None = None, max_width: int = 1 << 16, **kw):
+        bs = int(module.attrs.get("block_size", 1))
+        super().__init__(module, weights, max_rows=max_rows + bs, max_requests=max_requests + 1, **kw)
+        self.scratch = (self.blocks.allocate(1)[0], self.free_slots.pop())  # (block, slot) of padding rows
+        self._metadata_builder = StepMetadataBuilder(self.device)
+        self.buckets = batch_buckets(max_num_seqs or max_requests)
+        self.max_width = int(max_width)
+        # batch-invariant mode splits ops per request on the host (int(cu_seqlens[r])): no capture there
+        self.use_graphs = (bool(getattr(self.interp, "cuda_graphs", False)) and self.device.type == "cuda"
+                           and not getattr(self.interp, "batch_invariant", False))
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.failed: dict[tuple[int, int], str] = {}
+        self.replays: Counter = Counter()
+        self.fallbacks: Counter = Counter()
+        self._pool_ptrs = None
+        self._mempool = None
+
+    def _metadata(self, fn: str, chunks) -> dict[str, torch.Tensor]:
+        return self._metadata_builder.build(check_step(self, fn, chunks))
+
+    def step(self, fn: str, chunks) -> torch.Tensor:
+        if fn == "decode" and self.use_graphs:
+            out = self._replay(chunks)
+            if out is not None:
+                return out
+        elif fn == "decode":
+            self.fallbacks["graphs off (engine without cuda_graphs, not on cuda, or batch-invariant)"] += 1
+        return super().step(fn, chunks)
+
+    def _replay(self, chunks) -> torch.Tensor | None:
+        rows = check_step(self, "decode", chunks)
+        n, need = len(rows), max(len(b) for _, _, b, _ in rows)
+        B, W = bucket_for(n, self.buckets), width_bucket(need)
+        reason = (f"batch {n} above the largest bucket {self.buckets[-1]}" if B is None else
+                  f"table width {W} blocks above max_width {self.max_width}" if W > self.max_width else
+                  self.failed.get((B, W)))
+        if reason:
+            self.fallbacks[reason] += 1
+            return None
+        ptrs = tuple(t.data_ptr() for t in self.pools.values())
+        if self._pool_ptrs is not None and ptrs != self._pool_ptrs:
+            self.graphs.clear()  # a pool was reallocated: every graph points at the old one
+            self.fallbacks["pools moved: graphs recaptured"] += 1
+        self._pool_ptrs = ptrs
+        g = self.graphs.get((B, W))
+        if g is None:
+            try:
+                g = self.graphs[(B, W)] = self._capture(B, W)
+            except Exception as e:  # capture is an optimisation: name why, run eagerly from now on
+                self.failed[(B, W)] = f"capture of bucket ({B}, {W}) failed: {type(e).__name__}: {str(e)[:300]}"
+                self.fallbacks[self.failed[(B, W)]] += 1
+                torch.cuda.synchronize(self.device)
+                return None
+        self._metadata_builder.build(rows, width=W, pad_to=B, scratch=self.scratch, out=g.inputs)
+        g.graph.replay()
+        for rid in chunks:
+            self.requests[rid].length += 1
+        self._last_outs = None
+        self.replays[(B, W)] += 1
+        return g.logits[:n].clone()
+
+    def _capture(self, B: int, W: int) -> _Graph:
+        """Warm up (kernel compilation, lazy weight uploads) on a side stream, then capture one decode step of
+        B scratch-only rows with a W-block table (`static_context` = W x block_size)."""
+        dev, eng = self.device, self.interp
+        blk, slot = self.scratch
+        table = torch.full((B, W), -1, dtype=torch.int32, device=dev)
+        table[:, 0] = blk
+        inputs = {"tokens": torch.zeros(B, dtype=torch.int64, device=dev),
+                  "token_pos": torch.zeros(B, dtype=torch.int64, device=dev),
+                  "token_req": torch.arange(B, dtype=torch.int64, device=dev),
+                  "cu_seqlens": torch.arange(B + 1, dtype=torch.int64, device=dev),
+                  "block_table": table, "state_slot": torch.full((B,), slot, dtype=torch.int64, device=dev)}
+        eng.static_context = W * self.block_size
+        try:
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    eng.run("decode", {**inputs, **self.pools})
+            torch.cuda.current_stream(dev).wait_stream(side)
+            torch.cuda.synchronize(dev)
+            if self._mempool is None:
+                self._mempool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._mempool):
+                outs = eng.run("decode", {**inputs, **self.pools})
+        finally:
+            eng.static_context = None
+        moved = [name for (name, t), o in zip(self.pools.items(), outs[1:]) if o.data_ptr() != t.data_ptr()]
+        if moved:
+            raise RuntimeError(f"decode returned new tensors for pools {moved[:3]} (not updated in place)")
+        return _Graph(graph, inputs, outs[0])
+
+    def stats(self) -> dict:
+        return {"graphs": sorted(self.graphs), "replays": {f"{b}x{w}": n for (b, w), n in self.replays.items()},
+                "eager_fallbacks": dict(self.fallbacks), "buckets": list(self.buckets),
+                "scratch_block_slot": list(self.scratch)}

@@ -1,0 +1,135 @@
+"""A step's metadata in one host->device copy and one kernel (`codegen/triton/step_metadata.py`).
+
+A step's six metadata tensors (tokens, token_pos, token_req, cu_seqlens, block_table, state_slot) are
+built on the host with `host_metadata` (CPU) or, on a GPU, by `StepMetadataBuilder`: the host only
+writes one int32 buffer, per request (cached length, new-token count, slot, block count), then
+all block ids, then all tokens; a pinned staging buffer is copied to the device once, and the fused
+kernel expands it, optionally straight into a CUDA graph's static input buffers (`out=`).
+
+    meta = StepMetadataBuilder(device).build(rows)              # rows = check_step(rt, fn, chunks)
+    meta = StepMetadataBuilder(device).build(rows, width=W, pad_to=8, scratch=(blk, slot), out=static)
+
+Padding (for a batch-size bucket): requests R..pad_to-1 are decode requests of one token 0 at
+position 0 whose block table is [scratch block, -1, ...] and whose state slot is the scratch slot, so
+whatever a padded row writes lands in memory no real request owns.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+
+Row = tuple[int, int, list[int], list[int]]  # (cached length, state slot, block ids, new tokens)
+
+
+def check_step(rt, fn: str, chunks: Mapping[str, Sequence[int]]) -> list[Row]:
+    """Validate a step of runtime `rt` (a RequestError naming every problem at once) and return one Row per
+    request in `chunks` order."""
+    from .reference import RequestError
+
+    problems = []
+    if not chunks:
+        problems.append("a step needs at least one request")
+    limit = rt.module.function(fn).attrs.get("max_tokens_per_request")
+    rows: list[Row] = []
+    for rid, toks in chunks.items():
+        r = rt.requests.get(rid)
+        if r is None:
+            problems.append(f"unknown request {rid!r}")
+            continue
+        toks = [int(t) for t in toks]
+        if not toks:
+            problems.append(f"request {rid!r}: no tokens in this step")
+        if limit is not None and len(toks) > limit:
+            problems.append(f"request {rid!r}: {fn} takes at most {limit} tokens per request, got {len(toks)}")
+        bad = [t for t in toks if not 0 <= t < rt.vocab_size]
+        if bad:
+            problems.append(f"request {rid!r}: token ids {bad[:5]} outside the vocabulary [0, {rt.vocab_size})")
+        if r.length + len(toks) > r.capacity:
+            problems.append(f"request {rid!r}: {r.length} cached + {len(toks)} new tokens exceed its "
+                            f"capacity {r.capacity}")
+        rows.append((r.length, r.slot, list(r.blocks), toks))
+    if problems:
+        raise RequestError(f"{fn} step rejected: " + "; ".join(problems))
+    return rows
+
+
+def host_metadata(rows: Sequence[Row], device) -> dict[str, torch.Tensor]:
+    """The metadata tensors of `rows` built with torch on the host (what the fused kernel computes)."""
+    tokens, pos, req, cu = [], [], [], [0]
+    for r_index, (length, _, _, toks) in enumerate(rows):
+        tokens += toks
+        pos += range(length, length + len(toks))
+        req += [r_index] * len(toks)
+        cu.append(cu[-1] + len(toks))
+
+    def t(x):
+        return torch.tensor(x, dtype=torch.int64, device=device)
+
+    width = max(len(b) for _, _, b, _ in rows)
+    table = torch.tensor([b + [-1] * (width - len(b)) for _, _, b, _ in rows], dtype=torch.int32, device=device)
+    return {"tokens": t(tokens), "token_pos": t(pos), "token_req": t(req), "cu_seqlens": t(cu),
+            "block_table": table, "state_slot": t([slot for _, slot, _, _ in rows])}
+
+
+def pack_rows(rows: Sequence[Row], pad_to: int | None = None, scratch: tuple[int, int] | None = None) -> list[int]:
+    """The packed int32 layout of the kernel: header [R, 4], block ids, tokens (padding rows appended)."""
+    rows = list(rows)
+    if pad_to is not None and pad_to > len(rows):
+        if scratch is None:
+            raise ValueError(f"padding {len(rows)} requests to {pad_to} needs a scratch (block, slot)")
+        rows += [(0, scratch[1], [scratch[0]], [0])] * (pad_to - len(rows))
+    head, blocks, tokens = [], [], []
+    for length, slot, blks, toks in rows:
+        head += (length, len(toks), slot, len(blks))
+        blocks += blks
+        tokens += toks
+    return head + blocks + tokens
+
+
+class StepMetadataBuilder:
+    """Builds a step's metadata on `device` with one copy and one launch, reusing a pinned staging buffer
+    (an event guards it: the host rewrites it only after the previous copy has finished)."""
+
+    def __init__(self, device: str | torch.device = "cpu"):
+        self.device = torch.device(device)
+        self._stage: torch.Tensor | None = None
+        self._dev: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
+
+    def _buffers(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._stage is None or self._stage.numel() < n:
+            size = max(1024, 1 << (n - 1).bit_length())
+            cuda = self.device.type == "cuda"
+            self._stage = torch.empty(size, dtype=torch.int32, pin_memory=cuda)
+            self._dev = torch.empty(size, dtype=torch.int32, device=self.device) if cuda else self._stage
+            self._copied = None
+        return self._stage, self._dev
+
+    def build(self, rows: Sequence[Row], *, width: int | None = None, pad_to: int | None = None,
+              scratch: tuple[int, int] | None = None,
+              out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Metadata of `rows` (from `check_step`), padded to `pad_to` requests with `scratch`; the table
+        is `width` blocks wide (default: the widest request's block list)."""
+        from codegen.triton.step_metadata import HEADER, expand_step_metadata
+
+        if not rows:
+            raise ValueError("step metadata: no requests")
+        need = max(len(b) for _, _, b, _ in rows)
+        width = need if width is None else int(width)
+        if width < need:
+            raise ValueError(f"step metadata: table width {width} is narrower than a request's {need} blocks")
+        flat = pack_rows(rows, pad_to, scratch)
+        n_req = max(len(rows), pad_to or 0)
+        n_tok = sum(len(t) for *_, t in rows) + (n_req - len(rows))
+        n_blk = len(flat) - HEADER * n_req - n_tok
+        stage, dev = self._buffers(len(flat))
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy out of the staging buffer is done
+        stage[:len(flat)] = torch.tensor(flat, dtype=torch.int32)
+        if dev is not stage:
+            dev[:len(flat)].copy_(stage[:len(flat)], non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return expand_step_metadata(dev, n_req, n_tok, n_blk, width, out=out)

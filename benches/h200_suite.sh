@@ -24,13 +24,13 @@ run() {  # name limit command...
 }
 for s in $sections; do
   case $s in
-    tuning) run tuning "${T_TUNING:-170}" python3 benches/bench_tuning.py --trials 4 --budget-s 80 --timeout-s 25 \
-              --e2e-after-s 120 --store "$OUT/nvidia-h200.jsonl" ;;
-    attention) run attention "${T_ATTENTION:-130}" python3 benches/bench_attention.py --budget $(( ${T_ATTENTION:-130} - 25 ))
+    tuning) run tuning "${T_TUNING:-150}" python3 benches/bench_tuning.py --trials 4 --budget-s 70 --timeout-s 25 \
+              --e2e-after-s 105 --store "$OUT/nvidia-h200.jsonl" ;;
+    attention) run attention "${T_ATTENTION:-120}" python3 benches/bench_attention.py --budget $(( ${T_ATTENTION:-120} - 25 ))
               [ -f "$OUT/attention.json" ] && rm -f "$OUT/attention.partial.json" ;;
-    runtime) run runtime "${T_RUNTIME:-160}" python3 benches/bench_runtime_gpu.py --budget-s $(( ${T_RUNTIME:-160} - 20 )) \
+    runtime) run runtime "${T_RUNTIME:-150}" python3 benches/bench_runtime_gpu.py --budget-s $(( ${T_RUNTIME:-150} - 20 )) \
               --compile-timeout-s 60 ;;
-    moe) run moe "${T_MOE:-70}" env MOE_BENCH_SECTIONS=decode,layer MOE_BENCH_LAYER_T=64 python3 benches/bench_moe.py ;;
+    moe) run moe "${T_MOE:-60}" env MOE_BENCH_SECTIONS=decode,layer MOE_BENCH_LAYER_T=64 python3 benches/bench_moe.py ;;
     kda) run kda "${T_KDA:-300}" env KDA_BENCH_BUDGET_S=$(( ${T_KDA:-300} - 30 )) python3 benches/bench_kda.py ;;
     *) echo "unknown section $s (tuning attention runtime moe kda)" | tee -a "$OUT/suite.log" ;;
   esac

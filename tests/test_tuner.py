@@ -165,3 +165,13 @@ def test_a_tunable_the_heuristic_leaves_unset_is_searched_and_never_forced_on_th
                                final_repeats=1)
     assert {c.get("EXTRA") for c in seen_configs} == {None, 1, 2}, "the heuristic ran without EXTRA, the rest with it"
     assert r.default_config == rms.heuristic(prob.key, "cpu") and "EXTRA" not in r.default_config
+
+
+def test_every_declared_search_space_can_be_enumerated():
+    """A template whose tunables multiply past the enumeration limit is never tuned (`k31c tune` stops on
+    it): every registered Triton and TVM template must stay within the limit."""
+    from autotune_cache.search import MAX_ENUMERATE
+    from codegen.registry import all_templates
+
+    too_big = {t.family: t.space_size() for t in all_templates() if t.space_size() > MAX_ENUMERATE}
+    assert too_big == {}, f"search spaces over {MAX_ENUMERATE} configs: {too_big}"

@@ -137,17 +137,13 @@ def rows_per_rank(tokens: int, dcp: int, interleave: int = 1) -> int:
 
 
 def use_local_cache_rows(rt, layout: ParallelLayout):
-    """Under DCP a rank stores 1/dcp of a request's positions: make runtime `rt` (anything with
-    `block_size` and a `blocks_for(tokens)` its add_request / grow / admission use) reserve blocks for
-    `rows_per_rank` rows instead of `tokens`. The KV capacity in tokens of a pool grows ~dcp-fold."""
+    """Under DCP a rank stores 1/dcp of a request's positions: set runtime `rt`'s `rows_for(tokens)` hook
+    (which its blocks_for, hence add_request / grow / engine admission, use) to `rows_per_rank`. The KV
+    capacity in tokens of a pool grows ~dcp-fold."""
     if layout.dcp == 1:
         return rt
-    bs, dcp, il = int(rt.block_size), layout.dcp, layout.dcp_interleave
-
-    def blocks_for(tokens: int) -> int:
-        return -(-rows_per_rank(tokens, dcp, il) // bs)
-
-    rt.blocks_for = blocks_for
+    dcp, il = layout.dcp, layout.dcp_interleave
+    rt.rows_for = lambda tokens: rows_per_rank(tokens, dcp, il)
     return rt
 
 

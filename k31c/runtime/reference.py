@@ -94,6 +94,9 @@ class ReferenceRuntime:
         self.free_slots = list(range(max_requests))
         self.requests: dict[str, _Request] = {}
         self._metadata_builder = None  # StepMetadataBuilder, made at the first GPU step
+        # rows of a request this pool stores: every position here; a DCP rank stores its share only
+        # (`k31c.parallel.serving.use_local_cache_rows` sets it)
+        self.rows_for = lambda tokens: tokens
 
     def _held_dtype(self, v) -> torch.dtype:
         name = v.type.dtype.name
@@ -125,7 +128,8 @@ class ReferenceRuntime:
 
     # ---- request lifetime --------------------------------------------------------------------
     def blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.block_size)
+        """Blocks a request of `tokens` tokens takes: its `rows_for(tokens)` stored rows in whole blocks."""
+        return -(-self.rows_for(tokens) // self.block_size)
 
     def add_request(self, rid: str, capacity: int, prefix_blocks: Sequence[int] = (), prefix_len: int = 0):
         """Admit a request that may grow to `capacity` tokens; blocks for all of them are taken now.

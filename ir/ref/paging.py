@@ -29,10 +29,13 @@ def check_block_size(block_size: int) -> int:
     return block_size
 
 
-def cache_rows(block_table: torch.Tensor, block_size: int, req: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+def cache_rows(block_table: torch.Tensor, block_size: int, req: torch.Tensor, pos: torch.Tensor,
+               validate: bool = True) -> torch.Tensor:
     """Physical rows (int64, pos's shape) of positions `pos` of requests `req` (broadcast together).
 
-    Raises ValueError when a position lies past its request's block table or in a block numbered < 0."""
+    Raises ValueError when a position lies past its request's block table or in a block numbered < 0.
+    `validate=False` skips those checks, which read device data on the host (CUDA-graph capture: the
+    runtime validated every position when it built the step)."""
     check_block_size(block_size)
     dev = pos.device
     tbl = block_table.to(device=dev, dtype=torch.int64)
@@ -40,11 +43,11 @@ def cache_rows(block_table: torch.Tensor, block_size: int, req: torch.Tensor, po
     pos = pos.to(torch.int64)
     req, pos = torch.broadcast_tensors(req, pos)
     logical = pos // block_size
-    if pos.numel() and int(logical.max()) >= tbl.shape[1]:
+    if validate and pos.numel() and int(logical.max()) >= tbl.shape[1]:
         raise ValueError(f"position {int(pos.max())} is past the block table's {tbl.shape[1]} blocks of "
                          f"{block_size} rows")
     blk = tbl[req, logical]
-    if bool((blk < 0).any()):
+    if validate and bool((blk < 0).any()):
         bad = (blk < 0).nonzero()[0].tolist()
         raise ValueError(f"position {int(pos[tuple(bad)])} of request {int(req[tuple(bad)])} maps to an "
                          f"unassigned block (block table entry -1)")

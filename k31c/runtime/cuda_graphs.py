@@ -33,6 +33,8 @@ from typing import Mapping, Sequence
 
 import torch
 
+from ir.ref.paging import cache_rows, write_rows
+
 from .reference import ReferenceRuntime
 from .step_metadata import StepMetadataBuilder, check_step
 
@@ -61,19 +63,11 @@ def width_bucket(blocks: int) -> int:
 
 # ---- sync-free versions of launches / references that read device data on the host --------------------
 def _cache_write_no_sync(a, at):
-    """cache_write without `cache_rows`' host-side validation (the runtime validated every position when
-    it built the step): pool row blk * bs + p % bs, blk = block_table[req, p // bs]; flat or block-view pool."""
+    """cache_write's reference without `cache_rows`' host-side validation (the runtime validated every
+    position when it built the step)."""
     bs = int(at["block_size"])
-    pos, req = a.token_pos.to(torch.int64), a.token_req.to(torch.int64)
-    blk = a.block_table.to(torch.int64)[req, pos // bs]
-    pool, vals = a.pool, a.values.to(a.pool.dtype)
-    if pool.element_size() == 1:  # fp8 / byte pools copied as bytes (CPU has no fp8 index_copy / index_put)
-        pool, vals = pool.view(torch.uint8), vals.view(torch.uint8)
-    if pool.dim() == vals.dim():
-        pool.index_copy_(0, blk * bs + pos % bs, vals)
-    else:  # [NB, bs, ...] block view (a page of a packed row: any block stride)
-        pool[blk, pos % bs] = vals
-    return a.pool
+    rows = cache_rows(a.block_table, bs, a.token_req, a.token_pos, validate=False)
+    return write_rows(a.pool, rows, a.values, bs, a.values.dim() - 1)
 
 
 GRAPH_SAFE_REFERENCE = {"cache_write": _cache_write_no_sync}

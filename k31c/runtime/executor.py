@@ -10,9 +10,9 @@ dequantised.
 CUDA graphs (`cuda_graphs=True`, honoured only on a cuda device; `k31c.runtime.cuda_graphs` captures
 and replays): while `static_context` is set (a graph's warm-up and capture), nothing may read device
 data on the host. Kernels then get `attrs["max_context"] = static_context` (the graph's context bound:
-table width x block size) instead of deriving the context from `token_pos.max()`, their tuning key
-sees that bound through a host copy of the positions, and op references that read device data on the
-host get the sync-free versions listed in `cuda_graphs.GRAPH_SAFE_REFERENCE`.
+table width x block size) instead of deriving the context from `token_pos.max()` (their tuning keys
+too, `_paging.context_bound`), and op references that read device data on the host get the sync-free
+versions listed in `cuda_graphs.GRAPH_SAFE_REFERENCE`.
 """
 
 from __future__ import annotations
@@ -125,12 +125,9 @@ class Executor(Interpreter):
         a = op.bind(args) if op is not None and n.body is None else SimpleNamespace(operands=args)
         attrs = op.full_attrs(n.attrs) if op is not None else dict(n.attrs)
         attrs["batch_invariant"] = self.batch_invariant
-        launch = t.launch
         if graph is not None:
-            attrs["max_context"] = self.static_context
-            key = t.key_dims(self._bound_for_key(n, op, args), attrs)
-        else:
-            key = t.key_dims(a, attrs)
+            attrs["max_context"] = self.static_context  # kernels and their keys read this, not token_pos
+        key = t.key_dims(a, attrs)
         bid = bucket_id(t, key)
         config = self.configs.get(bid)
         if config is None:
@@ -141,7 +138,7 @@ class Executor(Interpreter):
                 self.misses[bid] += 1
         self.calls[t.family] += 1
         try:
-            out = launch(a, attrs, config)
+            out = t.launch(a, attrs, config)
         except Exception as e:
             raise InterpreterError(f"kernel {t.kernel_name(config, key)} for {n.op} "
                                    f"({', '.join(o.ref for o in n.outputs)}) failed: {e}") from e
@@ -149,13 +146,6 @@ class Executor(Interpreter):
         if len(outs) != len(n.outputs):
             raise InterpreterError(f"kernel {t.family} returned {len(outs)} results for {n.op}, expected {len(n.outputs)}")
         return outs
-
-    def _bound_for_key(self, n: Node, op, args: list):
-        """The node's operands with `token_pos` replaced by a host tensor holding the graph's last position:
-        tuning keys that read the context length from it then see the bound without a device sync."""
-        host = torch.tensor([self.static_context - 1], dtype=torch.int64)
-        args = [host if v.name == "token_pos" else x for v, x in zip(n.inputs, args)]
-        return op.bind(args) if op is not None and n.body is None else SimpleNamespace(operands=args)
 
     def _batch_invariant_reference(self, n: Node, args: list, env: dict) -> list[torch.Tensor]:
         """Run a reference op so that no reduction order depends on the batch: ops over whole requests

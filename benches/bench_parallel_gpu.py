@@ -344,8 +344,15 @@ def merge(b: Bench):
 
 
 def capacity(b: Bench):
-    from k31c.plan.memory import capacity as plan_capacity
+    """Per DCP size: this rank's runtime (sharded weights only: the full ones it was cut from are dropped),
+    one max-batch prefill (head- or token-sharded as the cost model picks, as serving does) for its peak
+    transient memory, then the largest pool that fits what is left minus MARGIN_BYTES is allocated over
+    the same engine and a max-context request decodes in it. The plan's memory model is recorded beside."""
+    from k31c.parallel.prefill_choice import choose_prefill_function
+    from k31c.parallel.serving import use_local_cache_rows
+    from k31c.plan.memory import capacity as plan_capacity, memory_plan
     from k31c.plan.options import DEFAULTS as PLAN_DEFAULTS
+    from k31c.runtime.reference import ReferenceRuntime
 
     cfg = pair_config() if b.args.preset == "pair" else check_config()
     W = b.world
@@ -354,40 +361,53 @@ def capacity(b: Bench):
             return
         mb = min(b.args.capacity_prefill or PLAN_DEFAULTS["max_batched_tokens"], cfg.max_position_embeddings - 8)
         probe = b.runtime(cfg, tp=W, dcp=dcp, rows=mb + 1024, requests=4)
+        b._weights.clear()  # keep this rank's shard only, as a deployment does
+        b.free()
+        eng, plan_opts = probe.interp, probe.plan
         pool_bytes = sum(t.numel() * t.element_size() for n, t in probe.pools.items() if n not in probe.state_pools)
         per_row = pool_bytes / (probe.blocks.num_blocks * probe.block_size)  # bytes per local cache row
         state = sum(t[0].numel() * t.element_size() for n, t in probe.pools.items() if n in probe.state_pools)
-        plan = plan_capacity(probe.plan)
+        plan, mem = plan_capacity(plan_opts), memory_plan(plan_opts)
         probe.add_request("p", mb + 8)
         toks = torch.randint(0, cfg.vocab_size, (mb,)).tolist()
+        fn = choose_prefill_function(probe.module, [mb])
         if b.cuda:
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-        b.timed(lambda: probe.step("prefill", {"p": toks}))
-        if b.cuda:
-            free, _ = torch.cuda.mem_get_info()
-            transient = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()  # the prefill's peak
-            avail = free - transient - MARGIN_BYTES
-        else:
-            avail = 64 * 1024**2
+        b.timed(lambda: probe.step(fn, {"p": toks}))
         del probe
         b.free()
+        if b.cuda:
+            transient = torch.cuda.max_memory_allocated() - base  # the prefill's peak over what it started with
+            weights_bytes = torch.cuda.memory_allocated()            # the engine: weights and kernel state
+            free, total = torch.cuda.mem_get_info()
+            avail = free - transient - MARGIN_BYTES
+        else:
+            transient, weights_bytes, total, avail = 0, 0, 0, 64 * 1024**2
         slots = plan["state_slots_reserved"]
         rows = torch.tensor([int(max(0, avail - slots * state) // per_row)], device=b.device)
         dist.all_reduce(rows, op=dist.ReduceOp.MIN)  # every rank allocates the pool the tightest rank fits
         rows = int(rows)
-        rt = b.runtime(cfg, tp=W, dcp=dcp, rows=max(1, rows - slots * 64), requests=slots)
+        rt = ReferenceRuntime(eng.module, eng.weights, max_rows=max(1, rows - slots * 64), max_requests=slots,
+                              engine=eng)
+        use_local_cache_rows(rt, ParallelLayout(tp=W, dcp=dcp, ep=W, rank=b.rank))
         real_tokens = rt.blocks.num_blocks * rt.block_size * dcp
         cap = min(real_tokens - rt.block_size * dcp, cfg.max_position_embeddings)
         rt.add_request("long", cap)
         rt.requests["long"].length = cap - 2
         b.timed(lambda: rt.decode({"long": 5}))  # a max-context request is admitted and decodes
         b.record({"name": "capacity", "world": W, "tp": W, "dcp": dcp, "real_tokens": real_tokens,
-                  "real_bytes_per_local_row": per_row,
-                  "real_bytes_per_token_per_rank": per_row / dcp, "plan_tokens": plan["tokens"],
+                  "plan_tokens": plan["tokens"], "real_over_plan": real_tokens / max(1, plan["tokens"]),
+                  "real_bytes_per_local_row": per_row, "real_bytes_per_token_per_rank": per_row / dcp,
                   "plan_bytes_per_token_per_rank": plan["cache_bytes_per_token_per_rank"],
-                  "real_over_plan": real_tokens / max(1, plan["tokens"]), "one_request_of_tokens": cap,
-                  "state_slots": slots, "state_bytes_per_slot": state, "margin_bytes": MARGIN_BYTES})
-        del rt
+                  "real": {"device_bytes": total, "engine_bytes": weights_bytes, "prefill_transient_bytes": transient,
+                           "prefill_tokens": mb, "prefill_fn": fn, "margin_bytes": MARGIN_BYTES,
+                           "cache_bytes": rt.blocks.num_blocks * rt.block_size * per_row},
+                  "plan": {k: mem[k] for k in ("capacity_bytes", "weights_bytes", "activations_bytes",
+                                               "workspace_bytes", "reserve_bytes", "free_for_cache_bytes")},
+                  "one_request_of_tokens": cap, "state_slots": slots, "state_bytes_per_slot": state})
+        del rt, eng
         b.free()
 
 

@@ -158,6 +158,9 @@ def main():
                     help="torch.compile attempts in order: strict (fails on the reference: the KDA reference's "
                          "nonzero has a data-dependent shape), suppress (failing frames run eagerly)")
     ap.add_argument("--sections", default="graph_check,decode,reference_peer,prefill,torch_compile_peer")
+    ap.add_argument("--records", default="device",
+                    help="tuning store the compiled runs consult for buckets the artifact has no config for "
+                         "('device': this machine's default store; 'none': the declared heuristics only)")
     args = ap.parse_args()
     import triton
 
@@ -187,6 +190,13 @@ def main():
         "num_experts", "num_experts_per_token", "vocab_size", "index_topk", "experts_format")}}
     over = lambda: time.time() - rep.t0 > args.budget_s  # noqa: E731
     st = {}
+    if args.records != "none":
+        from autotune_cache.policy import MissPolicy
+        from autotune_cache.records import CacheStore
+
+        store = CacheStore() if args.records == "device" else CacheStore(args.records)
+        st["tuning"] = MissPolicy("fallback", store, target="h200")
+        doc["tuning_store"] = {"path": store.path, "records": len(store.records())}
 
     @rep.section
     def bandwidth():
@@ -223,7 +233,7 @@ def main():
         art, w = st["art"], st["weights"]
         if engine == "compiled":
             eng = Executor(art.module, w, art.choices, target="h200", configs=art.configs, compute_dtype=dtype,
-                           device=args.device, cuda_graphs=graphs)
+                           device=args.device, cuda_graphs=graphs, tuning=st.get("tuning"))
             rt = GraphedRuntime(art.module, w, max_rows=n_req * ctx, max_requests=n_req, engine=eng)
         else:
             rt = ReferenceRuntime(build_module(cfg, build_options(st["plan"])), w, max_rows=n_req * ctx,

@@ -39,7 +39,11 @@ from benches._report import BenchReport  # noqa: E402
 
 def _args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="k31-tiny")
+    ap.add_argument("--model", default="k31-tiny",
+                    help="preset or checkpoint; 'rank': the runtime bench's one-rank share of k31-pro "
+                         "(benches/bench_runtime_gpu.py) with random weights drawn on the device")
+    ap.add_argument("--shapes", default=None, metavar="JSON",
+                    help='capture step shapes, e.g. \'{"decode": {"R": 1}}\' (default: compile\'s)')
     ap.add_argument("--function", action="append", default=None, help="entry functions to tune (default decode)")
     ap.add_argument("--kernel", action="append", default=[])
     ap.add_argument("--trials", type=int, default=4)
@@ -93,7 +97,10 @@ def main():
         from k31c.cli import main as k31c_main
 
         t = time.perf_counter()
-        assert k31c_main(["compile", "--model", a.model, "--target", target, "-o", art]) == 0
+        if a.model == "rank":
+            _compile_rank(art, target, device)
+        else:
+            assert k31c_main(["compile", "--model", a.model, "--target", target, "-o", art]) == 0
         rep.doc["notes"].append(f"compiled {a.model} for {target} in {time.perf_counter() - t:.1f} s")
         import json
 
@@ -108,7 +115,7 @@ def main():
 
         args = SimpleNamespace(artifact=art, target=None, model=a.model, store=store,
                                function=a.function or ["decode"], kernel=a.kernel, bucket=None,
-                               shapes=None, trials=a.trials, timeout_s=a.timeout_s, repeats=None, study_db=None,
+                               shapes=a.shapes, trials=a.trials, timeout_s=a.timeout_s, repeats=None, study_db=None,
                                plot=plots, seed=0, json=None, no_progress=False)
         results, probs = run_tune(args, art, True, device, order=_round_robin, budget_s=a.budget_s)
         state["probs"] = {p.bid: p for p in probs or []}
@@ -187,6 +194,22 @@ def _reference_us(prob, device) -> float | None:
             fn()
             times.append((time.perf_counter() - t) * 1e6)
     return statistics.median(times)
+
+
+def _compile_rank(art: str, target: str, device: str):
+    """The runtime bench's rank preset compiled with its random weights (drawn on the device) stored."""
+    import json
+
+    from benches.bench_runtime_gpu import device_weights, rank_config
+    from k31c.compiler import CompileOptions, compile_model
+    from k31c.plan import plan_options
+
+    cfg = rank_config()
+    d = tempfile.mkdtemp()
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg.to_hf(), f)
+    compile_model(cfg, device_weights(cfg, device), art, CompileOptions(plan=plan_options(d, target=target)),
+                  model_source="bench rank preset")
 
 
 def _decode_step_ms(path: str, configs: dict, device: str) -> float:

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # The H200 benches in one call (device tool; run from the repository root). Each bench runs under its
 # own time limit and writes its JSON to $OUT; a failing or timed-out bench does not stop the others.
+# tuning_rank tunes the runtime bench's rank preset (decode, batch 1) into the repository's store, so a
+# later runtime section in the same call uses the records; the store is copied to $OUT. parallel needs
+# 2+ GPUs (kind nvidia-h200-x2 or larger; NVLink multicast off).
 #
-#   bash benches/h200_suite.sh [SECTION ...]     sections: tuning attention runtime moe kda (default: all)
+#   bash benches/h200_suite.sh [SECTION ...]     sections: tuning tuning_rank attention runtime moe kda parallel
+#                                                (default: tuning attention runtime moe kda)
 #
 # Wheels the H200 image lacks (fla-core, optuna, ...) are installed from .whl/ when it is present
-# (carry it). Limits in seconds: T_TUNING, T_ATTENTION, T_RUNTIME, T_MOE, T_KDA.
+# (carry it). Limits in seconds: T_TUNING, T_TUNING_RANK, T_ATTENTION, T_RUNTIME, T_MOE, T_KDA, T_PARALLEL.
 set -u
 OUT=${OUT:-/tmp/h200_suite}; mkdir -p "$OUT"
 if [ -d .whl ]; then
@@ -26,12 +30,18 @@ for s in $sections; do
   case $s in
     tuning) run tuning "${T_TUNING:-150}" python3 benches/bench_tuning.py --trials 4 --budget-s 70 --timeout-s 25 \
               --e2e-after-s 105 --store "$OUT/nvidia-h200.jsonl" ;;
+    tuning_rank) run tuning_rank "${T_TUNING_RANK:-240}" python3 benches/bench_tuning.py --model rank --function decode \
+              --shapes '{"decode": {"R": 1}}' --trials 5 --budget-s $(( ${T_TUNING_RANK:-240} - 60 )) --timeout-s 20 \
+              --no-e2e --store autotune_cache/records/nvidia-h200.jsonl
+              cp autotune_cache/records/nvidia-h200.jsonl "$OUT/" ;;
+    parallel) run parallel "${T_PARALLEL:-540}" python3 benches/bench_parallel_gpu.py --world 2 \
+              --budget-s $(( ${T_PARALLEL:-540} - 60 )) ${PARALLEL_ARGS:-} ;;
     attention) run attention "${T_ATTENTION:-120}" python3 benches/bench_attention.py --budget $(( ${T_ATTENTION:-120} - 25 ))
               [ -f "$OUT/attention.json" ] && rm -f "$OUT/attention.partial.json" ;;
     runtime) run runtime "${T_RUNTIME:-150}" python3 benches/bench_runtime_gpu.py --budget-s $(( ${T_RUNTIME:-150} - 20 )) \
               --compile-timeout-s 60 ;;
     moe) run moe "${T_MOE:-60}" env MOE_BENCH_SECTIONS=decode,layer MOE_BENCH_LAYER_T=64 python3 benches/bench_moe.py ;;
     kda) run kda "${T_KDA:-300}" env KDA_BENCH_BUDGET_S=$(( ${T_KDA:-300} - 30 )) python3 benches/bench_kda.py ;;
-    *) echo "unknown section $s (tuning attention runtime moe kda)" | tee -a "$OUT/suite.log" ;;
+    *) echo "unknown section $s (tuning tuning_rank attention runtime moe kda parallel)" | tee -a "$OUT/suite.log" ;;
   esac
 done

@@ -17,6 +17,7 @@ Layouts (world: TP = world):
     dense K3       W=2: DCP 2       W=4: DCP 2 (token-sharded prefill: T5 on a dense layer)     W=8: DCP 8
     local rows     TP = DCP = W: both requests fit a pool of 8 blocks that one process cannot fit them in
     T7 caches      W=4: NVFP4 latents + MXFP4 keys (flat pools) with DCP 2 and token-sharded prefill
+    query chunks   W=2: dcp_mla / dcp_mla_dense over chunks of 1-3 query tokens (a tiny CHUNK_ELEMENTS)
     leader         W=2: rank 0's LeaderRuntime forwards add_request / grow / verify / accept / release
 """
 
@@ -211,6 +212,28 @@ def check_quantised_caches_dcp(rank, world):
     return compare(serve(rt, token_sharded=True), "quant", rank, f"TP={world} {SUBGROUPS[world]} NVFP4+MXFP4")
 
 
+CHUNK_WORLDS = (2,)
+
+
+def check_dcp_query_chunks(rank, world):
+    """dcp_mla and dcp_mla_dense run in chunks of query tokens when a step's temporaries would pass
+    CHUNK_ELEMENTS (made tiny here: chunks of 1-3 tokens, so prefill steps of 16-32 tokens take many
+    rounds of collectives, each rank as many as the others); the logits still equal one process."""
+    if world not in CHUNK_WORLDS:
+        return {"max_rel_err": 0.0, "skipped": f"run at W in {CHUNK_WORLDS} only (time)"}
+    from k31c.parallel import dcp_attention
+
+    lay = ParallelLayout(tp=world, dcp=world, ep=world, rank=rank)
+    old, dcp_attention.CHUNK_ELEMENTS = dcp_attention.CHUNK_ELEMENTS, 3000
+    try:
+        assert dcp_attention.row_chunk(torch.tensor([39]), world, 100, 0, 0) == 1
+        errs = [compare(serve(sharded_runtime(name, lay)), name, rank, f"{name} TP=DCP={world} query chunks")
+                for name in ("par", "k3")]
+    finally:
+        dcp_attention.CHUNK_ELEMENTS = old
+    return {"max_rel_err": max(e["max_rel_err"] for e in errs)}
+
+
 def check_leader_replays_grow_verify_accept(rank, world):
     """Rank 0 drives a LeaderRuntime (as `k31c run` does through the engine), the other ranks `follow`:
     add_request with the engine's keywords, grow, verify + accept and release reach every rank (TP = DCP)."""
@@ -233,7 +256,7 @@ def check_leader_replays_grow_verify_accept(rank, world):
 
 DIST_CHECKS = [check_dcp_ep_subgroups, check_ep_subgroup_token_sharded, check_merge_free_prefill_in_dcp_subgroup,
                check_local_cache_rows, check_dense_mla_dcp, check_quantised_caches_dcp,
-               check_leader_replays_grow_verify_accept]
+               check_dcp_query_chunks, check_leader_replays_grow_verify_accept]
 BASELINE: dict = {}
 
 

@@ -193,8 +193,8 @@ def _mla_sparse_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, p
     BLOCK_N 64 / 4 warps ran 6x slower than PREFETCH 0 (144 registers of raw bytes: spills).
     PAGED: context entries are request positions, mapped to pool rows through the token's block-table
     row; otherwise they are pool rows already (a selection of rows)."""
-    h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
-    t = tl.program_id(1)
+    t = tl.program_id(0)  # tokens on grid axis 0 (up to 2**31 - 1; axes 1 and 2 stop at 65535)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     sp = tl.program_id(2)
     hm = h < H
     pos = tl.load(pos_ptr + t)
@@ -408,7 +408,7 @@ def sparse_latent_attention(q_abs, q_pe, latent, token_pos, paging, scale: float
         bs = int(block_size) if block_size is not None else (latent.shape[1] if latent.dim() == 3 else 1)
         log_bs = bs.bit_length() - 1
     sb, sr = pool_strides(lat, 1 << log_bs, 1, f"mla {latent_format} latent pool")
-    _mla_sparse_kernel[(-(-H // bh), T, nsplit)](
+    _mla_sparse_kernel[(T, -(-H // bh), nsplit)](
         q_abs.contiguous(), q_pe.contiguous(), lat, sel, tbl, req, MB, pos,
         po, plse, H, sel.shape[1] if selection is not None else 0, nsplit, chunk, sb, sr, scale * LOG2E,
         vs, ps, KV=KV, DR=DR, BLOCK_H=bh, BLOCK_N=bn, FMT=fmt,

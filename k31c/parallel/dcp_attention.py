@@ -21,6 +21,11 @@ dcp_mla for query token t of request q at position p_t (context 0..p_t, k_t = mi
 This equals SPEC §4 over Sel(t) (softmax is a convex combination; W_UV is linear). Dense MLA (K3,
 `dcp_mla_dense`) skips 1–2: Sel(t) = every position 0..p_t, so each rank attends over all it stores.
 Counters: MERGE_TRAFFIC accumulates dcp_topk's bytes per call (rows, first round, re-sent rows and bytes).
+
+Memory. Steps 1 and 4 gather every scored / selected row of the context per query token, so a step runs in
+chunks of query tokens whose temporaries stay under CHUNK_ELEMENTS elements (`row_chunk`; a short chunk
+appended to a long context under DCP would otherwise need T x L x (DI + heads) at once). The chunk size
+comes from the step's longest context, the same on every rank, so every rank runs the same collectives.
 """
 
 from __future__ import annotations
@@ -39,6 +44,25 @@ from .dcp_topk import dcp_topk, global_positions, local_count
 from .lse_combine import lse_combine
 
 MERGE_TRAFFIC: Counter = Counter()
+CHUNK_ELEMENTS = 1 << 30  # per chunk of query tokens: ~2 GiB of bf16 temporaries (4 GiB in fp32)
+
+
+def row_chunk(token_pos: torch.Tensor, world: int, per_position: int, per_selected: int, selected: int) -> int:
+    """Query tokens per chunk: each costs per_position elements for each of its (at most) ceil(ctx / W)
+    local positions plus per_selected for each of `selected` attended rows."""
+    if token_pos.numel() == 0:
+        return 1
+    ctx = int(token_pos.max()) + 1
+    per_row = -(-ctx // world) * per_position + selected * per_selected
+    return max(1, CHUNK_ELEMENTS // max(1, per_row))
+
+
+def _chunked(fn, n_rows: int, rows: int, per_token: dict, **fixed):
+    """fn over query-token chunks of `rows` (the per_token tensors sliced on dim 0), concatenated."""
+    if n_rows <= rows:
+        return fn(**per_token, **fixed)
+    return torch.cat([fn(**{k: v[s:s + rows] for k, v in per_token.items()}, **fixed)
+                      for s in range(0, n_rows, rows)])
 
 
 def owner_and_local(pos: torch.Tensor, world: int, interleave: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,6 +105,14 @@ def dcp_mla(q_nope, q_pe, latent, kv_b, iq, iq_scale, iw, keys, key_scale, token
     FP8 or MXFP4 (`key_format`), latents plain or NVFP4 (`latent_format`), read as the reference reads them."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     T = q_nope.shape[0]
+    heads = q_nope.shape[1] * world
+    rows = row_chunk(token_pos, world, keys.shape[-1] + iq.shape[1], heads + latent.shape[-1], topk)
+    if T > rows:
+        return _chunked(dcp_mla, T, rows, dict(q_nope=q_nope, q_pe=q_pe, iq=iq, iq_scale=iq_scale, iw=iw,
+                                               token_pos=token_pos, token_req=token_req),
+                        latent=latent, kv_b=kv_b, keys=keys, key_scale=key_scale, block_table=block_table,
+                        block_size=block_size, scale=scale, topk=topk, interleave=interleave, group=group,
+                        key_format=key_format, latent_format=latent_format)
     ctx_len = token_pos.to(device=q_nope.device, dtype=torch.int64) + 1
 
     # 1–2: local indexer scores, exact global top-k
@@ -104,6 +136,12 @@ def dcp_mla_dense(q_nope, q_pe, latent, kv_b, token_pos, token_req, block_table,
     takes the n_r(p_t + 1) of them it stores (steps 3–5 of the module docstring with Sel(t) = 0..p_t).
     Returns o [T, H/W, dv] of this rank's heads."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    rows = row_chunk(token_pos, world, q_nope.shape[1] * world + latent.shape[-1], 0, 0)
+    if q_nope.shape[0] > rows:
+        return _chunked(dcp_mla_dense, q_nope.shape[0], rows,
+                        dict(q_nope=q_nope, q_pe=q_pe, token_pos=token_pos, token_req=token_req),
+                        latent=latent, kv_b=kv_b, block_table=block_table, block_size=block_size, scale=scale,
+                        interleave=interleave, group=group, latent_format=latent_format)
     n_local = local_count(token_pos.to(device=q_nope.device, dtype=torch.int64) + 1, rank, world, interleave)
     L = int(n_local.max()) if n_local.numel() else 0
     gp = global_positions(rank, L, world, interleave, device=q_nope.device)

@@ -53,6 +53,11 @@ class Interpreter:
             self._params[name] = t
         return t
 
+    def node_param(self, n, name: str):
+        """The weight `name` as node `n` takes it: the reference takes every weight widened (`param`);
+        an engine whose kernels read packed weights overrides this."""
+        return self.param(name)
+
     def float_dtype(self, dtype_name: str) -> torch.dtype:
         """The torch dtype a value declared `dtype_name` is held in (a widened float or mxfp4)."""
         if dtype_name in ("f32", "f64") and self.compute_dtype in (torch.bfloat16, torch.float16):
@@ -96,7 +101,7 @@ class Interpreter:
                 last_use[v.name] = i
         keep = {v.name for v in f.outputs}
         for i, n in enumerate(f.nodes):
-            args = [self.param(v.name) if v.is_param else vals[v.name] for v in n.inputs]
+            args = [self.node_param(n, v.name) if v.is_param else vals[v.name] for v in n.inputs]
             outs = self._execute(n, args, env)
             for v, t in zip(n.outputs, outs):
                 if v.type.dtype.name in WIDENED_FLOATS and t.is_floating_point():

@@ -91,6 +91,17 @@ def test_dense_decode_over_the_causal_context(config):
     assert_close_rel(lse, _lse64(b, b["lat"]), 1e-5, "lse")
 
 
+def test_split_partials_in_token_slices_change_nothing(monkeypatch):
+    """With split contexts the partials are held for PARTIAL_BYTES at a time: a step of many tokens runs in
+    token slices (here 2 tokens each: a dense context of 40 is 3 chunks of 16), bitwise one launch's."""
+    b = _batch(4, [(40, 5), (33, 4), (18, 2)], with_selection=False)
+    whole = mla_sparse_decode(*_args(b), return_lse=True, config=ONE_PASS)
+    monkeypatch.setattr(sparse_mod, "PARTIAL_BYTES", 2 * H * 3 * (KV + 1) * 4)  # 3 splits: 2 tokens a slice
+    sliced = mla_sparse_decode(*_args(b), return_lse=True, config=ONE_PASS)
+    for w, s in zip(whole, sliced):
+        assert torch.equal(w, s)
+
+
 def test_selection_as_physical_rows():
     b = _batch(2, [(30, 2), (11, 1)])
     rows = torch.tensor([[paged_row(b["tbl"], b["bs"], int(r), s) if s >= 0 else -1 for s in row.tolist()]

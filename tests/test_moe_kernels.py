@@ -338,6 +338,10 @@ def test_tiny_model_through_the_fusion_pass_and_kernels():
         logits.append(rt.prefill({"r": tokens}))
     assert engine.calls["moe_latent_tail"] == moe_layers and engine.calls["moe_grouped_gemm"] == moe_layers
     assert_close_rel(logits[0], logits[1], 1e-4, "tiny model logits")
+    # the kernels took the experts packed: no widened copy of an MXFP4 weight is cached (on k31-pro shares
+    # that copy was 2-4x the packed bytes of every expert)
+    packed = {n for n, w in weights.items() if isinstance(w, PackedMXFP4)}
+    assert packed and not packed & set(engine._params), sorted(packed & set(engine._params))[:3]
 
 
 # ----------------------------------------------------------------------------- batch invariance

@@ -328,6 +328,9 @@ def _combine_kernel(po_ptr, plse_ptr, o_ptr, lse_ptr, NSPLIT, KV: tl.constexpr, 
 
 
 # ------------------------------------------------------------------------------------ host API
+PARTIAL_BYTES = 1 << 30  # split partials held at once (see sparse_latent_attention)
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1, n))))
 
@@ -393,8 +396,12 @@ def sparse_latent_attention(q_abs, q_pe, latent, token_pos, paging, scale: float
     lse = torch.empty(T, H, dtype=torch.float32, device=dev)
     if T == 0:
         return o, lse
-    po, plse = (o, lse) if nsplit == 1 else (torch.empty(T, H, nsplit, KV, dtype=torch.float32, device=dev),
-                                             torch.empty(T, H, nsplit, dtype=torch.float32, device=dev))
+    # split partials for at most PARTIAL_BYTES at a time: a long prefill runs in token slices (each token is
+    # computed alone, so slicing changes no result; a 128K-token step would otherwise hold T*H*nsplit*kv)
+    tb = T if nsplit == 1 else max(1, min(T, PARTIAL_BYTES // (H * nsplit * (KV + 1) * 4)))
+    if nsplit > 1:
+        po_all = torch.empty(tb, H, nsplit, KV, dtype=torch.float32, device=dev)
+        plse_all = torch.empty(tb, H, nsplit, dtype=torch.float32, device=dev)
     # FP8 pools through an fp8 pointer on the GPU (16-byte async copies the pipeliner can stream)
     lat = latent.view(torch.uint8 if fmt == 2 or _interpreting() else torch.float8_e4m3fn) if fmt > 0 else latent
     f32 = _interpreting() or (fmt == 0 and latent.dtype == torch.float32)
@@ -408,15 +415,21 @@ def sparse_latent_attention(q_abs, q_pe, latent, token_pos, paging, scale: float
         bs = int(block_size) if block_size is not None else (latent.shape[1] if latent.dim() == 3 else 1)
         log_bs = bs.bit_length() - 1
     sb, sr = pool_strides(lat, 1 << log_bs, 1, f"mla {latent_format} latent pool")
-    _mla_sparse_kernel[(T, -(-H // bh), nsplit)](
-        q_abs.contiguous(), q_pe.contiguous(), lat, sel, tbl, req, MB, pos,
-        po, plse, H, sel.shape[1] if selection is not None else 0, nsplit, chunk, sb, sr, scale * LOG2E,
-        vs, ps, KV=KV, DR=DR, BLOCK_H=bh, BLOCK_N=bn, FMT=fmt,
-        SPARSE=selection is not None, DOT_DT=dot_dt, PREC="ieee" if f32 else precision.low_bits(), SUB=int(cfg.get("SUB", 1)),
-        PAGED=paging is not None, LOG_BS=log_bs, PREFETCH=prefetch,
-        num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
-    if nsplit > 1:
-        _combine_kernel[(T * H,)](po, plse, o, lse, nsplit, KV=KV, NSP2=_pow2(nsplit), num_warps=4)
+    qa, qp = q_abs.contiguous(), q_pe.contiguous()
+    for t0 in range(0, T, tb):
+        t1 = min(T, t0 + tb)
+        po, plse = (o[t0:t1], lse[t0:t1]) if nsplit == 1 else (po_all[:t1 - t0], plse_all[:t1 - t0])
+        _mla_sparse_kernel[(t1 - t0, -(-H // bh), nsplit)](
+            qa[t0:t1], qp[t0:t1], lat, sel[t0:t1] if selection is not None else sel, tbl,
+            req[t0:t1] if paging is not None else req, MB, pos[t0:t1],
+            po, plse, H, sel.shape[1] if selection is not None else 0, nsplit, chunk, sb, sr, scale * LOG2E,
+            vs, ps, KV=KV, DR=DR, BLOCK_H=bh, BLOCK_N=bn, FMT=fmt,
+            SPARSE=selection is not None, DOT_DT=dot_dt, PREC="ieee" if f32 else precision.low_bits(),
+            SUB=int(cfg.get("SUB", 1)), PAGED=paging is not None, LOG_BS=log_bs, PREFETCH=prefetch,
+            num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
+        if nsplit > 1:
+            _combine_kernel[((t1 - t0) * H,)](po, plse, o[t0:t1], lse[t0:t1], nsplit, KV=KV, NSP2=_pow2(nsplit),
+                                              num_warps=4)
     return o, lse
 
 

@@ -83,8 +83,9 @@ def dcp_cache_write(pool, values, token_req, token_pos, block_table, *, block_si
     return pool
 
 
-def _local_scores(q, w, keys, token_req, block_table, block_size, n_local):
-    """scores [T, max n_local] of this rank's local context rows (columns >= n_local[t] are −inf)."""
+def _local_scores(q, w, keys, key_scale, key_format, token_req, block_table, block_size, n_local):
+    """scores [T, max n_local] of this rank's local context rows (columns >= n_local[t] are −inf); only the
+    gathered rows' keys are dequantised (the pool is never widened whole)."""
     T = q.shape[0]
     L = int(n_local.max()) if T else 0
     li = torch.arange(L, device=q.device, dtype=torch.int64)
@@ -92,7 +93,9 @@ def _local_scores(q, w, keys, token_req, block_table, block_size, n_local):
     if L == 0:
         return q.new_full((T, 0), float("-inf")), valid
     rows = cache_rows(block_table, block_size, token_req.to(torch.int64)[:, None], torch.where(valid, li, 0))
-    kk = read_rows(keys, rows, block_size)                              # [T, L, DI]
+    kk = dequantize_index_keys(read_rows(keys, rows, block_size),
+                               read_rows(key_scale, rows, block_size, 0 if key_format == "fp8" else 1),
+                               key_format).to(w.dtype)                  # [T, L, DI]
     logits = torch.relu(torch.einsum("bjd,bld->bjl", q, kk))
     sc = torch.einsum("bj,bjl->bl", w, logits)
     return sc.masked_fill(~valid, float("-inf")), valid
@@ -117,9 +120,8 @@ def dcp_mla(q_nope, q_pe, latent, kv_b, iq, iq_scale, iw, keys, key_scale, token
 
     # 1–2: local indexer scores, exact global top-k
     q = dequantize_fp8(iq, iq_scale).to(iw.dtype)
-    k = dequantize_index_keys(keys, key_scale, key_format).to(iw.dtype)
     n_local = local_count(ctx_len, rank, world, interleave)
-    scores, _ = _local_scores(q, iw, k, token_req, block_table, block_size, n_local)
+    scores, _ = _local_scores(q, iw, keys, key_scale, key_format, token_req, block_table, block_size, n_local)
     if scores.shape[1] == 0:  # no rank-local context in the whole step: one dummy column keeps shapes
         scores = scores.new_full((T, 1), float("-inf"))
     res = dcp_topk(scores.float(), topk, ctx_len=ctx_len, interleave=interleave, group=group)

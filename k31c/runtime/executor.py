@@ -119,8 +119,6 @@ class Executor(Interpreter):
             if self.batch_invariant and n.body is None:
                 return self._batch_invariant_reference(n, args, env)
             return super()._execute(n, args, env)
-        args = [self._packed_param(v.name) if v.is_param and isinstance(self.weights.get(v.name), PackedMXFP4)
-                else a for v, a in zip(n.inputs, args)]
         op = OPS.get(n.op)
         a = op.bind(args) if op is not None and n.body is None else SimpleNamespace(operands=args)
         attrs = op.full_attrs(n.attrs) if op is not None else dict(n.attrs)
@@ -182,6 +180,13 @@ class Executor(Interpreter):
                 pieces.append(super()._execute(n, part, env))
         token_out = [o.type.rank and o.type.shape[0] == self._token_dim for o in n.outputs]
         return [torch.cat([p[j] for p in pieces]) if is_tok else pieces[-1][j] for j, is_tok in enumerate(token_out)]
+
+    def node_param(self, n: Node, name: str):
+        """A kernel node takes MXFP4 weights packed (never widened: a widened copy of every expert would
+        be cached for nothing, 2-4x the packed bytes); reference fallbacks take them widened."""
+        if id(n) in self._kernel and isinstance(self.weights.get(name), PackedMXFP4):
+            return self._packed_param(name)
+        return self.param(name)
 
     def _packed_param(self, name: str) -> PackedMXFP4:
         if name not in self._packed:

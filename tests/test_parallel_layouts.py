@@ -279,6 +279,20 @@ def test_dcp_capacity_is_world_times_one_process(results, world):
     assert info["blocks_per_request"] == -(-(-(-CAPACITY // world)) // OPTS.block_size)
 
 
+def test_weight_shards_do_not_hold_the_full_tensors():
+    """A rank's shard owns storage of its own size: once the full checkpoint is dropped, only 1/TP of each
+    split weight stays (a view would keep every full tensor alive on every rank)."""
+    lay = ParallelLayout(tp=2, ep=2, rank=1)
+    m = shard_module(build_module(PAR_CFG, OPTS), lay)
+    w = shard_weights(m, weights("par"), tp_rank=1, ep_rank=1)
+    split = [n for n, p in m.params.items() if "tp_parts" in p.attrs or "ep_parts" in p.attrs]
+    assert split
+    for n in split:
+        t = w[n]
+        for part in ((t.packed, t.scales) if hasattr(t, "packed") else (t,)):
+            assert part.untyped_storage().nbytes() == part.numel() * part.element_size(), n
+
+
 def test_group_ranks_are_runs_of_consecutive_ranks():
     g = group_ranks(8, dcp=2, ep=4)
     assert g["tp"] == [list(range(8))]

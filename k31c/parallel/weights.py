@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Mapping
 
+import torch
+
 from ir.core import Module
 from ir.packed import PackedMXFP4
 
@@ -27,7 +29,8 @@ def _block(t, dim: int, parts: int, rank: int, name: str):
     n = t.shape[dim]
     if n % parts:
         raise ValueError(f"@{name}: dim {dim} = {n} is not divisible by {parts}")
-    return t.narrow(dim, rank * (n // parts), n // parts).contiguous()
+    # a copy, not a view: a view would keep the full tensor's storage alive on every rank
+    return t.narrow(dim, rank * (n // parts), n // parts).clone(memory_format=torch.contiguous_format)
 
 
 def shard_weights(module: Module, weights: Mapping, tp_rank: int = 0, ep_rank: int = 0) -> dict:

@@ -232,8 +232,11 @@ def main():
     def runtime(ctx, n_req, graphs=True, engine="compiled", ref_dtype=None):
         art, w = st["art"], st["weights"]
         if engine == "compiled":
-            eng = Executor(art.module, w, art.choices, target="h200", configs=art.configs, compute_dtype=dtype,
-                           device=args.device, cuda_graphs=graphs, tuning=st.get("tuning"))
+            # with a tuning store, every bucket resolves through it (record, else the heuristic, counted):
+            # the fresh artifact's configs are compile-time heuristics that would shadow the records
+            eng = Executor(art.module, w, art.choices, target="h200", compute_dtype=dtype, device=args.device,
+                           configs=art.configs if "tuning" not in st else {}, cuda_graphs=graphs,
+                           tuning=st.get("tuning"))
             rt = GraphedRuntime(art.module, w, max_rows=n_req * ctx, max_requests=n_req, engine=eng)
         else:
             rt = ReferenceRuntime(build_module(cfg, build_options(st["plan"])), w, max_rows=n_req * ctx,

@@ -36,6 +36,17 @@ def _add_model_args(p: argparse.ArgumentParser, required: bool = True):
     p.add_argument("--device", default="cpu", help="torch device for the reference interpreter (cpu, cuda)")
 
 
+def _add_tuning_args(p: argparse.ArgumentParser):
+    g = p.add_argument_group("kernel configs (artifacts): tuned in the artifact > tuning store record > miss policy")
+    g.add_argument("--miss-policy", choices=("readonly", "fallback", "tune"), default="fallback",
+                   help="a kernel shape bucket with no tuned config and no record: readonly = stop with the "
+                        "`k31c tune` command that makes it; fallback = the kernel's declared heuristic, counted "
+                        "and reported (default); tune = tune it now and store the record")
+    g.add_argument("--tuning-store", default=None,
+                   help="tuning records (JSON lines; default: this device's store, autotune_cache/records/"
+                        "<device>.jsonl or $K31C_TUNING_CACHE)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .model.init_weights import add_init_weights_parser
     from .parallel.launch import add_launch_args
@@ -69,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on a GPU, JIT-compile kernels the artifact has no stored binary for (else refuse)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="on a GPU, replay decode steps as CUDA graphs per batch-size bucket (artifacts only)")
+    _add_tuning_args(p)
     add_launch_args(p)
     p.set_defaults(func=cmd_run)
 
@@ -82,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on a GPU, JIT-compile kernels the artifact has no stored binary for (else refuse)")
     p.add_argument("--decode-from", type=int, default=None,
                    help="prefill the first N tokens, compute the rest by decode steps")
+    _add_tuning_args(p)
     add_launch_args(p)
     p.set_defaults(func=cmd_logits)
 

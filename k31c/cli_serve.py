@@ -65,9 +65,10 @@ def _resolve_source(args, artifact: str | None, problems: list[str]) -> _Source 
 
         def make(rows, requests):
             def build(module, weights):
-                engine = Executor(module, weights, art.choices, target=target, configs=art.configs,
+                policy = _miss_policy(args, artifact, target, module, weights, art.choices, dtype)
+                engine = Executor(module, weights, art.choices, target=target, configs=_tuned_configs(art),
                                   batch_invariant=art.manifest["options"].get("batch_invariant", False),
-                                  compute_dtype=dtype, device=args.device,
+                                  compute_dtype=dtype, device=args.device, tuning=policy,
                                   cuda_graphs=bool(getattr(args, "cuda_graphs", False)))
                 runtime = GraphedRuntime if engine.cuda_graphs else ReferenceRuntime
                 return runtime(module, weights, max_rows=rows, max_requests=requests, engine=engine)
@@ -90,6 +91,45 @@ def _resolve_source(args, artifact: str | None, problems: list[str]) -> _Source 
         return parallel_runtime(getattr(args, "parallel", None), build_module(model.config), model.weights, build)
 
     return _Source(model.config, f"{model.source}, reference interpreter ({args.dtype}, {args.device})", make)
+
+
+_POLICIES: list = []  # this process's miss policies, reported when the command ends (_say_tuning)
+
+
+def _tuned_configs(art) -> dict:
+    """The artifact's configs that `k31c tune` measured; its compile-time entries are the declared
+    heuristics at representative shapes, which the store's records (and the miss policy) override."""
+    return {b: c for b, c in art.configs.items() if art.config_sources.get(b) == "tuned"}
+
+
+def _miss_policy(args, artifact: str, target: str, module, weights, choices, dtype):
+    """The MissPolicy of --miss-policy over --tuning-store (a `tune` policy tunes on this device)."""
+    from autotune_cache import CacheStore, MissPolicy
+
+    tuner = None
+    if args.miss_policy == "tune":
+        from autotune_cache.tuner import make_tuner
+
+        tuner = make_tuner(module, weights, choices, target=target, device=args.device, compute_dtype=dtype,
+                           study_db=os.path.join(artifact, "tuning", "studies.db"))
+    store = CacheStore(args.tuning_store) if args.tuning_store else CacheStore()
+    policy = MissPolicy(args.miss_policy, store, target=target, artifact=artifact, tuner=tuner)
+    _POLICIES.append(policy)
+    return policy
+
+
+def _say_tuning():
+    """Where the kernel configs came from: records, heuristics (misses, with the command that tunes them)."""
+    for pol in _POLICIES:
+        st = pol.stats()
+        hits, misses = sum(st["record_launches"].values()), st["config_misses"]
+        line = (f"kernel configs: {hits} launches from {len(st['record_launches'])} tuning records in {st['store']}, "
+                f"{sum(misses.values())} from declared heuristics ({len(misses)} buckets without a record)")
+        if st["tuned"]:
+            line += f", {len(st['tuned'])} buckets tuned now"
+        if misses:
+            line += f"; tune them: k31c tune {pol.artifact}"
+        _say(line)
 
 
 def _say_aot():
@@ -127,6 +167,7 @@ def cmd_logits(args) -> int:
     save_file({"logits": logits}, args.out, metadata={"model": src.description, "tokens": ",".join(map(str, tokens)),
                                                       "decode_from": str(n)})
     _say(f"wrote {args.out}: logits fp32 {list(logits.shape)}")
+    _say_tuning()
     _say_aot()
     return 0
 
@@ -197,5 +238,6 @@ def cmd_run(args) -> int:
     _say(f"generated {sum(map(len, outs))} tokens in {dt:.2f} s ({st['steps']} engine steps, "
          f"{st['preemptions']} preemptions" + (f", prefix-cache hit rates {st['prefix_cache']['hit_rate']}"
                                                 if "prefix_cache" in st else "") + ")")
+    _say_tuning()
     _say_aot()
     return 0

@@ -80,6 +80,7 @@ class Artifact:
     configs: dict
     weights: dict | None
     manifest: dict = field(default_factory=dict)
+    config_sources: dict = field(default_factory=dict)  # bucket id -> "heuristic" (compile) | "tuned" (k31c tune)
 
 
 def compile_model(config: ModelConfig, weights: dict | None, out_dir: str, opts: CompileOptions,
@@ -123,7 +124,8 @@ def compile_model(config: ModelConfig, weights: dict | None, out_dir: str, opts:
                                          "latent_cache": p.latent_cache, "key_cache": p.key_cache}})
     summary = f"{result.table()}\n{report}"  # with pass timings; the artifact itself has none
     art = Artifact(out_dir, module, choices, {k: v["config"] for k, v in configs.items()}, weights,
-                   json.load(open(os.path.join(out_dir, "manifest.json"), encoding="utf-8")))
+                   json.load(open(os.path.join(out_dir, "manifest.json"), encoding="utf-8")),
+                   {k: v.get("source", "heuristic") for k, v in configs.items()})
     return art, summary
 
 
@@ -172,7 +174,8 @@ def load_artifact(path: str, with_weights: bool = True, check_live: bool = True)
     wpath = os.path.join(path, "weights", "model.safetensors")
     if with_weights and os.path.isfile(wpath):
         weights = load_weights(wpath)
-    return Artifact(path, module, choices, {k: v["config"] for k, v in configs.items()}, weights, manifest)
+    return Artifact(path, module, choices, {k: v["config"] for k, v in configs.items()}, weights, manifest,
+                    {k: v.get("source", "heuristic") for k, v in configs.items()})
 
 
 def artifact_config(path: str) -> ModelConfig:

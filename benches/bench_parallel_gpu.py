@@ -294,11 +294,37 @@ def decode(b: Bench):
                 ts = sorted(b.timed(lambda: rt.decode(toks)) * 1e3 for _ in range(steps))
                 for r in rt.requests.values():
                     r.length = start
-                b.record({"name": "decode", "layout": name, "context": ctx, "batch": bs, "median_ms": ts[len(ts) // 2],
-                          "min_ms": ts[0], "graphs": False,
-                          "cache_blocks_per_request": len(rt.blocks_of("r0"))})
+                m = {"name": "decode", "layout": name, "context": ctx, "batch": bs, "median_ms": ts[len(ts) // 2],
+                     "min_ms": ts[0], "graphs": False, "cache_blocks_per_request": len(rt.blocks_of("r0"))}
+                if b.args.profile:
+                    m["profile"] = profile_step(b, lambda: rt.decode(toks))
+                    for r in rt.requests.values():
+                        r.length = start
+                b.record(m)
             del rt
             b.free()
+
+
+def profile_step(b: Bench, fn, top: int = 12) -> dict:
+    """One call of fn under torch.profiler: the ops with the most self time on the host and on the device
+    (where a step's time goes: launches, host syncs, or kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if b.cuda else [])
+    b.sync()
+    with profile(activities=acts) as prof:
+        fn()
+        b.sync()
+    ev = prof.key_averages()
+    dev_attr = "self_device_time_total" if hasattr(ev[0], "self_device_time_total") else "self_cuda_time_total"
+    row = lambda e, t: {"op": e.key, "calls": e.count, "self_us": round(getattr(e, t), 1)}  # noqa: E731
+    out = {"host_top": [row(e, "self_cpu_time_total") for e in
+                        sorted(ev, key=lambda e: -e.self_cpu_time_total)[:top]],
+           "host_total_us": round(sum(e.self_cpu_time_total for e in ev), 1)}
+    if b.cuda:
+        out["device_top"] = [row(e, dev_attr) for e in sorted(ev, key=lambda e: -getattr(e, dev_attr))[:top]]
+        out["device_total_us"] = round(sum(getattr(e, dev_attr) for e in ev), 1)
+    return out
 
 
 def generic_merge(local_scores: torch.Tensor, k: int, world: int, rank: int):
@@ -449,6 +475,8 @@ def main():
     p.add_argument("--decode-contexts", default="32768,131072")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--decode-steps", type=int, default=5)
+    p.add_argument("--profile", action="store_true",
+                   help="decode: also record one step under torch.profiler per layout and batch (top ops)")
     p.add_argument("--merge-topk", type=int, default=2048)
     p.add_argument("--merge-reps", type=int, default=20)
     p.add_argument("--capacity-prefill", type=int, default=0,

@@ -52,6 +52,7 @@ if not torch.cuda.is_available():  # before triton's first import
 
 import torch.distributed as dist  # noqa: E402
 
+from benches._parallel_tools import generic_merge, profile_step  # noqa: E402
 from benches._report import BenchReport  # noqa: E402
 from benches.bench_runtime_gpu import device_weights, fill_random  # noqa: E402
 from k31c.parallel.launch import add_launch_args, launch_main  # noqa: E402
@@ -297,53 +298,12 @@ def decode(b: Bench):
                 m = {"name": "decode", "layout": name, "context": ctx, "batch": bs, "median_ms": ts[len(ts) // 2],
                      "min_ms": ts[0], "graphs": False, "cache_blocks_per_request": len(rt.blocks_of("r0"))}
                 if b.args.profile:
-                    m["profile"] = profile_step(b, lambda: rt.decode(toks))
+                    m["profile"] = profile_step(lambda: rt.decode(toks), b.cuda)
                     for r in rt.requests.values():
                         r.length = start
                 b.record(m)
             del rt
             b.free()
-
-
-def profile_step(b: Bench, fn, top: int = 12) -> dict:
-    """One call of fn under torch.profiler: the ops with the most self time on the host and on the device
-    (where a step's time goes: launches, host syncs, or kernels)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if b.cuda else [])
-    b.sync()
-    with profile(activities=acts) as prof:
-        fn()
-        b.sync()
-    ev = prof.key_averages()
-    dev_attr = "self_device_time_total" if hasattr(ev[0], "self_device_time_total") else "self_cuda_time_total"
-    row = lambda e, t: {"op": e.key, "calls": e.count, "self_us": round(getattr(e, t), 1)}  # noqa: E731
-    out = {"host_top": [row(e, "self_cpu_time_total") for e in
-                        sorted(ev, key=lambda e: -e.self_cpu_time_total)[:top]],
-           "host_total_us": round(sum(e.self_cpu_time_total for e in ev), 1)}
-    if b.cuda:
-        out["device_top"] = [row(e, dev_attr) for e in sorted(ev, key=lambda e: -getattr(e, dev_attr))[:top]]
-        out["device_total_us"] = round(sum(getattr(e, dev_attr) for e in ev), 1)
-    return out
-
-
-def generic_merge(local_scores: torch.Tensor, k: int, world: int, rank: int):
-    """Baseline: every rank all-gathers its local top-k as (key, global position) int32 pairs; each rank
-    selects the global top-k (ties to the lower position) from the union. Returns positions [rows, k]."""
-    from k31c.parallel.dcp_topk import _composite, all_gather_concat, global_positions, order_keys
-
-    rows, n = local_scores.shape
-    kk = min(k, n)
-    keys = order_keys(local_scores)
-    top = torch.topk(keys, kk, dim=1)
-    pos = global_positions(rank, n, world, 1, device=keys.device)[top.indices]
-    send = torch.stack([top.values, pos.to(torch.int32)], 2).contiguous()      # [rows, kk, 2]
-    recv = torch.empty((world * rows, kk, 2), dtype=torch.int32, device=keys.device)
-    all_gather_concat(recv, send, group=None)
-    u = recv.view(world, rows, kk, 2).permute(1, 0, 2, 3).reshape(rows, world * kk, 2)
-    comp = _composite(u[..., 0], u[..., 1])
-    sel = torch.topk(comp, k, dim=1).indices
-    return u[..., 1].gather(1, sel)
 
 
 def merge(b: Bench):
@@ -362,7 +322,11 @@ def merge(b: Bench):
                 fn()
                 res[name] = statistics.median(b.timed(fn) * 1e3 for _ in range(b.args.merge_reps))
             r = dcp_topk(s, k)
-            b.record({"name": "merge", "world": W, "context": ctx, "rows": rows, "k": k,
+            parts = [torch.empty_like(r.own_positions) for _ in range(W)]
+            dist.all_gather(parts, r.own_positions)  # the exact selection, every rank's share
+            exact = torch.sort(torch.where(torch.cat(parts, 1) >= 0, torch.cat(parts, 1), 1 << 62), 1).values[:, :k]
+            same = bool(torch.equal(exact, torch.sort(generic_merge(s, k, W, b.rank).long(), 1).values))
+            b.record({"name": "merge", "world": W, "context": ctx, "rows": rows, "k": k, "same_selection": same,
                       "exact_ms": res["exact one-round"], "generic_ms": res["generic all-gather"],
                       "exact_first_round_B_per_row": W * candidates_per_rank(k, W) * 4,
                       "exact_resend_rows": r.resend_rows, "exact_resend_B_per_row": r.resend_bytes / rows,

@@ -173,6 +173,15 @@ def test_k31_tiny_decode_flops(k31):
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     ell = cfg.routed_expert_hidden_size
     assert sympy.simplify(moe - n_moe * 6 * R * cfg.num_experts_per_token * cfg.moe_intermediate_size * ell) == 0
+    # expert bytes: a decode step of R tokens reads at most R*K of the E experts' weights, never more than all
+    node = next(n for n in f.nodes if n.op == "moe_experts")
+    w_bytes = sum(float(v.type.nbytes()) for v in node.inputs[3:])
+    by = node_cost(node)[1]
+    E, K = cfg.num_experts, cfg.num_experts_per_token
+    fixed = float(by.subs(R, 1)) - w_bytes * K / E
+    assert 0 < fixed < w_bytes * K / E  # per-token activations, routing and output: small beside the experts
+    assert abs(float(by.subs(R, 2)) - 2 * fixed - w_bytes * min(1, 2 * K / E)) < 1e-6
+    assert abs(float(by.subs(R, 64)) - 64 * fixed - w_bytes) < 1e-6  # 64*K > E: every expert once
 
 
 def test_dense_mla_flops_grow_with_context():

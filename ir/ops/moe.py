@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sympy
+
 from ..core import TensorType
 from ..dtypes import f32, i64
 from ..ref import moe as ref
@@ -40,8 +42,17 @@ def _experts_infer(a, at):
     return [a.z.with_dtype(f32)]  # the weighted expert sum is accumulated and kept in fp32 (SPEC §6)
 
 
+def _experts_bytes(a, o, at):
+    """Activations, routing and output, plus the experts' weights scaled by min(1, T·K/E): a step of T tokens
+    with K experts each reads at most T·K of the E experts (a decode step reads K, not E)."""
+    t, k = a.ids.shape
+    touched = sympy.Min(1, sympy.sympify(t) * k / a.w1.shape[0])
+    return (a.z.nbytes() + a.weights.nbytes() + a.ids.nbytes() + o[0].nbytes()
+            + (a.w1.nbytes() + a.w2.nbytes() + a.w3.nbytes()) * touched)
+
+
 defop("moe_experts", ["z", "weights", "ids", "w1", "w2", "w3"], ["y"], _experts_infer,
       lambda a, at: ref.moe_experts(a.z, a.weights, a.ids, a.w1, a.w2, a.w3, at["act"], at["beta1"], at["beta2"]),
       attrs={"act": attr(str), "beta1": attr(float, default=1.0), "beta2": attr(float, type(None), default=None)},
-      flops=lambda a, o, at: 6 * a.ids.numel() * a.w1.shape[1] * a.w1.shape[2],
+      flops=lambda a, o, at: 6 * a.ids.numel() * a.w1.shape[1] * a.w1.shape[2], bytes=_experts_bytes,
       doc="y = sum_k weights[:,k] * W2_e act(W1_e z, W3_e z), e = ids[:,k]")

@@ -18,6 +18,11 @@ The fused op (`a.operands` in this order):
   result: y [T, H*dv] (o_latent's dtype), y[t, h*dv + v] = (sum_k W_UV^h[v, k] o~[t, h, k]) * sigmoid(gate[t, h*dv + v])
 One GEMM per head with the gate applied in its epilogue: o (H*dv per token) never goes to memory.
 
+Under DCP (after shard_dcp) the attention is `dcp_mla` / `dcp_mla_dense` (this rank's H/W heads, their
+absorbed output [T, H/W, dv] after the LSE combine); the same pattern matches it and the rewrite sets its
+form="latent" (it then returns o~ [T, H/W, kv] of this rank's heads, before its own W_UV), so the value
+projection + gate of a DCP layer run as the same fused kernel. Operand 3 is kv_b in all three ops.
+
 Decompressed form (prefill): left unfused — there W_UV is applied per context token inside the
 attention (v = W_UV c), so there is no value projection after it to fuse; the gate stays a sigmoid and a
 mul. Layers without an output gate (Kimi-Linear) are left unchanged (mla_attention stays absorbed).
@@ -77,5 +82,8 @@ def _rewrite(fn: Function, mla: Node) -> bool:
     return True
 
 
+ATTENTION_OPS = ("mla_attention", "dcp_mla", "dcp_mla_dense")  # absorbed output [T, H, dv]; kv_b is operand 3
+
+
 def run(module: Module, ctx: PassContext) -> int:
-    return rewrite_each(module, ctx, NAME, "mla_attention", _rewrite)
+    return sum(rewrite_each(module, ctx, NAME, op, _rewrite) for op in ATTENTION_OPS)

@@ -18,6 +18,7 @@ Layouts (world: TP = world):
     local rows     TP = DCP = W: both requests fit a pool of 8 blocks that one process cannot fit them in
     T7 caches      W=4: NVFP4 latents + MXFP4 keys (flat pools) with DCP 2 and token-sharded prefill
     query chunks   W=2: dcp_mla / dcp_mla_dense over chunks of 1-3 query tokens (a tiny CHUNK_ELEMENTS)
+    value gate     W=2: dcp_mla / dcp_mla_dense in form "latent" + fused.value_gate (the value_gate pass)
     leader         W=2: rank 0's LeaderRuntime forwards add_request / grow / verify / accept / release
 """
 
@@ -234,6 +235,25 @@ def check_dcp_query_chunks(rank, world):
     return {"max_rel_err": max(e["max_rel_err"] for e in errs)}
 
 
+def check_value_gate_under_dcp(rank, world):
+    """The value_gate fusion on DCP attention (dcp_mla form "latent" + fused.value_gate, run by the fused
+    op's reference body here), sparse (par) and dense (K3): logits still equal one process."""
+    if world not in CHUNK_WORLDS:
+        return {"max_rel_err": 0.0, "skipped": f"run at W in {CHUNK_WORLDS} only (time)"}
+    from passes import value_gate
+    from passes.base import PassContext
+
+    lay = ParallelLayout(tp=world, dcp=world, ep=world, rank=rank)
+    errs = []
+    for name in ("par", "k3"):
+        build_groups(lay.tp, lay.dcp, lay.ep)
+        m = shard_module(build_module(*MODELS[name]), lay)
+        assert value_gate.run(m, PassContext()) > 0 and m.op_counts("decode")["fused.value_gate"] == 1
+        rt = runtime(m, shard_weights(m, weights(name), tp_rank=rank, ep_rank=lay.ep_rank), lay)
+        errs.append(compare(serve(rt), name, rank, f"{name} TP=DCP={world} value gate fused")["max_rel_err"])
+    return {"max_rel_err": max(errs)}
+
+
 def check_leader_replays_grow_verify_accept(rank, world):
     """Rank 0 drives a LeaderRuntime (as `k31c run` does through the engine), the other ranks `follow`:
     add_request with the engine's keywords, grow, verify + accept and release reach every rank (TP = DCP)."""
@@ -256,7 +276,7 @@ def check_leader_replays_grow_verify_accept(rank, world):
 
 DIST_CHECKS = [check_dcp_ep_subgroups, check_ep_subgroup_token_sharded, check_merge_free_prefill_in_dcp_subgroup,
                check_local_cache_rows, check_dense_mla_dcp, check_quantised_caches_dcp,
-               check_dcp_query_chunks, check_leader_replays_grow_verify_accept]
+               check_dcp_query_chunks, check_value_gate_under_dcp, check_leader_replays_grow_verify_accept]
 BASELINE: dict = {}
 
 

@@ -112,3 +112,24 @@ def test_k31_tiny_fires_per_decode_mla_layer_and_keeps_numerics():
 
 def test_kimi_linear_has_no_output_gate():
     assert rewritten("kimi-linear-tiny", NAME)[1].counters[NAME] == 0
+
+
+def test_dcp_attention_is_fused_too():
+    """After shard_dcp the attention is dcp_mla (head-sharded prefill, decode, verify): the same pattern, the
+    op returns this rank's o~ (form "latent") and the fused value gate applies W_UV and the gate. Numerics
+    under a DCP group: tests/test_parallel_layouts.py::check_value_gate_under_dcp."""
+    from k31c.model.build import build_module
+    from k31c.parallel.serving import ParallelLayout, shard_module
+    from passes import value_gate
+    from passes.base import PassContext
+    from tests.test_parallel_model import PAR_CFG
+
+    m = shard_module(build_module(PAR_CFG), ParallelLayout(tp=2, dcp=2, ep=2))
+    sites = {fn: m.op_counts(fn).get("dcp_mla", 0) for fn in m.functions}
+    assert sites["decode"] == sites["prefill"] == 1
+    ctx = PassContext()
+    assert value_gate.run(m, ctx) == sum(sites.values()) == ctx.counters[NAME]
+    for fn, n in sites.items():
+        assert m.op_counts(fn).get("fused.value_gate", 0) == n
+        assert all(x.attrs["form"] == "latent" for x in m.function(fn).nodes if x.op == "dcp_mla")
+    verify(m)

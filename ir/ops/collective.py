@@ -243,7 +243,7 @@ defop("ep_local_routing", ["weights", "ids"], ["weights_local", "ids_local"], _e
 
 # ---- DCP (T4): interleaved context shards, exact top-k merge, LSE combine ------------------------------------
 _DCP = {"block_size": attr(int), "interleave": attr(int, default=1), **_COMM}
-_FORMATS = {"latent_format": attr(str, default="plain")}
+_ATTENTION = {"latent_format": attr(str, default="plain"), "form": attr(str, default="absorbed")}
 
 
 def _dcp_write_ref(a, at):
@@ -269,8 +269,9 @@ defop("dcp_cache_write", ["pool", "values", "token_req", "token_pos", "block_tab
 
 
 def _dcp_attention_type(a, at, op: str) -> TensorType:
-    """[T, H/W, dv] of dcp_mla / dcp_mla_dense, checking kv_b and the latent pool (flat or block view,
-    plain [.., kv+dr] or NVFP4 u8 [.., kv/2+kv/16+dr])."""
+    """[T, H/W, dv] of dcp_mla / dcp_mla_dense (form "absorbed"), or o~ [T, H/W, kv] before W_UV (form
+    "latent", the value_gate fusion's input), checking kv_b and the latent pool (flat or block view, plain
+    [.., kv+dr] or NVFP4 u8 [.., kv/2+kv/16+dr])."""
     t, hl, dn = a.q_nope.shape
     kv, dr = sympy.sympify(a.kv_b.shape[1]), a.q_pe.shape[2]
     dv = sympy.simplify(a.kv_b.shape[0] / hl - dn)
@@ -278,7 +279,8 @@ def _dcp_attention_type(a, at, op: str) -> TensorType:
     expect(at["latent_format"] in ("plain", "nvfp4"), f"{op}: latent_format must be plain|nvfp4")
     row = (kv / 2 + kv / 16 + dr,) if at["latent_format"] == "nvfp4" else (kv + dr,)
     expect(pool_fits(a.latent, row, at["block_size"]), f"{op}: latent pool {a.latent} must hold rows {list(row)}")
-    return TensorType(a.q_nope.dtype, (t, hl, dv))
+    expect(at["form"] in ("absorbed", "latent"), f"{op}: form must be absorbed|latent, found {at['form']!r}")
+    return TensorType(a.q_nope.dtype, (t, hl, kv if at["form"] == "latent" else dv))
 
 
 def _dcp_mla_infer(a, at):
@@ -297,7 +299,7 @@ def _dcp_mla_ref(a, at):
     return dcp_mla(a.q_nope, a.q_pe, a.latent, a.kv_b, a.iq, a.iq_scale, a.iw, a.keys, a.key_scale, a.token_pos,
                    a.token_req, a.block_table, block_size=at["block_size"], scale=at["scale"], topk=at["topk"],
                    interleave=at["interleave"], group=get_group(at["group"]), key_format=at["key_format"],
-                   latent_format=at["latent_format"])
+                   latent_format=at["latent_format"], form=at["form"])
 
 
 def _dcp_mla_bytes(a, o, at):
@@ -313,7 +315,7 @@ def _dcp_mla_bytes(a, o, at):
 
 defop("dcp_mla", ["q_nope", "q_pe", "latent", "kv_b", "iq", "iq_scale", "iw", "keys", "key_scale", "token_pos",
                   "token_req", "block_table"], ["o"], _dcp_mla_infer, _dcp_mla_ref,
-      attrs={**_DCP, **_FORMATS, "scale": attr(float), "topk": attr(int), "key_format": attr(str, default="fp8")},
+      attrs={**_DCP, **_ATTENTION, "scale": attr(float), "topk": attr(int), "key_format": attr(str, default="fp8")},
       bytes=_dcp_mla_bytes,
       doc="indexer top-k + sparse MLA over a DCP group: local scores, exact one-round global top-k "
           "(k31c.parallel.dcp_topk), partial attention of all heads over own selected tokens, LSE combine; "
@@ -330,7 +332,7 @@ def _dense_ref(a, at):
     _live(at["group"], at["world"], "dcp_mla_dense")
     return dcp_mla_dense(a.q_nope, a.q_pe, a.latent, a.kv_b, a.token_pos, a.token_req, a.block_table,
                          block_size=at["block_size"], scale=at["scale"], interleave=at["interleave"],
-                         group=get_group(at["group"]), latent_format=at["latent_format"])
+                         group=get_group(at["group"]), latent_format=at["latent_format"], form=at["form"])
 
 
 def _dense_bytes(a, o, at):
@@ -342,7 +344,7 @@ def _dense_bytes(a, o, at):
 
 
 defop("dcp_mla_dense", ["q_nope", "q_pe", "latent", "kv_b", "token_pos", "token_req", "block_table"], ["o"],
-      _dense_infer, _dense_ref, attrs={**_DCP, **_FORMATS, "scale": attr(float)}, bytes=_dense_bytes,
+      _dense_infer, _dense_ref, attrs={**_DCP, **_ATTENTION, "scale": attr(float)}, bytes=_dense_bytes,
       doc="dense MLA (K3, no indexer) over a DCP group: partial attention of all heads over every causal "
           "context position this rank stores, LSE combine; returns this rank's heads [T, H/W, dv]")
 

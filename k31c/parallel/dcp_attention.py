@@ -103,7 +103,7 @@ def _local_scores(q, w, keys, key_scale, key_format, token_req, block_table, blo
 
 def dcp_mla(q_nope, q_pe, latent, kv_b, iq, iq_scale, iw, keys, key_scale, token_pos, token_req, block_table, *,
             block_size: int, scale: float, topk: int, interleave: int, group=None, key_format: str = "fp8",
-            latent_format: str = "plain"):
+            latent_format: str = "plain", form: str = "absorbed"):
     """o [T, H/W, dv] of this rank's heads (see the module docstring). Pools flat or block views; keys
     FP8 or MXFP4 (`key_format`), latents plain or NVFP4 (`latent_format`), read as the reference reads them."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -115,7 +115,7 @@ def dcp_mla(q_nope, q_pe, latent, kv_b, iq, iq_scale, iw, keys, key_scale, token
                                                token_pos=token_pos, token_req=token_req),
                         latent=latent, kv_b=kv_b, keys=keys, key_scale=key_scale, block_table=block_table,
                         block_size=block_size, scale=scale, topk=topk, interleave=interleave, group=group,
-                        key_format=key_format, latent_format=latent_format)
+                        key_format=key_format, latent_format=latent_format, form=form)
     ctx_len = token_pos.to(device=q_nope.device, dtype=torch.int64) + 1
 
     # 1–2: local indexer scores, exact global top-k
@@ -129,11 +129,11 @@ def dcp_mla(q_nope, q_pe, latent, kv_b, iq, iq_scale, iw, keys, key_scale, token
                          resend_bytes=res.resend_bytes)
     return _attend_own_and_combine(q_nope, q_pe, latent, kv_b, res.own_positions, token_req, block_table,
                                    block_size=block_size, scale=scale, interleave=interleave, group=group,
-                                   latent_format=latent_format)
+                                   latent_format=latent_format, form=form)
 
 
 def dcp_mla_dense(q_nope, q_pe, latent, kv_b, token_pos, token_req, block_table, *, block_size: int, scale: float,
-                  interleave: int, group=None, latent_format: str = "plain"):
+                  interleave: int, group=None, latent_format: str = "plain", form: str = "absorbed"):
     """Dense MLA (K3, no indexer) over a DCP group: token t attends over every position <= p_t; this rank
     takes the n_r(p_t + 1) of them it stores (steps 3–5 of the module docstring with Sel(t) = 0..p_t).
     Returns o [T, H/W, dv] of this rank's heads."""
@@ -143,20 +143,22 @@ def dcp_mla_dense(q_nope, q_pe, latent, kv_b, token_pos, token_req, block_table,
         return _chunked(dcp_mla_dense, q_nope.shape[0], rows,
                         dict(q_nope=q_nope, q_pe=q_pe, token_pos=token_pos, token_req=token_req),
                         latent=latent, kv_b=kv_b, block_table=block_table, block_size=block_size, scale=scale,
-                        interleave=interleave, group=group, latent_format=latent_format)
+                        interleave=interleave, group=group, latent_format=latent_format, form=form)
     n_local = local_count(token_pos.to(device=q_nope.device, dtype=torch.int64) + 1, rank, world, interleave)
     L = int(n_local.max()) if n_local.numel() else 0
     gp = global_positions(rank, L, world, interleave, device=q_nope.device)
     own = torch.where(torch.arange(L, device=q_nope.device)[None, :] < n_local[:, None], gp[None, :], -1)
     return _attend_own_and_combine(q_nope, q_pe, latent, kv_b, own, token_req, block_table,
                                    block_size=block_size, scale=scale, interleave=interleave, group=group,
-                                   latent_format=latent_format)
+                                   latent_format=latent_format, form=form)
 
 
 def _attend_own_and_combine(q_nope, q_pe, latent, kv_b, own_positions, token_req, block_table, *, block_size: int,
-                            scale: float, interleave: int, group=None, latent_format: str = "plain"):
+                            scale: float, interleave: int, group=None, latent_format: str = "plain",
+                            form: str = "absorbed"):
     """Steps 3–5: all heads' absorbed queries gathered, partial attention over `own_positions` [T, K]
-    (global positions this rank stores, -1 padding), LSE combine, this rank's heads' value projection."""
+    (global positions this rank stores, -1 padding), LSE combine, this rank's heads' value projection
+    (form "absorbed"; form "latent" returns o~ [T, H/W, kv] before it, for the fused value gate)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     T, hl, dn = q_nope.shape
     dt = q_nope.dtype
@@ -189,7 +191,7 @@ def _attend_own_and_combine(q_nope, q_pe, latent, kv_b, own_positions, token_req
     # 5: combine over the group, keep this rank's heads, value projection
     o_lat, _ = lse_combine(o_lat, lse, group=group)
     mine = o_lat[:, rank * hl:(rank + 1) * hl].to(dt)
-    return torch.einsum("bhk,hvk->bhv", mine, w_uv)
+    return mine.contiguous() if form == "latent" else torch.einsum("bhk,hvk->bhv", mine, w_uv)
 
 
 def dcp_workspace_table(block_table: torch.Tensor, world: int) -> torch.Tensor:

@@ -32,6 +32,7 @@ def _resolve_source(args, artifact: str | None, problems: list[str]) -> _Source 
     from .runtime.reference import ReferenceRuntime
 
     dtype = _torch_dtype(args.dtype)
+    _POLICIES.clear()  # this command's policies only (a process may run several commands)
     if getattr(args, "cuda_graphs", False):
         if not args.device.startswith("cuda"):
             problems.append(f"--cuda-graphs needs --device cuda (found --device {args.device})")
@@ -93,7 +94,7 @@ def _resolve_source(args, artifact: str | None, problems: list[str]) -> _Source 
     return _Source(model.config, f"{model.source}, reference interpreter ({args.dtype}, {args.device})", make)
 
 
-_POLICIES: list = []  # this process's miss policies, reported when the command ends (_say_tuning)
+_POLICIES: list = []  # the running command's miss policies, reported when it ends (_say_tuning)
 
 
 def _tuned_configs(art) -> dict:

@@ -289,7 +289,10 @@ def results():
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("check", [f.__name__ for f in DIST_CHECKS])
 def test_layout_logits_equal_single_process(results, world, check):
-    assert check_result(results(world), check, world)["info"]["max_rel_err"] < TOL
+    info = check_result(results(world), check, world)["info"]
+    if "skipped" in info:  # a check run at some world sizes only says so instead of passing empty
+        pytest.skip(info["skipped"])
+    assert info["max_rel_err"] < TOL
 
 
 @pytest.mark.parametrize("world", WORLDS)

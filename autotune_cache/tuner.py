@@ -82,15 +82,15 @@ class Deadline:
 
 
 # ---- measuring ---------------------------------------------------------------------------------------
-def measure(problem: Problem, config: dict, repeats: int, warmup: int = 1) -> list[float]:
-    """Microseconds per launch, `repeats` times, rotating over every operand set (pools cloned once).
+def measure(problem: Problem, config: dict, repeats: int, warmup: int = 1) -> tuple[list[float], str]:
+    """(microseconds per launch, `repeats` times, rotating over every operand set (pools cloned once); how
+    they were timed).
 
     On a GPU the launches over the operand sets are captured once as a CUDA graph and the graph is replayed
     between events: the device time of the kernels alone, as the runtime's graph replay runs them (timed
     launch by launch, a decode-sized kernel measures the Python launcher instead: 80-600 us per launch
     for kernels whose byte floor is 0.01-70 us, H200 2026-11-29). A launcher that cannot be captured
-    (it reads device data on the host) is timed by events around eager launches; `LAST_TIMING` says which."""
-    global LAST_TIMING
+    (it reads device data on the host) is timed by events around eager launches."""
     args = [problem.fresh(i) for i in range(len(problem.sets))]
     dev = _device(problem)
 
@@ -107,11 +107,9 @@ def measure(problem: Problem, config: dict, repeats: int, warmup: int = 1) -> li
             t0 = time.perf_counter()
             problem.launch(i, args[i], config)
             out.append((time.perf_counter() - t0) * 1e6)
-        LAST_TIMING = "host clock"
-        return out
+        return out, "host clock"
     torch.cuda.synchronize(dev)
     graph = _captured(launch_all, dev)
-    LAST_TIMING = "cuda graph" if graph is not None else "events, eager launches"
     out = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -120,10 +118,7 @@ def measure(problem: Problem, config: dict, repeats: int, warmup: int = 1) -> li
         end.record()
         end.synchronize()
         out.append(start.elapsed_time(end) * 1e3 / len(args))
-    return out
-
-
-LAST_TIMING = ""
+    return out, "cuda graph" if graph is not None else "events, eager launches"
 
 
 def _captured(fn, dev):
@@ -295,7 +290,7 @@ def tune_problem(problem: Problem, *, target: str, env: Environment, store: Cach
                 if any(err[k] > limits[k] for k in limits):
                     status, detail = "rejected", f"wrong result: error {err} over the limit {limits}"
                 else:
-                    times = measure(problem, config, repeats)
+                    times, _ = measure(problem, config, repeats)
                     status, detail = "measured", ""
         except Exception as e:  # a config that does not compile or launch: counted as failed, never recorded
             timeout = _timeout_in(e)  # a launcher may wrap the alarm's exception in its own error
@@ -368,13 +363,14 @@ def _finish(problem, study, space, env, heur_ok, seen, final_repeats, timeout_s,
     for c in finalists:
         try:
             with Deadline(timeout_s, f"{fam} finalist {canonical_json(c)}"):
-                remeasured.append((statistics.median(ts := measure(problem, c, final_repeats)), ts, c))
+                ts, how = measure(problem, c, final_repeats)
+                remeasured.append((statistics.median(ts), ts, c, how))
         except (CandidateTimeout, RuntimeError) as e:
             notes.append(f"finalist {canonical_json(c)} failed its re-measurement: {e}")
     if not remeasured:
         raise RuntimeError(f"{fam} {canonical_json(problem.bucket)}: every finalist failed its re-measurement")
-    med, times, best = min(remeasured, key=lambda r: r[0])
-    notes.append(f"timed by {LAST_TIMING}")
+    med, times, best, how = min(remeasured, key=lambda r: r[0])
+    notes.append(f"timed by {how}")
     default = next((r for r in remeasured if canonical_json(r[2]) == canonical_json(heur)), None)
     if default is None:
         notes.append("the heuristic config did not pass the check: no default time")

@@ -54,7 +54,7 @@ import torch.distributed as dist  # noqa: E402
 
 from benches._parallel_tools import generic_merge, profile_step  # noqa: E402
 from benches._report import BenchReport  # noqa: E402
-from benches.bench_runtime_gpu import device_weights, fill_random  # noqa: E402
+from benches.bench_runtime_gpu import device_weights, fill_random, rel  # noqa: E402
 from k31c.parallel.launch import add_launch_args, launch_main  # noqa: E402
 from k31c.parallel.serving import ParallelLayout  # noqa: E402
 
@@ -168,11 +168,9 @@ class Bench:
         self.sync()
         dist.barrier()
         t = time.perf_counter()
-        out = fn()
+        fn()
         self.sync()
-        s = time.perf_counter() - t
-        self._last = out
-        return s
+        return time.perf_counter() - t
 
     def free(self):
         import gc
@@ -180,11 +178,6 @@ class Bench:
         gc.collect()
         if self.cuda:
             torch.cuda.empty_cache()
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    return float((a - b).norm() / b.norm()) if torch.isfinite(a).all() else float("nan")
 
 
 # ---- sections -------------------------------------------------------------------------------------

@@ -123,9 +123,8 @@ def compile_model(config: ModelConfig, weights: dict | None, out_dir: str, opts:
                              "options": {"batch_invariant": opts.batch_invariant, "has_weights": weights is not None,
                                          "latent_cache": p.latent_cache, "key_cache": p.key_cache}})
     summary = f"{result.table()}\n{report}"  # with pass timings; the artifact itself has none
-    art = Artifact(out_dir, module, choices, {k: v["config"] for k, v in configs.items()}, weights,
-                   json.load(open(os.path.join(out_dir, "manifest.json"), encoding="utf-8")),
-                   {k: v.get("source", "heuristic") for k, v in configs.items()})
+    art = _artifact(out_dir, module, choices, configs, weights,
+                    json.load(open(os.path.join(out_dir, "manifest.json"), encoding="utf-8")))
     return art, summary
 
 
@@ -174,6 +173,11 @@ def load_artifact(path: str, with_weights: bool = True, check_live: bool = True)
     wpath = os.path.join(path, "weights", "model.safetensors")
     if with_weights and os.path.isfile(wpath):
         weights = load_weights(wpath)
+    return _artifact(path, module, choices, configs, weights, manifest)
+
+
+def _artifact(path: str, module: Module, choices: list[Choice], configs: dict, weights, manifest: dict) -> Artifact:
+    """An Artifact from kernels/configs.json's entries (bucket id -> {config, source, ...})."""
     return Artifact(path, module, choices, {k: v["config"] for k, v in configs.items()}, weights, manifest,
                     {k: v.get("source", "heuristic") for k, v in configs.items()})
 

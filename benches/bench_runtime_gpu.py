@@ -297,6 +297,44 @@ def main():
                 torch.cuda.empty_cache()
 
     @rep.section
+    def nodes():
+        """Device time per node of the graphed decode step at the first context, batch 1 and 8: the step run
+        as its graph was captured (static inputs, `static_context`) behind a head start so that events time
+        the device only (benches/_node_profile.py), and the graph's own replay time for comparison."""
+        if not cuda:
+            return doc["notes"].append("nodes: needs a cuda device (CUDA events)")
+        from benches._node_profile import node_times, summarize
+
+        ctx = contexts[0]
+        rt = runtime(ctx, 8)
+        eng = rt.interp
+        for b in (1, 8):
+            toks = {f"r{i}": (7 * i + 3) % cfg.vocab_size for i in range(b)}
+            rt.replays.clear()
+            rt.decode(toks)  # captures the bucket's graph and fills its static inputs
+            (B, W), = rt.replays
+            g = rt.graphs[(B, W)]
+            replay = []
+            for _ in range(20):
+                s_, e_ = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s_.record()
+                g.graph.replay()
+                e_.record()
+                e_.synchronize()
+                replay.append(s_.elapsed_time(e_) * 1e3)
+            eng.static_context = W * rt.block_size
+            try:
+                rows, ahead = node_times(eng, lambda: eng.run("decode", {**g.inputs, **rt.pools}), head_start_ms=80)
+            finally:
+                eng.static_context = None
+            reset(rt, ctx)
+            doc.setdefault("nodes", {})[f"{ctx}_b{b}"] = {
+                "graph_replay_us": sorted(replay)[10], "host_ahead": ahead,
+                **summarize(rows, doc["ceilings"]["bandwidth_GBps"])}
+        del rt, eng
+        torch.cuda.empty_cache()
+
+    @rep.section
     def reference_peer():
         """The reference interpreter in the bench dtype; if it cannot run in bf16 (at HEAD its `linear` does not
         promote the f32 router input against the bf16 gate weight) it is run in fp32, and the note says so."""
@@ -393,7 +431,7 @@ def main():
     bandwidth()
     build()
     if "art" in st:
-        sections = {"graph_check": graph_check, "decode": decode, "reference_peer": reference_peer,
+        sections = {"graph_check": graph_check, "decode": decode, "nodes": nodes, "reference_peer": reference_peer,
                     "prefill": prefill, "torch_compile_peer": torch_compile_peer}
         for name in args.sections.split(","):
             sections[name]()

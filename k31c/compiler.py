@@ -110,9 +110,7 @@ def compile_model(config: ModelConfig, weights: dict | None, out_dir: str, opts:
     configs = _representative_configs(module, choices, opts)
     _write_kernels(out_dir, choices, configs)
     plan = make_plan(opts.plan, _kernel_list(choices, configs))
-    p = opts.plan  # the packed block-row cache layout (T1) the runtime will allocate, per rank
-    plan["cache_layout"] = plan_block_layout(config, p.block_size, p.latent_cache, p.key_cache, tp=p.tp,
-                                             state_fmt=p.kda_state).to_json()
+    plan["cache_layout"] = _cache_layout(module, config, opts.plan)
     _write(out_dir, "plan.json", plan_json(plan))
     if weights is not None:
         save_weights(weights, os.path.join(out_dir, "weights", "model.safetensors"))
@@ -126,6 +124,23 @@ def compile_model(config: ModelConfig, weights: dict | None, out_dir: str, opts:
     art = _artifact(out_dir, module, choices, configs, weights,
                     json.load(open(os.path.join(out_dir, "manifest.json"), encoding="utf-8")))
     return art, summary
+
+
+def _cache_layout(module, config, p) -> dict | None:
+    """plan.json's `cache_layout`: the packed row the `plan_cache_layout` pass planned from the per-rank IR
+    (what the runtime allocates), checked against the memory planner's formats (`plan_block_layout` from
+    the config) — one row, byte for byte, or a compile error naming where they part."""
+    text = module.attrs.get("cache_layout")
+    if text is None:
+        return None  # flat pools or the pass disabled: the runtime derives its pools from the IR
+    planned = json.loads(text)
+    expected = plan_block_layout(config, p.block_size, p.latent_cache, p.key_cache, tp=p.tp,
+                                 state_fmt=p.kda_state).to_json()
+    diff = sorted(k for k in set(planned) | set(expected) if planned.get(k) != expected.get(k))
+    if diff:
+        raise ValueError(f"cache layout of the IR pools differs from the memory plan in {diff}: "
+                         + "; ".join(f"{k}: IR {planned.get(k)!r} vs plan {expected.get(k)!r}" for k in diff[:3]))
+    return planned
 
 
 def _kernel_list(choices: list[Choice], configs: dict) -> list[dict]:

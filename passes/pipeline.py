@@ -2,7 +2,7 @@
 
 Phase 1  parallel layout   TP heads, EP, token-sharded prefill entry, DCP (ctx.options tp/ep/dcp; no-ops at 1)
 Phase 2  fuse              the serving techniques of DESIGN §5 as fusions (on the per-rank graph)
-Phase 3  memory            packed block-row cache plan, workspaces                    (runtime issue)
+Phase 3  memory            packed block-row cache plan (module attr `cache_layout`, written to plan.json)
 Phase 4  select kernels    codegen/select.py (run by `k31c compile` after the passes)
 
 `run_pipeline` verifies between passes when asked (tests, K31C_VERIFY=1), writes the text IR after
@@ -40,6 +40,9 @@ PHASES: list[tuple[str, list[str]]] = [
         "latent_moe_tail",        # latent RMSNorm + cast + up-projection + shared-expert add
         "attn_res_fusion",        # prefix add + AttnRes mix + the following RMSNorm
         "kda_decode_fusion",      # decode/verify KDA: conv + gate + recurrence + gated RMSNorm
+    ]),
+    ("memory", [
+        "plan_cache_layout",      # T1: one packed row per block (MLA latent + key pages) + per-request KDA slot
     ]),
 ]
 

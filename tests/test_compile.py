@@ -46,6 +46,7 @@ def test_plan_cache_layout_is_what_the_runtime_allocates(artifact, capsys):
     art = load_artifact(str(artifact))
     rt = ReferenceRuntime(art.module, art.weights, max_rows=128, max_requests=2)
     assert rt.block_pool.layout.to_json() == cl
+    assert rt.layout_source == "the module's planned cache_layout (plan.json)"  # the pass's plan, not re-derived
     assert cl["bytes_per_token"] == plan["cache"]["per_token"] and cl["alignment"] == 128
     assert rt.block_pool.rows.shape[1] == cl["row_bytes"] == cl["block_size"] * cl["row_bytes_per_token"]
     lat = art.module.function("decode").input("latent.3").type

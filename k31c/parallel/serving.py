@@ -4,7 +4,8 @@
 - one rank (no layout, or tp = 1): `build(module, weights)` unchanged;
 - otherwise the layout is checked against the model (every problem named together, `check_layout`), the
   process groups are built once (`k31c.parallel.groups`: TP = every rank, DCP / EP = runs of consecutive
-  ranks), the module is sharded by the passes (shard_tp, shard_ep, shard_tokens, shard_dcp; a module
+  ranks), the module is sharded by the passes (shard_tp, shard_ep, shard_tokens, shard_dcp, then
+  plan_cache_layout again when the module carries a one-rank plan; a module
   already sharded by `k31c compile --tp` is only checked), this rank's weights are sliced from the full
   ones (`shard_weights`, EP rank = rank % ep), under DCP the runtime reserves cache blocks for this
   rank's share of each request only (`use_local_cache_rows`), and
@@ -110,7 +111,7 @@ def shard_module(module: Module, layout: ParallelLayout, token_shard_min_tokens:
     """Run the parallel passes on `module` (in place) for `layout`; a module already carrying
     tp/ep attrs (compiled with them) is checked instead. Collectives name the groups "tp", "dcp", "ep"
     (registered by `k31c.parallel.groups.build_groups`)."""
-    from passes import shard_dcp, shard_ep, shard_tokens, shard_tp
+    from passes import plan_cache_layout, shard_dcp, shard_ep, shard_tokens, shard_tp
     from passes.base import PassContext, PassError
 
     have = tuple(module.attrs.get(k, 1) for k in ("tp", "ep", "dcp", "dcp_interleave"))
@@ -126,6 +127,8 @@ def shard_module(module: Module, layout: ParallelLayout, token_shard_min_tokens:
                                "token_shard_min_tokens": token_shard_min_tokens})
     for p in (shard_tp, shard_ep, shard_tokens, shard_dcp):  # the pipeline's parallel phase, in its order
         p.run(module, ctx)
+    if "cache_layout" in module.attrs:  # planned for one rank: the per-rank pools changed, plan them again
+        plan_cache_layout.run(module, ctx)
     return module
 
 

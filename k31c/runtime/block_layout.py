@@ -267,6 +267,25 @@ class BlockLayout:
             "kda_state": st,
         }
 
+    @staticmethod
+    def from_json(d: dict) -> "BlockLayout":
+        """The layout `to_json` wrote (plan.json's `cache_layout`, the `cache_layout` module attribute)."""
+        try:
+            st = d.get("kda_state")
+            state = None if st is None else StateLayout(
+                tuple(st["kda_layers"]), st["heads_per_rank"], st["head_dim"], tuple(st["conv_shape"]),
+                st["state_format"], tuple(x["state_offset"] for x in st["layers"]),
+                tuple(x["conv_offset"] for x in st["layers"]), st["slot_bytes"], st["state_bytes_per_layer"],
+                st["conv_bytes_per_layer"], st["conv_format"])
+            pages = tuple(Page(p["layer"], p["kind"], p["format"], p["offset"], p["bytes"], p["bytes_per_token"],
+                               tuple(Section(s["name"], s["dtype"], s["width"], s["offset"]) for s in p["sections"]))
+                          for p in d["pages"])
+            return BlockLayout(d["model"], d["block_size"], d["latent_format"], d["key_format"], d["alignment"],
+                               pages, d["row_bytes"], state, d["tp"])
+        except (KeyError, TypeError) as e:
+            raise LayoutError(f"cache_layout is not a layout this version reads ({type(e).__name__}: {e}); "
+                              f"recompile the artifact") from e
+
 
 def _place_state(layers, heads: int, d: int, conv_shape: tuple[int, int], state_fmt: str, conv_fmt: str,
                  alignment: int) -> StateLayout:

@@ -36,7 +36,7 @@ from ir.shapes import evaluate
 from .sampling import Sampler, SamplingParams
 from .step_metadata import StepMetadataBuilder, check_step, host_metadata
 
-from .block_layout import layout_for_pools
+from .block_layout import BlockLayout, layout_for_pools
 from .block_pool import BlockPool
 from .blocks import BlockAllocator, BlocksExhausted
 
@@ -80,6 +80,7 @@ class ReferenceRuntime:
         # max_rows tokens in all, plus one block per request slot for rounding each request to whole blocks
         num_blocks = -(-max_rows // self.block_size) + max_requests
         env = {"N": num_blocks * self.block_size, "NB": num_blocks, "S": max_requests}
+        self.layout_source = "flat pools: one tensor per pool input, no packed row"  # see _packed_pool
         self.block_pool = self._packed_pool(fn, num_blocks, max_requests)
         self.pools: dict[str, torch.Tensor] = {}
         for v in fn.inputs[len(METADATA):]:
@@ -123,7 +124,19 @@ class ReferenceRuntime:
         if bad:
             raise RequestError(f"module @{self.module.name}: pool inputs {bad} are neither block views "
                                f"[NB, {self.block_size}, ...] nor per-request slots [S, ...] of a known dtype")
-        layout = layout_for_pools(self.module.name, self.block_size, block_pools, slot_pools)
+        planned = self.module.attrs.get("cache_layout")
+        if planned is None:
+            layout = layout_for_pools(self.module.name, self.block_size, block_pools, slot_pools)
+            self.layout_source = "derived from the IR pools (module without a planned cache_layout)"
+        else:
+            plan = BlockLayout.from_json(json.loads(planned))
+            layout = layout_for_pools(self.module.name, self.block_size, block_pools, slot_pools,
+                                      alignment=plan.alignment, tp=plan.tp)
+            if layout == plan:
+                self.layout_source = "the module's planned cache_layout (plan.json)"
+            else:  # only an engine that holds a pool in another dtype (the reference interpreter widening bf16)
+                self.layout_source = (f"derived from the pools as this engine holds them ({layout.row_bytes} B "
+                                      f"rows; the planned cache_layout has {plan.row_bytes} B rows)")
         return BlockPool(layout, num_blocks, max_requests, self.device)
 
     # ---- request lifetime --------------------------------------------------------------------

@@ -12,8 +12,10 @@ Sections (rank 0 writes one JSON document, $OUT/parallel_gpu.json, after every m
   token-sharded prefill on TP=W, and the unsharded model on one GPU (every rank alone at once); the cost
   model's choice (`choose_prefill_function`, crossover planned for h200 at this TP) against the faster
   measured one.
-- decode: `pair`, context 32K / 128K at batch 1 and 8: TP=W against TP=W with DCP=W (the exact one-round
-  top-k merge + LSE combine of T4), eager steps (no CUDA graphs: the collectives are not captured).
+- decode: `pair`, context 32K / 128K at batch 1 and 8: one GPU, TP=W and TP=W with DCP=W (top-k merge +
+  LSE combine of T4), eager steps and steps replayed from CUDA graphs with the NCCL collectives captured
+  inside (on cuda; under DCP through the static-shape references of k31c/parallel/dcp_graph.py), with the
+  graphed step's logits against the eager step's on the same state.
 - merge: the exact one-round top-k merge (`dcp_topk`, k = 2048 as k31-pro) against a generic merge
   (every rank all-gathers its local top-k as (key, position) pairs, 8 B each, and selects from the union):
   time and bytes per row at context 32K / 128K, 1 / 8 / 64 rows.
@@ -133,6 +135,7 @@ class Bench:
         from k31c.parallel.serving import use_local_cache_rows
         from k31c.parallel.weights import shard_weights
         from k31c.plan import plan_options
+        from k31c.runtime.cuda_graphs import GraphedRuntime
         from k31c.runtime.executor import Executor
         from k31c.runtime.reference import ReferenceRuntime
 
@@ -152,8 +155,10 @@ class Bench:
             m = art.module
             w = shard_weights(m, w, tp_rank=lay.rank, ep_rank=lay.ep_rank) if tp > 1 else w
             eng = Executor(m, w, art.choices, target=target, configs=art.configs, compute_dtype=dtype,
-                           device=self.device)
-            rt = ReferenceRuntime(m, w, max_rows=rows, max_requests=requests, engine=eng)
+                           device=self.device, cuda_graphs=self.cuda)
+            # decode steps replay CUDA graphs (collectives inside) while rt.use_graphs is set
+            rt = GraphedRuntime(m, w, max_rows=rows, max_requests=requests, engine=eng)
+            rt.use_graphs = False  # eager unless a section asks for graphs
         else:
             if tp > 1:
                 raise ValueError("the reference engine runs the unsharded model only here")
@@ -284,19 +289,39 @@ def decode(b: Bench):
             fill_random(rt, {f"r{i}": (start, ctx) for i in range(nb)}, seed=1)
             for bs in batches:
                 toks = {f"r{i}": (7 * i + 3) % cfg.vocab_size for i in range(bs)}
-                b.timed(lambda: rt.decode(toks))  # warm-up
-                ts = sorted(b.timed(lambda: rt.decode(toks)) * 1e3 for _ in range(steps))
-                for r in rt.requests.values():
-                    r.length = start
-                m = {"name": "decode", "layout": name, "context": ctx, "batch": bs, "median_ms": ts[len(ts) // 2],
-                     "min_ms": ts[0], "graphs": False, "cache_blocks_per_request": len(rt.blocks_of("r0"))}
-                if b.args.profile:
-                    m["profile"] = profile_step(lambda: rt.decode(toks), b.cuda)
+                for graphs in (False, True) if b.cuda else (False,):
+                    rt.use_graphs = graphs
+                    b.timed(lambda: rt.decode(toks))  # warm-up (graph capture)
+                    ts = sorted(b.timed(lambda: rt.decode(toks)) * 1e3 for _ in range(steps))
                     for r in rt.requests.values():
                         r.length = start
-                b.record(m)
+                    m = {"name": "decode", "layout": name, "context": ctx, "batch": bs, "median_ms": ts[len(ts) // 2],
+                         "min_ms": ts[0], "graphs": graphs, "cache_blocks_per_request": len(rt.blocks_of("r0"))}
+                    if graphs:
+                        m["graph_stats"] = rt.stats()
+                        m["graph_vs_eager_rel_err"] = graph_vs_eager(rt, toks)
+                        for r in rt.requests.values():
+                            r.length = start
+                    if b.args.profile:
+                        m["profile"] = profile_step(lambda: rt.decode(toks), b.cuda)
+                        for r in rt.requests.values():
+                            r.length = start
+                    b.record(m)
             del rt
             b.free()
+
+
+def graph_vs_eager(rt, toks) -> float:
+    """One decode step eagerly, then the same step (states restored, lengths back) replayed from its graph:
+    relative error of the graph's logits against the eager ones (the capture check under collectives)."""
+    snap = {rid: rt.snapshot_state(rid) for rid in toks}
+    rt.use_graphs = False
+    eager = rt.decode(toks)
+    for rid, st in snap.items():
+        rt.restore_state(rid, st)
+        rt.requests[rid].length -= 1
+    rt.use_graphs = True
+    return rel(rt.decode(toks), eager)
 
 
 def merge(b: Bench):

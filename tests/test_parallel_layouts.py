@@ -20,6 +20,8 @@ Layouts (world: TP = world):
     query chunks   W=2: dcp_mla / dcp_mla_dense over chunks of 1-3 query tokens (a tiny CHUNK_ELEMENTS)
     value gate     W=2: dcp_mla / dcp_mla_dense in form "latent" + fused.value_gate (the value_gate pass)
     leader         W=2: rank 0's LeaderRuntime forwards add_request / grow / verify / accept / release
+    graph-safe     W=2, 4 (subgroups): decode steps through the CUDA-graph-safe DCP references
+                   (k31c.parallel.dcp_graph), and their static top-k merge vs dcp_topk on tied scores
 """
 
 from __future__ import annotations
@@ -278,9 +280,65 @@ def check_leader_replays_grow_verify_accept(rank, world):
     return compare(got, "par", rank, f"TP=DCP={world} leader")
 
 
+GRAPH_WORLDS = (2, 4)
+
+
+def check_graph_safe_dcp_decode(rank, world):
+    """Decode steps run as a CUDA-graph capture runs them (Executor.static_context set: dcp_cache_write,
+    dcp_mla and dcp_mla_dense through `k31c.parallel.dcp_graph`'s static-shape references): logits equal one
+    process, sparse and dense; the static merge selects exactly what dcp_topk selects, ties included."""
+    if world not in GRAPH_WORLDS:
+        return {"max_rel_err": 0.0, "skipped": f"run at W in {GRAPH_WORLDS} only: the static references are the "
+                                               f"same code at every W (each world size adds time)"}
+    from ir.ops.collective import get_group
+    from k31c.parallel.dcp_graph import static_topk_own_positions
+    from k31c.parallel.dcp_topk import dcp_topk, local_count
+    from k31c.runtime.executor import Executor
+
+    from collections import Counter
+
+    from k31c.runtime import cuda_graphs
+
+    lay = ParallelLayout(tp=world, rank=rank, **SUBGROUPS[world])
+    errs, calls = [], Counter()
+    safe = dict(cuda_graphs.GRAPH_SAFE_REFERENCE)
+    for op, fn in safe.items():  # count that the static references ran
+        cuda_graphs.GRAPH_SAFE_REFERENCE[op] = lambda a, at, op=op, fn=fn: (calls.update([op]), fn(a, at))[1]
+    for name in ("par", "k3"):
+        build_groups(lay.tp, lay.dcp, lay.ep)
+        m = shard_module(build_module(*MODELS[name]), lay)
+        w = shard_weights(m, weights(name), tp_rank=rank, ep_rank=lay.ep_rank)
+        eng = Executor(m, w, [])  # no kernels: every node runs its reference, the graph-safe one when static
+        rt = ReferenceRuntime(m, w, max_rows=POOL_ROWS, max_requests=2, engine=eng)
+        use_local_cache_rows(rt, lay)
+        rt.add_request("a", CAPACITY)
+        rt.add_request("b", CAPACITY)
+        got = []
+        for fn, chunks in STEPS:
+            eng.static_context = rt.block_size if fn == "decode" else None  # any bound: the refs read the table
+            got.append(rt.step(fn, chunks))
+        eng.static_context = None
+        errs.append(compare(got, name, rank, f"{name} TP={world} {SUBGROUPS[world]} graph-safe decode")["max_rel_err"])
+    cuda_graphs.GRAPH_SAFE_REFERENCE.update(safe)
+    layers = len(PAR_CFG.full_attn_layers)
+    assert calls == {"dcp_mla": 2 * layers, "dcp_mla_dense": 2 * layers, "dcp_cache_write": 2 * 2 * 2 * layers}, calls
+    group = get_group("dcp")
+    g = torch.Generator().manual_seed(11)
+    n_local, k, il = 24, 10, lay.dcp_interleave
+    scores = torch.randint(0, 4, (6, n_local), generator=g).float()  # many ties across ranks
+    ctx = torch.tensor([1, 5, 9, 20, 33, n_local * lay.dcp])
+    mine = scores[:, torch.randperm(n_local, generator=g)]
+    counts = torch.arange(n_local)[None, :] < local_count(ctx, lay.dcp_rank, lay.dcp, il)[:, None]
+    want = dcp_topk(mine, k, ctx_len=ctx, interleave=il, group=group).own_positions
+    got = static_topk_own_positions(torch.where(counts, mine, float("-inf")), counts, k, ctx, il, group)
+    assert torch.equal(got, want), f"rank {rank}: static merge {got.tolist()} vs dcp_topk {want.tolist()}"
+    return {"max_rel_err": max(errs)}
+
+
 DIST_CHECKS = [check_dcp_ep_subgroups, check_ep_subgroup_token_sharded, check_merge_free_prefill_in_dcp_subgroup,
                check_local_cache_rows, check_dense_mla_dcp, check_quantised_caches_dcp,
-               check_dcp_query_chunks, check_value_gate_under_dcp, check_leader_replays_grow_verify_accept]
+               check_dcp_query_chunks, check_value_gate_under_dcp, check_leader_replays_grow_verify_accept,
+               check_graph_safe_dcp_decode]
 BASELINE: dict = {}
 
 

@@ -83,16 +83,19 @@ def dcp_cache_write(pool, values, token_req, token_pos, block_table, *, block_si
     return pool
 
 
-def _local_scores(q, w, keys, key_scale, key_format, token_req, block_table, block_size, n_local):
-    """scores [T, max n_local] of this rank's local context rows (columns >= n_local[t] are −inf); only the
-    gathered rows' keys are dequantised (the pool is never widened whole)."""
+def _local_scores(q, w, keys, key_scale, key_format, token_req, block_table, block_size, n_local, width=None,
+                  validate=True):
+    """scores [T, width] of this rank's local context rows (columns >= n_local[t] are −inf; width defaults
+    to max n_local, read on the host); only the gathered rows' keys are dequantised (the pool is never
+    widened whole). `validate=False`: no host-side check of the rows (CUDA-graph capture)."""
     T = q.shape[0]
-    L = int(n_local.max()) if T else 0
+    L = width if width is not None else (int(n_local.max()) if T else 0)
     li = torch.arange(L, device=q.device, dtype=torch.int64)
     valid = li[None, :] < n_local[:, None]
     if L == 0:
         return q.new_full((T, 0), float("-inf")), valid
-    rows = cache_rows(block_table, block_size, token_req.to(torch.int64)[:, None], torch.where(valid, li, 0))
+    rows = cache_rows(block_table, block_size, token_req.to(torch.int64)[:, None], torch.where(valid, li, 0),
+                      validate=validate)
     kk = dequantize_index_keys(read_rows(keys, rows, block_size),
                                read_rows(key_scale, rows, block_size, 0 if key_format == "fp8" else 1),
                                key_format).to(w.dtype)                  # [T, L, DI]
@@ -155,10 +158,11 @@ def dcp_mla_dense(q_nope, q_pe, latent, kv_b, token_pos, token_req, block_table,
 
 def _attend_own_and_combine(q_nope, q_pe, latent, kv_b, own_positions, token_req, block_table, *, block_size: int,
                             scale: float, interleave: int, group=None, latent_format: str = "plain",
-                            form: str = "absorbed"):
+                            form: str = "absorbed", validate: bool = True):
     """Steps 3–5: all heads' absorbed queries gathered, partial attention over `own_positions` [T, K]
     (global positions this rank stores, -1 padding), LSE combine, this rank's heads' value projection
-    (form "absorbed"; form "latent" returns o~ [T, H/W, kv] before it, for the fused value gate)."""
+    (form "absorbed"; form "latent" returns o~ [T, H/W, kv] before it, for the fused value gate).
+    `validate=False`: rows are not checked on the host (CUDA-graph capture)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     T, hl, dn = q_nope.shape
     dt = q_nope.dtype
@@ -178,7 +182,7 @@ def _attend_own_and_combine(q_nope, q_pe, latent, kv_b, own_positions, token_req
     sel = own_positions
     valid = sel >= 0
     _, lp = owner_and_local(torch.where(valid, sel, 0), world, interleave)
-    rows = cache_rows(block_table, block_size, token_req.to(torch.int64)[:, None], lp)
+    rows = cache_rows(block_table, block_size, token_req.to(torch.int64)[:, None], lp, validate=validate)
     ctx = read_rows(latent, rows, block_size)
     ctx = (dequantize_latent_nvfp4(ctx, kv) if latent_format == "nvfp4" else ctx).to(dt)  # [T, K, kv+dr]
     logits = scale * torch.einsum("bhk,blk->bhl", q_all, ctx)

@@ -70,7 +70,15 @@ def _cache_write_no_sync(a, at):
     return write_rows(a.pool, rows, a.values, bs, a.values.dim() - 1)
 
 
-GRAPH_SAFE_REFERENCE = {"cache_write": _cache_write_no_sync}
+def _graph_safe_references() -> dict:
+    """cache_write, and the DCP references with static shapes (`k31c.parallel.dcp_graph`): a TP / DCP decode
+    step is captured with its collectives (NCCL) inside the graph."""
+    from k31c.parallel.dcp_graph import GRAPH_SAFE as DCP
+
+    return {"cache_write": _cache_write_no_sync, **DCP}
+
+
+GRAPH_SAFE_REFERENCE = _graph_safe_references()
 
 
 @dataclass

@@ -38,10 +38,12 @@ def _add_model_args(p: argparse.ArgumentParser, required: bool = True):
 
 def _add_tuning_args(p: argparse.ArgumentParser):
     g = p.add_argument_group("kernel configs (artifacts): tuned in the artifact > tuning store record > miss policy")
-    g.add_argument("--miss-policy", choices=("readonly", "fallback", "tune"), default="fallback",
+    g.add_argument("--miss-policy", choices=("readonly", "fallback", "tune"), default=None,
                    help="a kernel shape bucket with no tuned config and no record: readonly = stop with the "
-                        "`k31c tune` command that makes it; fallback = the kernel's declared heuristic, counted "
-                        "and reported (default); tune = tune it now and store the record")
+                        "`k31c tune` command that makes it (default for an artifact compiled for a GPU target: "
+                        "a deployment runs tuned kernels or says which are missing); fallback = the kernel's "
+                        "declared heuristic, counted and reported (default for --target cpu, the development "
+                        "path); tune = tune it now and store the record")
     g.add_argument("--tuning-store", default=None,
                    help="tuning records (JSON lines; default: this device's store, autotune_cache/records/"
                         "<device>.jsonl or $K31C_TUNING_CACHE)")

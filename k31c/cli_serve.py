@@ -103,18 +103,26 @@ def _tuned_configs(art) -> dict:
     return {b: c for b, c in art.configs.items() if art.config_sources.get(b) == "tuned"}
 
 
+def default_miss_policy(target: str) -> str:
+    """--miss-policy when not given: `readonly` for a GPU target (deployment: every config tuned or named as
+    missing, issue 6), `fallback` for the CPU target (development and the demo)."""
+    return "fallback" if target == "cpu" else "readonly"
+
+
 def _miss_policy(args, artifact: str, target: str, module, weights, choices, dtype):
-    """The MissPolicy of --miss-policy over --tuning-store (a `tune` policy tunes on this device)."""
+    """The MissPolicy of --miss-policy (default `default_miss_policy`) over --tuning-store (a `tune` policy
+    tunes on this device)."""
     from autotune_cache import CacheStore, MissPolicy
 
+    mode = args.miss_policy or default_miss_policy(target)
     tuner = None
-    if args.miss_policy == "tune":
+    if mode == "tune":
         from autotune_cache.tuner import make_tuner
 
         tuner = make_tuner(module, weights, choices, target=target, device=args.device, compute_dtype=dtype,
                            study_db=os.path.join(artifact, "tuning", "studies.db"))
     store = CacheStore(args.tuning_store) if args.tuning_store else CacheStore()
-    policy = MissPolicy(args.miss_policy, store, target=target, artifact=artifact, tuner=tuner)
+    policy = MissPolicy(mode, store, target=target, artifact=artifact, tuner=tuner)
     _POLICIES.append(policy)
     return policy
 

@@ -64,3 +64,12 @@ def test_tuned_artifact_configs_are_kept_and_compile_heuristics_are_not():
     art = SimpleNamespace(configs={"a:{}": {"X": 1}, "b:{}": {"X": 2}},
                           config_sources={"a:{}": "tuned", "b:{}": "heuristic"})
     assert cli_serve._tuned_configs(art) == {"a:{}": {"X": 1}}
+
+
+def test_default_policy_is_readonly_for_gpu_targets_and_fallback_for_cpu(artifact, tmp_path, capsys):
+    """Issue 6: readonly is the deploy default (an artifact compiled for a GPU target); the CPU target, the
+    development path and the README demo, falls back to the heuristics and reports them."""
+    assert [cli_serve.default_miss_policy(t) for t in ("h200", "gb300", "mi355x", "cpu")] == \
+        ["readonly"] * 3 + ["fallback"]
+    code, stats = run(artifact, "--tuning-store", str(tmp_path / "empty.jsonl"))  # cpu artifact, no -policy
+    assert code == 0 and stats[0]["policy"] == "fallback" and stats[0]["config_misses"]

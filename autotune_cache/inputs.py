@@ -185,23 +185,26 @@ class _Capture(Interpreter):
 def _run_steps(module: Module, engine: _Capture, functions: set, shapes: dict, seed: int):
     """Prefill, decode and verify steps of the given shapes ({fn: {"B": tokens, "R": requests}}) on
     random tokens; only the wanted functions' steps are captured (and decode/verify run only when
-    wanted). Requests not prefilled by the captured prefill get a short uncaptured one first."""
+    wanted). Requests not prefilled by the captured prefill get a short uncaptured one first; a
+    decode/verify shape's "context" (e.g. {"decode": {"R": 1, "context": 8192}}) sets that prefill's length,
+    so context-keyed kernels (indexer, sparse MLA) are tuned at serving contexts."""
     from k31c.runtime.reference import ReferenceRuntime
 
     rng = random.Random(seed)
-    rt = ReferenceRuntime(module, engine.weights, max_rows=POOL_SIZES["N"], max_requests=POOL_SIZES["S"],
-                          engine=engine)
-    vocab = rt.vocab_size
-    toks = lambda n: [rng.randrange(vocab) for _ in range(n)]  # noqa: E731
     pre = shapes.get("prefill", {"B": 4, "R": 1})
     per = max(1, pre["B"] // pre["R"])
-    if "prefill" not in functions:
-        per = min(per, 16)  # context for the decode/verify captures only: a short uncaptured prefill
     steps = [(f, shapes[f]) for f in ("decode", "verify") if f in functions]
+    if "prefill" not in functions:
+        # context for the decode/verify captures only: an uncaptured prefill, short unless a context is asked
+        per = max([s.get("context", 0) for _, s in steps] + [min(per, 16)])
     n_req = max([pre["R"]] + [s["R"] for _, s in steps])
     if n_req > POOL_SIZES["S"]:
         raise ValueError(f"capture shapes need {n_req} requests; the pools hold {POOL_SIZES['S']}")
     cap = per + sum(max(1, s.get("B", s["R"]) // s["R"]) for _, s in steps) + 8
+    rt = ReferenceRuntime(module, engine.weights, max_rows=max(POOL_SIZES["N"], n_req * cap),
+                          max_requests=POOL_SIZES["S"], engine=engine)
+    vocab = rt.vocab_size
+    toks = lambda n: [rng.randrange(vocab) for _ in range(n)]  # noqa: E731
     for r in range(n_req):
         rt.add_request(f"r{r}", cap)
     engine.active = "prefill" in functions

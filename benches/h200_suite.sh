@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The H200 benches in one call (device tool; run from the repository root). Each bench runs under its
 # own time limit and writes its JSON to $OUT; a failing or timed-out bench does not stop the others.
-# tuning_rank tunes the runtime bench's rank preset (decode, batch 1) into the repository's store, so a
+# tuning_rank tunes the runtime bench's rank preset (decode, batch 1, at context TUNE_CONTEXT, default 8192,
+# TUNE_TRIALS trials per kernel, default 5) into the repository's store, so a
 # later runtime section in the same call uses the records; the store is copied to $OUT. parallel needs
 # 2+ GPUs (kind nvidia-h200-x2 or larger; NVLink multicast off).
 #
@@ -31,7 +32,7 @@ for s in $sections; do
     tuning) run tuning "${T_TUNING:-150}" python3 benches/bench_tuning.py --trials 4 --budget-s 70 --timeout-s 25 \
               --e2e-after-s 105 --store "$OUT/nvidia-h200.jsonl" ;;
     tuning_rank) run tuning_rank "${T_TUNING_RANK:-240}" python3 benches/bench_tuning.py --model rank --function decode \
-              --shapes '{"decode": {"R": 1}}' --trials 5 --budget-s $(( ${T_TUNING_RANK:-240} - 60 )) --timeout-s 20 \
+              --shapes "{\"decode\": {\"R\": 1, \"context\": ${TUNE_CONTEXT:-8192}}}" --trials ${TUNE_TRIALS:-5} --budget-s $(( ${T_TUNING_RANK:-240} - 60 )) --timeout-s 20 \
               --no-e2e --store autotune_cache/records/nvidia-h200.jsonl
               cp autotune_cache/records/nvidia-h200.jsonl "$OUT/" ;;
     parallel) run parallel "${T_PARALLEL:-540}" python3 benches/bench_parallel_gpu.py --world 2 \

@@ -105,3 +105,18 @@ def test_tune_target_compiles_in_a_temp_dir_and_writes_records_only(artifact, tm
     recs = CacheStore(store).records()
     assert len(recs) == 2 and {r.family for r in recs} == {fam}
     assert recs[0].created_by.startswith(f"k31c tune --target cpu --model k31-tiny --kernel {fam}")
+
+
+def test_decode_context_shape_sets_the_captured_context(artifact):
+    """{"decode": {"R": 1, "context": n}}: the decode step is captured after a prefill of n tokens, so the
+    context-keyed kernels (indexer top-k, sparse MLA) are tuned at a serving context, not the short default."""
+    from autotune_cache.inputs import capture_problems
+    from k31c.compiler import load_artifact
+
+    art = load_artifact(artifact)
+    choices = [c for c in art.choices if c.function == "decode"]
+    sel = next(c.template.family for c in choices if c.op == "fused.indexer_select")
+    short, = capture_problems(art.module, art.weights, choices, families={sel}, shapes={"decode": {"R": 1}})[:1]
+    long_, = capture_problems(art.module, art.weights, choices, families={sel},
+                              shapes={"decode": {"R": 1, "context": 100}})[:1]
+    assert short.key["L"] == 17 and long_.key["L"] == 101, (short.key, long_.key)

@@ -161,3 +161,98 @@ def test_supports_and_bad_input():
         f8 = gemm.FP8Weight.quantize(torch.randn(8, 64), (8, 32))
         gemm.gemm(torch.randn(2, 64), f8, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=1, num_warps=4,
                                                 num_stages=1))
+
+
+# ---- decode paths: dot-free GEMV tile and deterministic split-K -----------------------------------
+def _decode_cfg(m, gemv, split, bk=32, bn=16):
+    bm = 1 << max(0, (m - 1).bit_length()) if gemv else 16
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, SPLIT_K=split, GEMV=gemv, num_warps=4, num_stages=1)
+
+
+def _weight(kind, n, k, g):
+    w = torch.randn(n, k, generator=g) * torch.linspace(0.2, 2.0, n)[:, None]
+    if kind == "bf16":
+        w = w.to(torch.bfloat16)
+        return w, w.double()
+    if kind == "fp8":
+        f8 = gemm.FP8Weight.quantize(w)
+        return f8, f8.dequantize(torch.float64)
+    if kind == "fp8-block":
+        f8 = gemm.FP8Weight.quantize(w, (16, 32))
+        return f8, f8.dequantize(torch.float64)
+    return w, w.double()
+
+
+@pytest.mark.parametrize("gemv,split", [(1, 1), (1, 3), (0, 3)])
+@pytest.mark.parametrize("m,xdt,wkind", [(1, torch.float32, "bf16"), (3, torch.float32, "f32"),
+                                         (1, torch.bfloat16, "bf16"), (2, torch.float32, "fp8"),
+                                         (1, torch.float32, "fp8-block")])
+def test_decode_paths_match_float64(gemv, split, m, xdt, wkind):
+    """N=37 (ragged against BLOCK_N=16), K=200 (not a multiple of BLOCK_K*SPLIT_K: chunks 96, 96, 8)."""
+    g = torch.Generator().manual_seed(100 * gemv + 10 * split + m)
+    w, w64 = _weight(wkind, 37, 200, g)
+    x = torch.randn(m, 200, generator=g).to(xdt)
+    y = gemm.gemm(x, w, _decode_cfg(m, gemv, split))
+    assert y.dtype == xdt and y.shape == (m, 37)
+    tol = 1e-2 if xdt == torch.bfloat16 else (1e-5 if not wkind.startswith("fp8") else 2e-5)
+    assert_close_rel(y, x.double() @ w64.t(), tol, f"GEMV={gemv} SPLIT_K={split} M={m} x {xdt} w {wkind}")
+
+
+def test_split_k_reduces_chunks_in_fixed_order_bitwise():
+    """y == ((P_0 + P_1) + P_2) with P_s the same kernel run on chunk s alone, and identical run to run."""
+    g = torch.Generator().manual_seed(31)
+    x, w = torch.randn(2, 200, generator=g), torch.randn(37, 200, generator=g)
+    cfg = _decode_cfg(2, 1, 3)
+    chunk, n_split = gemm.k_chunk(200, cfg["BLOCK_K"], 3)
+    assert (chunk, n_split) == (96, 3)
+    y1, y2 = gemm.gemm(x, w, cfg), gemm.gemm(x, w, cfg)
+    assert torch.equal(y1, y2), "split-K result changed between two runs"
+    one = dict(cfg, SPLIT_K=1)
+    parts = [gemm.gemm(x[:, lo:lo + chunk], w[:, lo:lo + chunk], one) for lo in range(0, 200, chunk)]
+    assert torch.equal(y1, (parts[0] + parts[1]) + parts[2]), "partials not added in split order"
+    with pytest.raises(ValueError, match="SPLIT_K >= 1"):
+        gemm.k_chunk(200, 32, 0)
+
+
+def test_decode_packed_linear_and_f64():
+    g = torch.Generator().manual_seed(41)
+    ws = [torch.randn(n, 96, generator=g) for n in (24, 13)]
+    x = torch.randn(1, 96, generator=g)
+    cfg = _decode_cfg(1, 1, 2, bn=8)
+    got = PACKED.launch(SimpleNamespace(operands=[x, *ws]), {"splits": [24, 13], "batch_invariant": False}, cfg)
+    for part, w in zip(got, ws):
+        assert_close_rel(part, x.double() @ w.double().t(), 1e-5, "packed GEMV split-K")
+    x64, w64 = x.double(), ws[0].double()
+    assert gemm.gemm(x64, w64, cfg).dtype == torch.float64
+    assert_close_rel(gemm.gemm(x64, w64, cfg), x64 @ w64.t(), 1e-12, "f64 GEMV split-K")
+
+
+def test_decode_heuristic_configs_and_buckets():
+    shapes = [(20480, 7168, "f32"), (112, 7168, "f32"), (3808, 7168, "bf16"), (6284, 7168, "bf16"),
+              (7168, 1536, "bf16"), (7168, 4224, "bf16")]
+    for n, k, xd in shapes:
+        for m in (1, 2, 3, 8, 16):
+            key = dict(M=m, N=n, K=k, x=xd, w="bf16", gk=0, bi=0)
+            cfg = gemm.heuristic(key, "h200")
+            assert gemm.constraints(cfg, key, "h200") == [], (key, cfg)
+            assert cfg["BLOCK_M"] >= gemm._bucket(key)["M"], "one M tile covers the whole bucket"
+            if m == 1 and (k <= 2048 or k >= 6144):
+                assert cfg["GEMV"] == 1 and cfg["BLOCK_M"] == 1, (key, cfg)
+            elif m > 1:
+                assert cfg["GEMV"] == 0, "measured: the [M, BLOCK_N, BLOCK_K] GEMV loses to tensor-core tiles at M=8"
+    router = gemm.heuristic(dict(M=1, N=112, K=7168, x="f32", w="bf16", gk=0, bi=0), "h200")
+    assert router["SPLIT_K"] > 1, "the router GEMV must split K to fill the GPU"
+    head = gemm.heuristic(dict(M=1, N=20480, K=7168, x="f32", w="bf16", gk=0, bi=0), "h200")
+    assert head["SPLIT_K"] == 1 and head["GEMV"] == 1
+    assert len({gemm._bucket(dict(M=m, N=1, K=1, x="f32", w="bf16", gk=0, bi=0))["M"] for m in (1, 2, 8, 16)}) == 4
+
+
+def test_batch_invariant_mode_declines_decode_paths():
+    key = dict(M=1, N=112, K=7168, x="f32", w="bf16", gk=0, bi=1)
+    cfg = gemm.heuristic(key, "h200")
+    assert cfg["GEMV"] == 0 and cfg["SPLIT_K"] == 1
+    split = dict(cfg, SPLIT_K=4, GEMV=1, BLOCK_M=1, BLOCK_N=8, BLOCK_K=256)
+    assert any("batch-invariant" in p for p in gemm.constraints(split, key, "h200"))
+    with pytest.raises(ValueError, match="batch-invariant"):
+        LINEAR.launch(SimpleNamespace(x=torch.randn(1, 64), w=torch.randn(8, 64)), {"batch_invariant": True},
+                      _decode_cfg(1, 1, 2))

@@ -13,13 +13,18 @@ into X_SPLITS bf16 terms hi+mid+lo so the result keeps ~fp32 accuracy on the bf1
 f32 x f32 (tf32x3 on a GPU). Under the Triton interpreter everything is computed in fp32 (fp64 when an
 operand is fp64): the interpreter's bf16 arithmetic is wrong, see shared/TOOLCHAIN.md.
 
-Tiling: one program per (BLOCK_M x BLOCK_N) output tile, grouped (GROUP_M) launch order for L2 reuse, a
-K loop of BLOCK_K steps software-pipelined `num_stages` deep. There is never a split-K: every output
-element is reduced over K in one fixed order (k = 0, BLOCK_K, 2 BLOCK_K, ...).
+Tiling: one program per (BLOCK_M x BLOCK_N) output tile (GROUP_M launch order for L2 reuse) and per K
+split. GEMV=0: `gemm_tile`, tensor-core dots over BLOCK_K steps pipelined `num_stages` deep; GEMV=1
+(decode, BLOCK_M <= 16): `gemv_tile`, elementwise fp32 products summed once per tile, any BLOCK_N >= 1
+(`_gemv.py` has its math). SPLIT_K=1: each output element is reduced over K in one fixed order (k = 0,
+BLOCK_K, 2 BLOCK_K, ...). SPLIT_K > 1 (decode GEMMs too narrow to fill the GPU, e.g. the routers' N=112):
+split s reduces its K chunk into an fp32 partial and a second launch adds the partials in split order
+(`_gemv.py`: deterministic, no atomics).
 
 Batch invariance (`attrs["batch_invariant"]`): the key drops M (`bi=1`), so `heuristic` returns one
-config for every batch size and the reduction order of a row, including the MMA instruction shape,
-is the same whether the row runs alone or inside any batch.
+config for every batch size, GEMV=0 and SPLIT_K=1 (`constraints` refuses others, the launch too), and the
+reduction order of a row, including the MMA instruction shape, is the same alone or inside any batch.
+Otherwise M is bucketed by powers of two and decode batches get the GEMV / split-K paths.
 
 `fused.packed_linear` operands: (x, w_1..w_n), attr `splits=[N_1..N_n]`, results y_1..y_n. The weights
 are concatenated once (cached by weight identity and version) and y_i are column views of one
@@ -28,7 +33,6 @@ are concatenated once (cached by weight identity and version) and y_i are column
 
 from __future__ import annotations
 
-import os
 import weakref
 from dataclasses import dataclass
 
@@ -37,17 +41,15 @@ import triton
 import triton.language as tl
 
 from codegen.kernel import KernelTemplate, Tunable, pow2_bucket
-from codegen.triton import _precision as precision
+# gemm_tile, dot_numerics, interpreting: re-exported (kernels that fuse an epilogue onto a GEMM tile)
+from codegen.triton._gemv import (dot_numerics, gemm_tile, gemv_tile, interpreting, k_chunk,  # noqa: F401
+                                  reduce_partials)
 
 # Shared memory a program may use, per target (bytes). Unknown GPU targets get the conservative value.
 SMEM_BYTES = {"h100": 232448, "h200": 232448, "b200": 232448, "b300": 232448, "gb300": 232448, "rubin": 232448,
               "mi355x": 163840}
 DEFAULT_SMEM = 101376
 PLAIN_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # ---- FP8 weights --------------------------------------------------------------------------------
@@ -103,60 +105,11 @@ class FP8Weight:
 
 # ---- the kernel ---------------------------------------------------------------------------------
 @triton.jit
-def gemm_tile(x_ptr, w_ptr, s_ptr, offs_m, offs_n, m_ok, n_ok, K, stride_xm, stride_xk, stride_wn, stride_wk,
-              stride_sn, stride_sk, SCALE_MODE: tl.constexpr, SCALE_GN: tl.constexpr, SCALE_GK: tl.constexpr,
-              DOT_DTYPE: tl.constexpr, ACC_DTYPE: tl.constexpr, X_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-              EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc[BLOCK_M, BLOCK_N] = x[offs_m, :] @ w[offs_n, :]^T (scales applied), K reduced in BLOCK_K steps
-    in increasing k; shared with the kernels that fuse an epilogue onto a GEMM."""
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
-    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk  # [BK, BN] = w^T tile
-    acc = tl.zeros((BLOCK_M, BLOCK_N), ACC_DTYPE)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            xt = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
-            wt = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
-        else:
-            k_ok = (offs_k + k0) < K
-            xt = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            wt = tl.load(w_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        wt = wt.to(DOT_DTYPE)
-        if SCALE_MODE == 2:  # per-block scales: each K block's partial product is scaled on its own
-            part = tl.zeros((BLOCK_M, BLOCK_N), ACC_DTYPE)
-        else:
-            part = acc
-        if X_SPLITS == 1:
-            part = tl.dot(xt.to(DOT_DTYPE), wt, part, input_precision=PRECISION, out_dtype=ACC_DTYPE)
-        else:  # fp32 x against low-precision w: x = hi + mid (+ lo), each term exact in DOT_DTYPE
-            xf = xt.to(tl.float32)
-            hi = xf.to(DOT_DTYPE)
-            rest = xf - hi.to(tl.float32)
-            mid = rest.to(DOT_DTYPE)
-            part = tl.dot(hi, wt, part, out_dtype=ACC_DTYPE)
-            part = tl.dot(mid, wt, part, out_dtype=ACC_DTYPE)
-            if X_SPLITS == 3:
-                lo = (rest - mid.to(tl.float32)).to(DOT_DTYPE)
-                part = tl.dot(lo, wt, part, out_dtype=ACC_DTYPE)
-        if SCALE_MODE == 2:
-            s = tl.load(s_ptr + (offs_n // SCALE_GN) * stride_sn + (k0 // SCALE_GK) * stride_sk, mask=n_ok, other=0.0)
-            acc += part * s.to(ACC_DTYPE)[None, :]
-        else:
-            acc = part
-        x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K * stride_wk
-    if SCALE_MODE == 1:  # per-output-channel scales
-        s = tl.load(s_ptr + offs_n * stride_sn, mask=n_ok, other=0.0)
-        acc = acc * s.to(ACC_DTYPE)[None, :]
-    return acc
-
-
-@triton.jit
-def _gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K,
+def _gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, M, N, K, K_CHUNK,
                  stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn, stride_sn, stride_sk,
                  SCALE_MODE: tl.constexpr, SCALE_GN: tl.constexpr, SCALE_GK: tl.constexpr,
                  DOT_DTYPE: tl.constexpr, ACC_DTYPE: tl.constexpr, X_SPLITS: tl.constexpr,
-                 PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
+                 PRECISION: tl.constexpr, EVEN_K: tl.constexpr, GEMV: tl.constexpr, SPLIT_K: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -170,31 +123,27 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K,
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    acc = gemm_tile(x_ptr, w_ptr, s_ptr, offs_m, offs_n, m_ok, n_ok, K, stride_xm, stride_xk, stride_wn, stride_wk,
-                    stride_sn, stride_sk, SCALE_MODE, SCALE_GN, SCALE_GK, DOT_DTYPE, ACC_DTYPE, X_SPLITS, PRECISION,
-                    EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
-    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :] * stride_yn
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-
-# ---- numerics chosen from the operands ----------------------------------------------------------
-def dot_numerics(x_dtype: torch.dtype, w_dtype: torch.dtype, interpret: bool | None = None,
-                 backend: str | None = None) -> dict:
-    """DOT_DTYPE / ACC_DTYPE / X_SPLITS / PRECISION for these operand dtypes (not tunables: they fix
-    the numerics, the tuner must not trade them for speed). PRECISION is spelled for `backend`
-    ('cuda' / 'hip'; default: the backend compiling the kernel, `_precision.backend`)."""
-    interpret = interpreting() if interpret is None else interpret
-    if torch.float64 in (x_dtype, w_dtype):
-        return dict(DOT_DTYPE=tl.float64, ACC_DTYPE=tl.float64, X_SPLITS=1, PRECISION="ieee")
-    if interpret:
-        return dict(DOT_DTYPE=tl.float32, ACC_DTYPE=tl.float32, X_SPLITS=1, PRECISION="ieee")
-    low = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-    w_low = low.get(w_dtype) if w_dtype != torch.float8_e4m3fn else low.get(x_dtype, tl.bfloat16)
-    if x_dtype in low and w_low is not None and (w_dtype == torch.float8_e4m3fn or w_dtype == x_dtype):
-        return dict(DOT_DTYPE=low[x_dtype], ACC_DTYPE=tl.float32, X_SPLITS=1, PRECISION=precision.low_bits())
-    if x_dtype == torch.float32 and w_low is not None:
-        return dict(DOT_DTYPE=w_low, ACC_DTYPE=tl.float32, X_SPLITS=3, PRECISION=precision.low_bits())
-    return dict(DOT_DTYPE=tl.float32, ACC_DTYPE=tl.float32, X_SPLITS=1, PRECISION=precision.precise_fp32(backend))
+    if SPLIT_K > 1:  # this program reduces k in [k_lo, k_lo + K_CHUNK) (the last chunk may be shorter)
+        k_lo = tl.program_id(1) * K_CHUNK
+        K = tl.minimum(K - k_lo, K_CHUNK)
+        x_ptr += k_lo * stride_xk
+        w_ptr += k_lo * stride_wk
+        if SCALE_MODE == 2:
+            s_ptr += (k_lo // SCALE_GK) * stride_sk
+    if GEMV:
+        acc = gemv_tile(x_ptr, w_ptr, s_ptr, offs_m, offs_n, m_ok, n_ok, K, stride_xm, stride_xk, stride_wn,
+                        stride_wk, stride_sn, stride_sk, SCALE_MODE, SCALE_GN, SCALE_GK, ACC_DTYPE, EVEN_K,
+                        BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        acc = gemm_tile(x_ptr, w_ptr, s_ptr, offs_m, offs_n, m_ok, n_ok, K, stride_xm, stride_xk, stride_wn,
+                        stride_wk, stride_sn, stride_sk, SCALE_MODE, SCALE_GN, SCALE_GK, DOT_DTYPE, ACC_DTYPE,
+                        X_SPLITS, PRECISION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
+    if SPLIT_K > 1:  # fp32 partial of split program_id(1), reduced in fixed order by `reduce_partials`
+        p_ptrs = p_ptr + (tl.program_id(1) * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
+        tl.store(p_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :] * stride_yn
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def gemm(x: torch.Tensor, w, config: dict, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -220,13 +169,19 @@ def gemm(x: torch.Tensor, w, config: dict, out: torch.Tensor | None = None) -> t
             raise ValueError(f"gemm: BLOCK_K={config['BLOCK_K']} must divide the FP8 scale block {gk} along K")
     else:
         scale_mode, gn, gk, s, s_strides = 0, 1, 1, out, (0, 0)
-    grid = (triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"]),)
+    chunk, n_split = k_chunk(K, config["BLOCK_K"], int(config.get("SPLIT_K", 1)), gk if scale_mode == 2 else 0)
+    numerics = dot_numerics(x.dtype, wq.dtype)
+    p_dtype = torch.float64 if numerics["ACC_DTYPE"] == tl.float64 else torch.float32
+    partials = torch.empty(n_split, M, N, dtype=p_dtype, device=x.device) if n_split > 1 else out
+    grid = (triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"]), n_split)
     _gemm_kernel[grid](
-        x, wq, s, out, M, N, K, x.stride(0), x.stride(1), wq.stride(0), wq.stride(1), out.stride(0), out.stride(1),
-        *s_strides, SCALE_MODE=scale_mode, SCALE_GN=gn, SCALE_GK=gk, **dot_numerics(x.dtype, wq.dtype),
-        EVEN_K=K % config["BLOCK_K"] == 0, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
-        BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
-        num_stages=config["num_stages"])
+        x, wq, s, out, partials, M, N, K, chunk, x.stride(0), x.stride(1), wq.stride(0), wq.stride(1),
+        out.stride(0), out.stride(1), *s_strides, SCALE_MODE=scale_mode, SCALE_GN=gn, SCALE_GK=gk, **numerics,
+        EVEN_K=K % config["BLOCK_K"] == 0, GEMV=int(config.get("GEMV", 0)), SPLIT_K=n_split,
+        BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
+        num_warps=config["num_warps"], num_stages=config["num_stages"])
+    if n_split > 1:
+        reduce_partials(partials, out)
     return out
 
 
@@ -289,43 +244,65 @@ def _key(x, ws, attrs) -> dict:
 
 
 def _bucket(key: dict) -> dict:
-    b = dict(key)
-    if b["bi"]:
-        b["M"] = 0  # one config for every batch size
-    else:
-        b["M"] = pow2_bucket(b["M"], 16)
-    return b
+    """M by powers of two (decode configs differ per batch size); none when batch-invariant."""
+    return {**key, "M": 0 if key["bi"] else pow2_bucket(key["M"])}
 
 
 TUNABLES = (
-    Tunable("BLOCK_M", (16, 32, 64, 128)),
-    Tunable("BLOCK_N", (32, 64, 128, 256)),
-    Tunable("BLOCK_K", (32, 64, 128, 256)),
+    Tunable("BLOCK_M", (1, 2, 4, 8, 16, 32, 64, 128)),
+    Tunable("BLOCK_N", (1, 2, 4, 8, 16, 32, 64, 128, 256)),
+    Tunable("BLOCK_K", (32, 64, 128, 256, 512, 1024)),
     Tunable("GROUP_M", (1, 8)),
+    Tunable("SPLIT_K", (1, 2, 4, 8, 16, 32)),
+    Tunable("GEMV", (0, 1)),
     Tunable("num_warps", (4, 8)),
     Tunable("num_stages", (1, 2, 3, 4, 5)),
 )
+SMS = {"h100": 132, "h200": 132, "b200": 148, "b300": 148, "gb300": 152, "mi355x": 256}  # multiprocessors
+GEMV_MAX_M = 1  # the [M, BLOCK_N, BLOCK_K] GEMV was 3-5x slower than 16-row dots at M=8 (H200)
+
+
+def _fill(cfg: dict, key: dict, want: int, min_n: int) -> dict:
+    """Halve BLOCK_N (to min_n), then double SPLIT_K (to 32, no empty split) until >= `want` programs: a decode
+    GEMM is one pass over the weights, and only enough programs in flight reach the HBM bandwidth."""
+    tiles = lambda: -(-key["M"] // cfg["BLOCK_M"]) * -(-key["N"] // cfg["BLOCK_N"]) * cfg["SPLIT_K"]  # noqa: E731
+    while tiles() < want and cfg["BLOCK_N"] > min_n:
+        cfg["BLOCK_N"] //= 2
+    while tiles() < want and cfg["SPLIT_K"] < 32 and 2 * cfg["SPLIT_K"] * cfg["BLOCK_K"] <= key["K"]:
+        cfg["SPLIT_K"] *= 2
+    return cfg
 
 
 def heuristic(key: dict, target: str) -> dict:
-    """cpu (interpreter): big tiles, few programs. GPU: decode (M <= 64) streams the weights with
-    BLOCK_M = 16..64 and BLOCK_N small enough for >= 1.5 waves on 132 SMs; prefill uses 128 x 256 x 64
-    tiles, 3 stages. Batch-invariant: one mid-size config for every M (the key has no M). Wide
-    operands (fp32) shed stages, then BLOCK_N, until the shared-memory constraint holds."""
+    """Measured on the H200 (benches/bench_gemm_decode.py, 2026-11-29). cpu (interpreter): big tiles, few
+    programs. M = 1, K <= 2048 or >= 6144: the GEMV (lm head 68 us vs 158, floor 70; K=7168 packed 1.06-1.18x
+    floor), BLOCK_N 8 (4 for N >= 16384), BLOCK_K 256 for K <= 2048 else 512, BLOCK_N halved then K split to
+    >= 4 programs per SM (routers N=112: 1 row, 8 splits, 68 -> 5.1 us). Other M <= 64 (and M=1 with K=3072 /
+    4224, where they measured faster): 16..64-row tensor-core tiles, BLOCK_N 64 (N >= 12800) or 32, BLOCK_K
+    128, 4 stages, split 2 for f32 x at N >= 12800 (M=8 lm head 156 -> 126 us); < SMs/2 tiles are refilled
+    (routers at M=8: 66 -> 10.5 us). Prefill 128 x 256 x 64, 3 stages. Batch-invariant: one config for every
+    M, no split, no GEMV. Wide operands shed stages, then BLOCK_N, until shared memory fits."""
+    mb, sms = pow2_bucket(key["M"]), SMS.get(target, 132)
     if target == "cpu":
         bm = 64 if key["bi"] else min(64, pow2_bucket(key["M"], 16))
         cfg = dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=1)
     elif key["bi"]:
         cfg = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
+    elif mb <= GEMV_MAX_M and not 2048 < key["K"] < 6144:
+        bk = min(256 if key["K"] <= 2048 else 512, max(32, pow2_bucket(key["K"])))
+        cfg = _fill(dict(BLOCK_M=1, BLOCK_N=4 if key["N"] >= 16384 else 8, BLOCK_K=bk, GROUP_M=1, SPLIT_K=1, GEMV=1,
+                         num_warps=4, num_stages=1), key, 4 * sms, 1)
     elif key["M"] <= 64:
-        bn = 64 if key["N"] >= 200 * 64 else 32
-        bk = 256 if key["w"] == "f8e4m3" else 128
-        cfg = dict(BLOCK_M=max(16, pow2_bucket(key["M"], 16)), BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1,
-                   num_warps=4, num_stages=4)
+        wide = key["N"] >= 200 * 64
+        cfg = dict(BLOCK_M=max(16, mb), BLOCK_N=64 if wide else 32, BLOCK_K=128, GROUP_M=1,
+                   SPLIT_K=2 if wide and key["x"] == "f32" and mb <= 16 else 1, GEMV=0, num_warps=4, num_stages=4)
+        if mb <= 16:
+            cfg = _fill(cfg, key, sms // 2, 16)
     else:
         cfg = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
         if key["x"] == "f32":  # 3-term split / tf32x3: 128 x 128 keeps ptxas free of spills
             cfg.update(BLOCK_N=128, BLOCK_K=32 if key["w"] == "f32" else 64)
+    cfg = {"SPLIT_K": 1, "GEMV": 0, **cfg}
     if key.get("gk"):
         cfg["BLOCK_K"] = min(cfg["BLOCK_K"], key["gk"])
     while constraints(cfg, key, target):
@@ -335,6 +312,8 @@ def heuristic(key: dict, target: str) -> dict:
             cfg["BLOCK_N"] //= 2
         elif cfg["BLOCK_K"] > 32:
             cfg["BLOCK_K"] //= 2
+        elif cfg["SPLIT_K"] > 1:
+            cfg["SPLIT_K"] //= 2
         else:
             break
     return cfg
@@ -345,9 +324,20 @@ _BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "f8e4m3": 1}
 
 def constraints(config: dict, key: dict, target: str) -> list[str]:
     out = []
+    gemv, split = config.get("GEMV", 0), config.get("SPLIT_K", 1)
     if key.get("gk") and key["gk"] % config["BLOCK_K"]:
         out.append(f"BLOCK_K={config['BLOCK_K']} does not divide the FP8 scale block {key['gk']} along K")
+    if key["bi"] and (gemv or split > 1):
+        out.append("batch-invariant: GEMV and SPLIT_K > 1 are decode paths chosen by batch size")
+    if split > 1 and (split - 1) * config["BLOCK_K"] >= key["K"]:
+        out.append(f"SPLIT_K={split} leaves splits with no BLOCK_K={config['BLOCK_K']} step of K={key['K']}")
+    if gemv and config["BLOCK_M"] > 16:
+        out.append(f"GEMV with BLOCK_M={config['BLOCK_M']} > 16: the dot-free path is for decode batches")
     if target != "cpu":
+        if gemv and config["BLOCK_M"] * config["BLOCK_N"] * config["BLOCK_K"] > 128 * 32 * config["num_warps"]:
+            out.append("GEMV accumulator BLOCK_M*BLOCK_N*BLOCK_K > 128 fp32 registers per thread")
+        if not gemv and min(config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]) < 16:
+            out.append("tl.dot needs BLOCK_M, BLOCK_N, BLOCK_K >= 16 (GEMV=1 takes smaller tiles)")
         xb, wb = _BYTES.get(key["x"], 4), _BYTES.get(key["w"], 2)
         smem = (config["BLOCK_M"] * config["BLOCK_K"] * xb + config["BLOCK_K"] * config["BLOCK_N"] * wb) \
             * max(1, config["num_stages"])
@@ -356,7 +346,7 @@ def constraints(config: dict, key: dict, target: str) -> list[str]:
             out.append(f"shared memory {smem} B (BLOCK_M*BLOCK_K*{xb} + BLOCK_K*BLOCK_N*{wb}) * stages > {limit} B")
         if config["BLOCK_M"] * config["BLOCK_N"] > 128 * 256:
             out.append("accumulator tile BLOCK_M*BLOCK_N > 32768 fp32 values does not fit in registers")
-    return out
+    return out[:1]  # the first problem: one reason per illegal config (the tuner counts reasons)
 
 
 def _supports_types(x, ws, target) -> str | None:
@@ -371,13 +361,21 @@ def _supports_types(x, ws, target) -> str | None:
     return "packed weights of different dtypes" if len({_dtype_name(w) for w in ws}) != 1 else None
 
 
+def _check_invariance(attrs, config):
+    if attrs.get("batch_invariant") and (config.get("GEMV", 0) or config.get("SPLIT_K", 1) > 1):
+        raise ValueError(f"gemm: batch-invariant launch with a decode config (GEMV={config.get('GEMV', 0)}, "
+                         f"SPLIT_K={config.get('SPLIT_K', 1)}): the reduction order would depend on the batch")
+
+
 def _launch_linear(a, attrs, config):
+    _check_invariance(attrs, config)
     y = gemm(a.x.reshape(-1, a.x.shape[-1]), a.w, config)
     return y.reshape(*a.x.shape[:-1], y.shape[-1])
 
 
 def _launch_packed(a, attrs, config):
     x, ws = a.operands[0], list(a.operands[1:])
+    _check_invariance(attrs, config)
     splits = list(attrs["splits"])
     if len(splits) != len(ws) or any(int(w.shape[0]) != s for w, s in zip(ws, splits)):
         raise ValueError(f"packed_linear: splits {splits} do not match weights "
@@ -391,7 +389,7 @@ TEMPLATES = [
         family="gemm", backend="triton", ops=("linear",), launch=_launch_linear,
         key_dims=lambda a, attrs: _key(a.x, [a.w], attrs), heuristic=heuristic, tunables=TUNABLES,
         bucket=_bucket, constraints=constraints, supports=lambda a, attrs, target: _supports_types(a.x, [a.w], target),
-        batch_invariant=True, doc="y = x @ w^T, bf16/fp8(+scales)/fp32 weights, no split-K"),
+        batch_invariant=True, doc="y = x @ w^T, bf16/fp8(+scales)/fp32 weights; decode: GEMV / deterministic split-K"),
     KernelTemplate(
         family="packed_gemm", backend="triton", ops=("fused.packed_linear",), launch=_launch_packed,
         key_dims=lambda a, attrs: _key(a.operands[0], a.operands[1:], attrs), heuristic=heuristic,

@@ -2,13 +2,18 @@
 
 Emits one JSON document (stdout and $OUT/moe.json, rewritten after every section so a timeout keeps
 what was measured). Sections: ceilings measured in the same run (HBM read, copy, bf16 and fp8 matmul
-8192³); decode (T=64, top-16 of 112 experts, ℓ=3584, I=3072, MXFP4) as bytes of weights read over the
-measured read bandwidth; prefill (T=8192) as TFLOP/s over the measured bf16 and fp8 ceilings; the whole
+8192³); decode (ℓ=3584, I=3072, MXFP4, 112 experts; T=1 top-2, the rank preset's step, and T=64 top-16):
+the whole moe_experts op under CUDA-graph replay (several distinct routings per graph, so T=1's 35 MB
+of routed experts do not stay in L2), the previous path (three-kernel permutation, session-3 config)
+vs the heuristic's vs variants, as the routed experts' weight bytes over the measured copy bandwidth
+(floor) and over the read bandwidth, plus the permutation alone both ways and a torch._grouped_mm
+peer on bf16 weights (eager); prefill (T=8192) as TFLOP/s over the measured bf16 and fp8 ceilings; the whole
 MoE layer (d=7168, 2 shared experts) vs the reference layer written inline here, in torch eager and
 torch.compile, plus a torch._grouped_mm peer. Every kernel variant is checked against an fp32
 reference on bf16-exact weights before it is timed.
 
-    python benches/bench_moe.py            # on a CUDA machine: ~5.5 min on the H200, 3 of them inductor
+    python benches/bench_moe.py            # on a CUDA machine: ~6 min on the H200, 3 of them inductor
+    MOE_BENCH_SECTIONS=decode python benches/bench_moe.py      # ~110 s
     MOE_BENCH_SECTIONS=decode,prefill MOE_BENCH_SWEEP=wide python benches/bench_moe.py   # variant sweep
     MOE_BENCH_SECTIONS=prefill,layer,decode MOE_BENCH_LAYER_T=8192 python benches/bench_moe.py   # a subset
 
@@ -50,7 +55,7 @@ B1, B2, EPS = 4.0, 25.0, 1e-5
 SECTIONS = os.environ.get("MOE_BENCH_SECTIONS", "decode,prefill,layer").split(",")
 LAYER_T = [int(t) for t in os.environ.get("MOE_BENCH_LAYER_T", "").split(",") if t]
 WIDE_SWEEP = os.environ.get("MOE_BENCH_SWEEP") == "wide"
-COMPILE_DEADLINE, PREFILL_DEADLINE, DECODE_DEADLINE = (600, 400, 300) if WIDE_SWEEP else (260, 150, 80)
+COMPILE_DEADLINE, PREFILL_DEADLINE, DECODE_DEADLINE = (600, 400, 300) if WIDE_SWEEP else (260, 190, 110)
 COMPILE_DEADLINE, PREFILL_DEADLINE, DECODE_DEADLINE = (
     float(os.environ.get(f"MOE_BENCH_{n}_DEADLINE", v)) for n, v in
     (("COMPILE", COMPILE_DEADLINE), ("PREFILL", PREFILL_DEADLINE), ("DECODE", DECODE_DEADLINE)))
@@ -155,23 +160,12 @@ def _cfg(bm, bn, bk, warps, stages, bn2=None, bk2=None, pf=0, sl=0):
     return dict(BM=bm, BN=bn, BK=bk, BN2=bn2 or bn, BK2=bk2 or bk, num_warps=warps, num_stages=stages, PF=pf, SL=sl)
 
 
-# (config, DEQ modes to time it with), the heuristic's first. H200 2026-11-29 (session 3): 128-row wgmma
-# tiles asm 1.37 ms (30.6% of read BW), asm16 1.42, PF=1 1.46; 64 rows on 2 warps (mma.sync): asm 1.27,
-# asm16 1.16, asm16 BK=128 SL=1 1.14 ms (36.9%); 32 rows x 4 warps 2.2-2.6 ms.
-DECODE_CFGS = [(_cfg(16, 64, 128, 2, 3, sl=1), ("asm16",)), (_cfg(16, 128, 64, 4, 4), ("asm",)),
-               (_cfg(16, 64, 128, 2, 3), ("asm16", "asm")), (_cfg(16, 64, 64, 2, 4, sl=1), ("asm16",)),
-               (_cfg(16, 64, 128, 2, 4, sl=1), ("asm16",)), (_cfg(16, 32, 64, 1, 4, sl=1), ("asm16",)),
-               (_cfg(16, 32, 128, 1, 3, sl=1), ("asm16",))]     # the last two: not measured yet (1 warp, 32 rows)
 PREFILL_CFGS = [(_cfg(128, 64, 64, 4, 3, 128), ("asm", "asm16")), (_cfg(128, 64, 64, 4, 3, 128, sl=1), ("asm",)),
                 (_cfg(128, 128, 64, 8, 3), ("asm16",))]
 if WIDE_SWEEP:
-    DECODE_CFGS += [(_cfg(16, 64, 128, 2, 3, sl=1), ("dot_scaled", "bytes", "bytes16")),
-                    (_cfg(16, 64, 128, 2, 3, pf=1, sl=1), ("asm16",)), (_cfg(16, 64, 256, 2, 3, sl=1), ("asm16",)),
-                    (_cfg(16, 128, 128, 4, 3, sl=1), ("asm16",))]
     PREFILL_CFGS += [(_cfg(128, 64, 64, 4, 3, 128), ("dot_scaled",)), (_cfg(128, 64, 64, 4, 3, 128, pf=1), ("asm",)),
                      (_cfg(128, 64, 128, 4, 3, 128), ("asm16",)), (_cfg(64, 128, 64, 4, 3), ("asm16",))]
 if DEV != "cuda":      # the interpreter runs only the pure-Triton decodes, in fp32
-    DECODE_CFGS = [(_cfg(16, 64, 64, 4, 3), ("bytes", "bytes16"))]
     PREFILL_CFGS = [(_cfg(32, 64, 64, 4, 3), ("bytes16",))]
 
 
@@ -214,12 +208,6 @@ def sweep(tag, T, cfgs, dense, check_rows, floor, deadline):
     return best, (z, w, ids, seg)
 
 
-def decode_floor(t, wbytes):
-    bw = wbytes / t / 1e9
-    return {"weight_bytes": wbytes, "TBps": round(bw, 3),
-            "ratio_vs_read_bw": round(bw / DOC["ceilings"].get("read_TBps", float("nan")), 3)}
-
-
 def prefill_floor(t, wbytes):
     flops = 6 * T_PREFILL * K * INTER * ELL
     tf, c = flops / t / 1e9, DOC["ceilings"]
@@ -243,31 +231,174 @@ def wide_check(z, w, ids, cfg):
             DOC["errors"].append({"section": f"wide_check_{deq}", "error": f"{type(e).__name__}: {str(e)[:300]}"})
 
 
+# decode, (T, top-k): the rank preset's step (1 token, top-2) and issue 5's (64 tokens, top-16)
+DECODE_SHAPES = ((1, 2), (8, 2)) if TINY else ((1, 2), (T_DECODE, K))
+# the session-3 decode config (1.14 ms at T=64): one program per (tile, column block), K unsplit
+PREVIOUS = {**_cfg(16, 64, 128, 2, 3, sl=1), "DEQ": "asm16", "GROUP_M": 8, "SPLIT": 1}
+DECODE_VARIANTS = {      # (T, k) -> named overrides of the heuristic's config, timed after both shapes' bases
+    # H200 2026-11-29 (session 5, one helper run, bf16, graph replay): T=1 previous 74.6 us, split-K
+    # with the partials summed inside the down kernel's loop 98-187 us (2·SPLIT fp32 tiles a pipeline stage
+    # in shared memory: 1 program per SM; now a separate pass); T=64 MAXNREG 168 1.109 ms vs 1.161, 128 1.365,
+    # BK 64 4 stages 1.142, 4-warp wgmma 1.456, PF 1.196, 2 stages 1.169
+    (1, 2): {"split4": {"SPLIT": 4}, "split2": {"SPLIT": 2}, "split8": {"SPLIT": 8}, "pf1": {"PF": 1},
+             "split4_pf1": {"SPLIT": 4, "PF": 1}, "split4_down1": {"SPLIT": 4, "SPLIT2": 1},
+             "split8_bk64": {"SPLIT": 8, "BK": 64, "BK2": 64}, "bk256_s2": {"BK": 256, "BK2": 256, "num_stages": 2},
+             "maxnreg168": {"MAXNREG": 168}},
+    (64, 16): {"no_maxnreg": {"MAXNREG": 0}, "maxnreg192": {"MAXNREG": 192},
+               "bk64_s4": {"BK": 64, "BK2": 64, "num_stages": 4}, "pf1": {"PF": 1}},
+}
+if DEV != "cuda":
+    PREVIOUS = {**PREVIOUS, "DEQ": "bytes16", "BK": 64, "BK2": 64}
+    DECODE_VARIANTS = {(1, 2): {"split2": {"SPLIT": 2}}, (8, 2): {"split2_bytes16": {"SPLIT": 2, "DEQ": "bytes16"}}}
+
+
+def graph_ms(calls, reps=30):
+    """Device time per call: one CUDA graph holding every call of `calls` (distinct routings, so the
+    routed experts of a T=1 step, 35 MB, are not served from the 50 MB L2 by the previous replay),
+    replayed `reps` times; the median replay over len(calls). CPU: one timed pass."""
+    if DEV != "cuda":
+        return median_ms(lambda: [c() for c in calls], DEV) / len(calls)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for c in calls:                 # compile and warm up outside the capture
+            c()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2] / len(calls)
+
+
+def decode_routings(T, k, n):
+    """n routings of T tokens (z, w, ids): T=1 routes call i to experts k·i .. k·i+k-1 (disjoint, so the
+    graph's calls read distinct weights); otherwise the router on random logits."""
+    g = torch.Generator(device=DEV).manual_seed(100 * T + k)
+    out = []
+    for i in range(n):
+        z = torch.randn(T, ELL, generator=g, device=DEV).to(ACT)
+        if T == 1:
+            ids = (torch.arange(k, device=DEV) + k * i).remainder(E).view(1, k)
+            w = torch.rand(1, k, generator=g, device=DEV) + 0.1
+            out.append((z, w / w.sum(), ids))
+        else:
+            logits = torch.randn(T, E, generator=g, device=DEV)
+            out.append((z, *mr.router(logits, torch.randn(E, generator=g, device=DEV) * 0.1, k, "sigmoid", True, 1.0)))
+    return out
+
+
+def peer_grouped_mm(z, w, ids, w1, w2, w3):
+    """torch eager peer on bf16 weights: permutation by argsort, torch._grouped_mm per expert segment."""
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+    x = z[order // k]
+    h = situ_glu(torch._grouped_mm(x, w1.transpose(1, 2), offs=offs), torch._grouped_mm(x, w3.transpose(1, 2), offs=offs))
+    o = torch.empty_like(x)
+    o[order] = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
+    return (w.unsqueeze(-1) * o.view(*ids.shape, ELL).float()).sum(1)
+
+
+def decode_variant(T, k, name, cfg, case, fused_max=None):
+    """Check the whole op against the reference, time it under graph replay, record; -> (ms, ok) | None."""
+    calls, exp, wbytes, floor_ms, live = case
+    tag = f"decode_T{T}_k{k}_{name}"
+    if time.time() - REPORT.t0 > DECODE_DEADLINE:
+        DOC["notes"].append(f"{tag} skipped: time budget")
+        return None
+    keep = mr.FUSED_MAX_PAIRS
+    try:
+        if fused_max is not None:
+            mr.FUSED_MAX_PAIRS = fused_max          # the previous path: count/scan/scatter
+        op = lambda z, w, ids: gg.moe_experts(z, w, ids, W["w1"], W["w2"], W["w3"], "situ", B1, B2, cfg)  # noqa: E731
+        err = rel_err(op(*calls[0]), exp)
+        t = graph_ms([lambda a=a: op(*a) for a in calls])
+    except Exception as e:
+        DOC["errors"].append({"section": tag, "config": cfg, "error": f"{type(e).__name__}: {str(e)[:500]}"})
+        print(f"!! {tag}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        return None
+    finally:
+        mr.FUSED_MAX_PAIRS = keep
+    bw = wbytes / t / 1e9
+    prev = DOC.setdefault("decode_previous_ms", {}).get(f"T{T}_k{k}")
+    m = record(tag, t, config=cfg, rel_err=err, ok=err < 2e-2, live_experts=live, weight_bytes=int(wbytes),
+               floor_ms=round(floor_ms, 5), ratio_vs_floor=round(t / floor_ms, 2), TBps=round(bw, 3),
+               ratio_vs_read_bw=round(bw / DOC["ceilings"]["read_TBps"], 3),
+               speedup_vs_previous=round(prev / t, 2) if prev else None, timing="cuda graph, distinct routings")
+    if name == "previous":
+        DOC["decode_previous_ms"][f"T{T}_k{k}"] = t
+    elif m["ok"]:
+        best = DOC.setdefault("decode_best", {}).get(f"T{T}_k{k}")
+        if best is None or t < best["ms"]:
+            DOC["decode_best"][f"T{T}_k{k}"] = {"name": name, "ms": t, "config": cfg}
+    return t, m["ok"]
+
+
+def decode_case(T, k):
+    calls = decode_routings(T, k, 8 if T == 1 else 2)
+    z, w, ids = calls[0]
+    exp = ref_experts(z, w, ids, W["w1_bf16"], W["w2_bf16"], W["w3_bf16"])
+    live = sum(int(torch.unique(i).numel()) for _, _, i in calls) / len(calls)
+    wbytes = live * sum(mx_bytes(W[n], 1) for n in ("w1", "w2", "w3"))
+    return calls, exp, wbytes, wbytes / (DOC["ceilings"]["copy_TBps_read_plus_write"] * 1e9), live
+
+
+def decode_side_measurements(T, k, case):
+    """The permutation alone (three kernels vs one program) and a torch._grouped_mm peer on bf16 weights."""
+    calls, exp, _, floor_ms, live = case
+    for fused in (False, True):
+        try:
+            record(f"decode_T{T}_k{k}_permute_{'one_program' if fused else 'three_kernels'}",
+                   graph_ms([lambda i=i: mr.permute_tokens(i, E, fused=fused) for _, _, i in calls]))
+        except Exception as e:
+            DOC["errors"].append({"section": f"permute_T{T}", "error": f"{type(e).__name__}: {str(e)[:300]}"})
+    try:
+        wb = (W["w1_bf16"], W["w2_bf16"], W["w3_bf16"])
+        err = rel_err(peer_grouped_mm(*calls[0], *wb), exp)
+        # eager: the offsets of torch._grouped_mm pass through the host, so the peer cannot be captured
+        t, how = ms(lambda: [peer_grouped_mm(*a, *wb) for a in calls]) / len(calls), "eager (do_bench)"
+        best = DOC.get("decode_best", {}).get(f"T{T}_k{k}")
+        record(f"decode_T{T}_k{k}_peer_torch_grouped_mm_bf16", t, rel_err=err, ok=err < 2e-2, timing=how,
+               weight_bytes=int(live * 3 * ELL * INTER * 2), ratio_vs_floor=round(t / floor_ms, 2),
+               speedup_of_best=round(t / best["ms"], 2) if best else None)
+    except Exception as e:
+        DOC["errors"].append({"section": f"peer_T{T}", "error": f"{type(e).__name__}: {str(e)[:300]}"})
+
+
 @section
 def decode():
-    best, (z, w, ids, seg) = sweep("decode_experts_gemms", T_DECODE, DECODE_CFGS, True, T_DECODE, decode_floor,
-                                   DECODE_DEADLINE)
-    if best is None:
-        return
-    DOC["decode_best_config"] = cfg = best[1]
-    wide_check(z, w, ids, cfg)
-    w1, w2, w3 = W["w1"], W["w2"], W["w3"]
-    live = int((seg.counts > 0).sum())
-    wbytes = sum(mx_bytes(x, live) for x in (w1, w2, w3))
-    full = lambda: gg.moe_experts(z, w, ids, w1, w2, w3, "situ", B1, B2, cfg)  # noqa: E731
-    t_full = ms(full)
-    record("decode_moe_experts_op_full", t_full, config=cfg, live_experts=live, **decode_floor(t_full, wbytes))
-    record("decode_permute", ms(lambda: mr.permute_tokens(ids, E)))
-    o = gg.expert_pair_outputs(z, ids, w1, w2, w3, "situ", B1, B2, cfg, seg)[0]
-    record("decode_combine", ms(lambda: mt.combine(o, w, ids, E)))
-    logits = torch.randn(T_DECODE, E, device=DEV)
-    record("decode_router", ms(lambda: mr.router(logits, None, K, "sigmoid", True, 1.0)))
-    if DEV == "cuda":
-        try:
-            t_graph = triton.testing.do_bench_cudagraph(full, rep=200, return_mode="median")
-            record("decode_moe_experts_op_cudagraph", t_graph, config=cfg, **decode_floor(t_graph, wbytes))
-        except Exception as e:
-            DOC["errors"].append({"section": "decode_cudagraph", "error": f"{type(e).__name__}: {str(e)[:300]}"})
+    """Per shape: the whole moe_experts op (permutation, gate-up, down, combine) under CUDA-graph replay,
+    checked against the fp32 reference first. Both shapes' previous path (3-kernel permutation, unsplit
+    K) and heuristic config first, then the permutation and the peer, then the variants."""
+    cases = {sk: decode_case(*sk) for sk in DECODE_SHAPES}
+    heur = {}
+    for (T, k), case in cases.items():
+        heur[T, k] = gg.heuristic(gg.bucket(gg._key(T, E, k, ELL, INTER, True, ACT, {})),
+                                  "h200" if DEV == "cuda" else None)
+        decode_variant(T, k, "previous", PREVIOUS, case, fused_max=0)
+        decode_variant(T, k, "heuristic", heur[T, k], case)
+        decode_side_measurements(T, k, case)
+    for (T, k), case in cases.items():
+        for name, over in DECODE_VARIANTS.get((T, k), {}).items():
+            decode_variant(T, k, name, {**heur[T, k], **over}, case)
+    best = DOC.get("decode_best", {}).get(f"T{T_DECODE}_k{K}")
+    if best:
+        DOC["decode_best_config"] = best["config"]
+        calls = cases[T_DECODE, K][0]
+        wide_check(*calls[0], best["config"])
 
 
 @section

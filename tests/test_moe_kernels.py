@@ -106,21 +106,42 @@ def test_router_template_drop_in():
 
 
 # ------------------------------------------------------------------------------------- permutation
-def test_permutation_segments():
+@pytest.mark.parametrize("fused", [False, True])
+def test_permutation_segments(fused):
+    """Three kernels (count/scan/scatter) or one program (decode sizes): the same segments."""
     g = _gen(11)
     T, k, ne = 45, 3, 12
     ids = torch.argsort(torch.rand(T, ne, generator=g), dim=1)[:, :k]
     ids[ids == 5] = 4                                   # expert 5 empty, 4 doubly popular
-    ids[2, 1], ids[9, 0] = -1, ne                       # ids held by other ranks: dropped
-    seg = mr.permute_tokens(ids, ne, chunk=16)          # several chunks
+    ids[2, 1], ids[9, 0], ids[11, 2] = -1, ne, 15       # ids held by other ranks (15: a padded lane): dropped
+    seg = mr.permute_tokens(ids, ne, chunk=16, fused=fused)     # several chunks
     flat = ids.reshape(-1)
     exp_counts = torch.stack([(flat == e).sum() for e in range(ne)]).to(torch.int32)
     assert torch.equal(seg.counts, exp_counts)
-    assert seg.counts[5] == 0 and int(seg.offsets[-1]) == T * k - 2
+    assert seg.counts[5] == 0 and int(seg.offsets[-1]) == T * k - 3
     assert torch.equal(seg.offsets, torch.cat([torch.zeros(1, dtype=torch.int32), exp_counts.cumsum(0).to(torch.int32)]))
     keep = (flat >= 0) & (flat < ne)
     order = torch.nonzero(keep).flatten()[torch.argsort(flat[keep], stable=True)]
     assert torch.equal(seg.pair_ids[: int(seg.offsets[-1])], order.to(torch.int32))
+
+
+def test_permutation_picks_one_program_at_decode_sizes():
+    ids = torch.tensor([[3, 1]])
+    seg = mr.permute_tokens(ids, 4)
+    assert seg.counts.tolist() == [0, 1, 0, 1] and seg.offsets.tolist() == [0, 0, 1, 1, 2]
+    assert seg.pair_ids.tolist() == [1, 0]
+    empty = mr.permute_tokens(torch.zeros(0, 2, dtype=torch.int64), 4)        # no tokens: no pairs
+    assert empty.counts.tolist() == [0] * 4 and empty.offsets.tolist() == [0] * 5
+
+
+def test_tile_bound_is_tight():
+    """max_tiles(P, E, BM) >= Σ_e ceil(c_e / BM) for random routings, and equal to it at T=1, top-2."""
+    g = _gen(12)
+    for P, ne, bm in ((2, 112, 16), (1024, 112, 16), (37, 8, 4), (5, 8, 16)):
+        for _ in range(20):
+            c = torch.bincount(torch.randint(0, ne, (P,), generator=g), minlength=ne)
+            assert int(((c + bm - 1) // bm).sum()) <= gg.max_tiles(P, ne, bm)
+    assert gg.max_tiles(2, 112, 16) == 2            # T=1, top-2: two tiles, no program without rows
 
 
 def test_tiles_only_for_experts_with_tokens():
@@ -172,6 +193,33 @@ def test_grouped_experts_vs_float64(case):
     y = gg.moe_experts(z, w, ids, w1, w2, w3, act, b1, b2, cfg)
     assert y.dtype == torch.float32 and y.shape == (T, L)
     assert_close_rel(y, _ref_experts(z, w, ids, w1, w2, w3, act, b1, b2), 1e-5, f"experts {case}")
+
+
+SPLIT_CASES = [  # routing, k, T, weights, SPLIT, SPLIT2, act
+    ("random", 2, 1, "mxfp4", 2, 2, "situ"),        # the rank preset's decode: 1 token, top-2
+    ("skewed", 3, 5, "mxfp4", 4, 1, "situ"),        # 4 splits of 2 K steps: two of them empty
+    ("empty", 2, 3, "dense", 3, 4, "silu"),         # splits need not be powers of two; SPLIT2 alone
+]
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES)
+def test_grouped_experts_split_k_vs_float64(case):
+    """Split-K path: gate-up writes fp32 partials of W1 z and W3 z per split, a pass sums them and applies
+    act; the down kernel's own splits are summed in the combine (fixed order)."""
+    kind, k, T, fmt, split, split2, act = case
+    g = _gen(500 + SPLIT_CASES.index(case))
+    z = torch.randn(T, L, generator=g)
+    w, ids = _routing(g, T, k, kind)
+    w1, w2, w3 = _experts(g)
+    if fmt == "mxfp4":
+        w1, w2, w3 = _mx(w1), _mx(w2), _mx(w3)
+    b1, b2 = (4.0, 25.0) if act == "situ" else (None, None)
+    cfg = {"BM": 16, "BN": 32, "BK": 32, "BN2": 64, "BK2": 32, "SPLIT": split, "SPLIT2": split2,
+           "DEQ": "bytes16" if fmt == "mxfp4" and split == 2 else "bytes"}
+    o, seg = gg.expert_pair_outputs(z, ids, w1, w2, w3, act, b1, b2, cfg)
+    assert o.shape == ((split2, T * k, L) if split2 > 1 else (T * k, L))
+    y = gg.combine_pairs(o, w, ids, E)
+    assert_close_rel(y, _ref_experts(z, w, ids, w1, w2, w3, act, b1, b2), 1e-5, f"split-K {case}")
 
 
 def test_experts_template_drop_in_and_foreign_ids():
@@ -395,5 +443,13 @@ def test_heuristics_satisfy_constraints_at_model_shapes():
             cpu = te.heuristic(te.bucket(key), {"compute_capability": None})
             assert cpu["DEQ"] == "bytes" and te.constraints(cpu, key, None) == []
     assert te.constraints({**cfg, "DEQ": "dot_scaled"}, {**key, "BF16": 0}, h200)
+    # measured on the H200: no split at decode; T=64 top-16 fills the GPU for many waves: register cap
+    key1 = {"T": 1, "E": 112, "K": 2, "L": 3584, "I": 3072, "MX": 1, "BF16": 1, "BI": 0}
+    c1, c64 = te.heuristic(te.bucket(key1), h200), te.heuristic(te.bucket({**key1, "T": 64, "K": 16}), h200)
+    assert c1["SPLIT"] == c64["SPLIT"] == 1 and "MAXNREG" not in c1 and c64["MAXNREG"] == gg.DECODE_MAXNREG
+    assert te.constraints({**c1, "SPLIT": 4}, key1, h200) == []
+    bi = {**key1, "BI": 1}
+    assert te.heuristic(te.bucket(bi), h200)["SPLIT"] == 1
+    assert te.constraints({**te.heuristic(bi, h200), "SPLIT": 4}, bi, h200)
     name = te.kernel_name(te.heuristic(te.bucket(key), h200), te.bucket(key))
     assert name.startswith("moe_grouped_gemm_") and "BM" in name and "MX1" in name

@@ -128,14 +128,20 @@ _AOT = textwrap.dedent("""
                                   ("down", gg._moe_down_kernel, 90, 3, (16, 128, 128)),
                                   ("gate_up", gg._moe_gate_up_kernel, 90, 5, (16, 128, 64)),
                                   ("down", gg._moe_down_kernel, 90, 5, (16, 128, 64)),
-                                  ("down", gg._moe_down_kernel, 90, 1, (128, 128, 64))]:
+                                  ("down", gg._moe_down_kernel, 90, 1, (128, 128, 64)),
+                                  ("gate_up", gg._moe_gate_up_kernel, 90, 5, (16, 64, 128, 4)),
+                                  ("down", gg._moe_down_kernel, 90, 5, (16, 64, 128, 4))]:
+        split = cfg[3] if len(cfg) > 3 else 1
         ce = dict(E_PAD=128, W_FMT=wf, IEEE=False, DT=tl.bfloat16, WIDE=False, PF=cc == 90, SL=wf == 5, BM=cfg[0], BN=cfg[1],
-                  BK=cfg[2], GROUP_M=8)
+                  BK=cfg[2], GROUP_M=8, SPLIT=split)
         if name == "gate_up":
             ce.update(TOPK=16, ACT=0, HAS_BETA2=True)
+        if split > 1:
+            name += f"_split{split}"
         sig, attrs = {}, {}
         for i, a in enumerate(fn.arg_names):
             sig[a] = ("constexpr" if a in ce else "*i32" if a in ("pair_ptr", "counts_ptr", "offsets_ptr")
+                      else "*fp32" if split > 1 and (a, name) in (("h_ptr", "gate_up"), ("o_ptr", "down"))
                       else "*bf16" if a in ("z_ptr", "h_ptr", "o_ptr") or (a[0] in "ws" and not wf)
                       else "*i16" if a[0] == "w" and wf == 5 else "*u8" if a.endswith("_ptr")
                       else "fp32" if a.startswith("beta") else "i64" if a == "stride_we" else "i32")
@@ -154,12 +160,18 @@ _AOT = textwrap.dedent("""
                   HAS_BIAS=True, RENORM=True)),
             (mr._scatter_pairs_kernel, {"ids_ptr": "*i64", "chunk_base_ptr": "*i32", "counts_ptr": "*i32",
                                         "offsets_ptr": "*i32", "pair_ids_ptr": "*i32"}, dict(E_PAD=128, CHUNK=128)),
+            (mr._permute_one_program_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32", "offsets_ptr": "*i32",
+                                              "pair_ids_ptr": "*i32"}, dict(E_PAD=128, CHUNK=128)),
+            (gg._glu_splits_kernel, {"part_ptr": "*fp32", "h_ptr": "*bf16"},
+             dict(SPLIT=4, ACT=0, HAS_BETA2=True, BR=2, BI=1024)),
+            (gg._combine_splits_kernel, {"o_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": "*i64", "y_ptr": "*fp32"},
+             dict(TOPK=2, SPLIT=4, BT=1, BL=1024)),
             (mt._moe_combine_kernel, {"o_ptr": "*bf16", "w_ptr": "*fp32", "ids_ptr": "*i64", "y_ptr": "*fp32"},
              dict(TOPK=16, BT=4, BL=1024)),
             (mt._latent_norm_kernel, {"y_ptr": "*fp32", "g_ptr": "*bf16", "out_ptr": "*bf16"}, dict(BT=1, BL=4096)),
             (mt._up_proj_add_kernel, {"y_ptr": "*bf16", "w_ptr": "*bf16", "sh_ptr": "*bf16", "out_ptr": "*bf16"},
              dict(IEEE=False, DT=tl.bfloat16, BM=64, BN=32, BK=128, GROUP_M=8))]:
-        sig = {a: "constexpr" if a in ce else ptrs.get(a, "fp32" if a in ("scaling", "eps") else "i32")
+        sig = {a: "constexpr" if a in ce else ptrs.get(a, "fp32" if a in ("scaling", "eps", "beta1", "beta2") else "i32")
                for a in fn.arg_names}
         triton.compile(ASTSource(fn, sig, ce), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
         res[fn.__name__ + "_sm90"] = ["ok"]
@@ -183,6 +195,10 @@ def test_gpu_paths_compile_for_sm100_and_sm90():
     # decode tiles (16 tokens) still reach wgmma on sm_90: the weights are the MMA's M side, decoded in registers
     assert res["gate_up_sm90_w3"] == ["wgmma.mma_async"] and res["down_sm90_w3"] == ["wgmma.mma_async"], res
     assert res["gate_up_sm90_w5"] == ["wgmma.mma_async"] and res["down_sm90_w5"] == ["wgmma.mma_async"], res
-    for k in ("gate_up_sm90_w3", "down_sm90_w3", "gate_up_sm90_w5", "down_sm90_w5"):
+    # split-K: the same MMA path and register-resident decode; the partials are reduced in their own pass
+    assert res["gate_up_split4_sm90_w5"] and res["down_split4_sm90_w5"], res
+    for k in ("gate_up_sm90_w3", "down_sm90_w3", "gate_up_sm90_w5", "down_sm90_w5", "gate_up_split4_sm90_w5",
+              "down_split4_sm90_w5"):
         assert res[k + "_smem_operand"] == 0, (k, res)
     assert res["_moe_router_kernel_sm90"] and res["_up_proj_add_kernel_sm90"], res
+    assert res["_permute_one_program_kernel_sm90"] and res["_glu_splits_kernel_sm90"], res

@@ -256,6 +256,18 @@ def _load_bt(rows_ptr, row_ok, k0, K, W_FMT: tl.constexpr, DT: tl.constexpr, BK:
 
 
 @triton.jit
+def _k_range(sk, K, BK: tl.constexpr, SPLIT: tl.constexpr):
+    """K columns [lo, hi) of split sk of SPLIT: cdiv(cdiv(K, BK), SPLIT) whole BK steps each (the last
+    shorter, possibly empty); SPLIT = 1: [0, K), the loop of the unsplit kernels."""
+    if SPLIT == 1:
+        return 0, K
+    else:
+        chunk = tl.cdiv(tl.cdiv(K, BK), SPLIT) * BK
+        lo = sk * chunk
+        return lo, tl.minimum(lo + chunk, K)
+
+
+@triton.jit
 def _mma_step_t(acc, b, b1, b2, b3, w_ptr, s_ptr, wbase, sbase, rn, n_ok, k0, K, stride_wn, stride_sn, s_pre,
                 BN: tl.constexpr, BK: tl.constexpr, W_FMT: tl.constexpr, IEEE: tl.constexpr, DT: tl.constexpr,
                 WIDE: tl.constexpr, SL: tl.constexpr, PF: tl.constexpr):

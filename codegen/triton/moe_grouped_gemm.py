@@ -4,7 +4,8 @@
     act = SiTU-GLU  β1·tanh(a/β1)·sigmoid(a) · β2·tanh(u/β2)   (β2 absent: · u)   | SwiGLU silu(a)·u
 
 Pipeline (no host sync, deterministic, no atomics):
-  1. `permute_tokens` (moe_router.py): routed pairs p = t·k + j grouped by expert.
+  1. `permute_tokens` (moe_router.py): routed pairs p = t·k + j grouped by expert (one program up to
+     256 pairs, else three kernels).
   2. gate-up kernel: a tile = BM consecutive pairs of one expert × BN columns of I; w1 and w3 tiles are
      read in the same K loop (two accumulators) and act(a, u) is applied in the epilogue;
      h [T·k, I] is written in expert-sorted row order.
@@ -12,10 +13,16 @@ Pipeline (no host sync, deterministic, no atomics):
   4. combine kernel (moe_tail.py): y[t] = Σ_j w[t,j]·o[t·k+j] in slot order, fp32 (ids outside [0, E)
      contribute 0: another EP rank holds them).
 Tiles exist only for experts with tokens: program `tid` finds its expert from the per-expert tile
-counts ceil(count_e / BM) (a cumsum over E in registers); programs past the last tile exit at once,
-so experts with no tokens launch no work. No split-K: every output element's reduction runs over
-K in BK steps in one program, so with a config fixed independently of T (`batch_invariant`) a
-token's result does not depend on the batch. Tiles are computed transposed (weights x tokens, see
+counts ceil(count_e / BM) (a cumsum over E in registers). The grid holds max_tiles(P, E, BM) =
+floor((P + min(E, P)·(BM-1)) / BM) tiles, the most any routing of P pairs can need (T=1, top-2: exactly
+2); programs past the last tile exit at once, so experts with no tokens launch no work.
+Split-K (config SPLIT > 1; SPLIT2 for the down kernel, default SPLIT): program s of a tile reduces K
+steps [s·c, (s+1)·c), c = ceil(steps / SPLIT)·BK; gate-up stores fp32 partials [SPLIT, 2, T·k, I] that
+`_glu_splits_kernel` sums in split order before act; the down kernel's fp32 partials [SPLIT2, T·k, ℓ]
+are summed inside the combine (`combine_pairs`). Without it (the heuristic's choice, measured faster
+at T=1 and 64, and always in batch-invariant mode) every output element's reduction runs over K in BK
+steps in one program, so with a config fixed independently of T (`batch_invariant`) a token's result
+does not depend on the batch. Tiles are computed transposed (weights x tokens, see
 _moe_tiles.py): a decode tile of 16 tokens has BN weight rows as the MMA's M side (wgmma from 64 rows
 per warpgroup; below that, e.g. BN=64 on 2 warps, Triton issues mma.sync).
 
@@ -41,6 +48,12 @@ of MXFP4 weights (108 live experts) in 1.14 ms (asm16, BN=64 on 2 warps: mma.syn
 read ceiling; 128-row wgmma tiles 1.37 ms = 31%; bf16 weights 92%): with a register-operand wgmma
 Triton waits for every dot before decoding on, so a warpgroup alternates ALU and tensor work at low
 IPC, while mma.sync warps run ahead on their own. Prefill T=8192: 328 TFLOP/s (session 2, 47% of bf16).
+Session 5 (whole op under graph replay): T=64 1.109 ms with MAXNREG 168 (36.5%; 1.161 without); T=1
+top-2 74.6 us = 9.1x its 8.2 us byte floor. Where the decode time goes (SASS of the gate-up loop, sm_90):
+219 registers a thread (4 programs, 8 warps per SM), 904 instructions per warp per K step of 2x64x128
+weights (3.5 per element: LOP3/SHF/IMAD/HMUL2 of the decode), 5 barriers, and the E8M0 bytes read
+by plain loads whose latency each K step waits for: at T=64 the issue slots alone need ~0.38 ms, so
+the SMs run at ~1/3 IPC; at T=1 (96 programs, < 1 per SM) each program is a chain of 28 such steps.
 """
 
 from __future__ import annotations
@@ -51,7 +64,8 @@ import triton.language as tl
 
 from codegen.kernel import KernelTemplate, Tunable, pow2_bucket
 from codegen.triton._moe_tiles import (DENSE, MX_ASM, MX_ASM16, MX_BYTES, MX_BYTES16, MX_DOT_SCALED, _glu,
-                                      _load_bt, _locate_tile, _mma_step_t, _step_scales, _swizzle)
+                                      _k_range, _load_bt, _locate_tile, _mma_step_t,
+                                      _step_scales, _swizzle)
 from codegen.triton.moe_router import ExpertSegments, permute_tokens
 from ir.packed import PackedMXFP4
 
@@ -61,12 +75,14 @@ _BYTE_DECODE = {"asm16": "asm", "bytes16": "bytes"}      # what a 16-bit-word de
 
 @triton.jit
 def _moe_gate_up_kernel(z_ptr, pair_ptr, counts_ptr, offsets_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr,
-                        E, ELL, INTER, stride_z, stride_we, stride_wn, stride_se, stride_sn, stride_h,
-                        beta1, beta2, N_TILES, TOPK: tl.constexpr, E_PAD: tl.constexpr, W_FMT: tl.constexpr,
-                        ACT: tl.constexpr, HAS_BETA2: tl.constexpr, IEEE: tl.constexpr, DT: tl.constexpr,
-                        WIDE: tl.constexpr, PF: tl.constexpr, SL: tl.constexpr, BM: tl.constexpr,
-                        BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
-    tid, nb = _swizzle(tl.program_id(0), N_TILES, tl.cdiv(INTER, BN), GROUP_M)
+                        E, ELL, INTER, stride_z, stride_we, stride_wn, stride_se, stride_sn, stride_h, stride_hs,
+                        up_off, beta1, beta2, N_TILES, TOPK: tl.constexpr, E_PAD: tl.constexpr,
+                        W_FMT: tl.constexpr, ACT: tl.constexpr, HAS_BETA2: tl.constexpr, IEEE: tl.constexpr,
+                        DT: tl.constexpr, WIDE: tl.constexpr, PF: tl.constexpr, SL: tl.constexpr, BM: tl.constexpr,
+                        BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr):
+    pid = tl.program_id(0)
+    sk = pid % SPLIT
+    tid, nb = _swizzle(pid // SPLIT, N_TILES, tl.cdiv(INTER, BN), GROUP_M)
     total, e, row0, m0, rows = _locate_tile(counts_ptr, offsets_ptr, tid, E, E_PAD, BM)
     if tid >= total:
         return
@@ -81,7 +97,8 @@ def _moe_gate_up_kernel(z_ptr, pair_ptr, counts_ptr, offsets_ptr, w1_ptr, w3_ptr
     sbase = e.to(tl.int64) * stride_se
     acc1 = tl.zeros([BN, BM], dtype=tl.float32)
     acc3 = tl.zeros([BN, BM], dtype=tl.float32)
-    for k0 in range(0, ELL, BK):
+    k_lo, k_hi = _k_range(sk, ELL, BK, SPLIT)
+    for k0 in range(k_lo, k_hi, BK):
         if SL:      # both weights' scale bytes first: their load latencies overlap
             s1 = _step_scales(s1_ptr, sbase, rn, n_ok, k0, ELL, stride_sn, BN, BK, W_FMT, PF)
             s3 = _step_scales(s3_ptr, sbase, rn, n_ok, k0, ELL, stride_sn, BN, BK, W_FMT, PF)
@@ -93,18 +110,24 @@ def _moe_gate_up_kernel(z_ptr, pair_ptr, counts_ptr, offsets_ptr, w1_ptr, w3_ptr
                            stride_sn, s1, BN, BK, W_FMT, IEEE, DT, WIDE, SL, PF)
         acc3 = _mma_step_t(acc3, b0, b1, b2, b3, w3_ptr, s3_ptr, wbase, sbase, rn, n_ok, k0, ELL, stride_wn,
                            stride_sn, s3, BN, BK, W_FMT, IEEE, DT, WIDE, SL, PF)
-    h = _glu(acc1, acc3, beta1, beta2, ACT, HAS_BETA2)                                   # [BN, BM]
-    tl.store(h_ptr + pos.to(tl.int64)[None, :] * stride_h + rn[:, None], h.to(DT),
-             mask=n_ok[:, None] & row_ok[None, :])
+    out = h_ptr + pos.to(tl.int64)[None, :] * stride_h + rn[:, None]
+    ok = n_ok[:, None] & row_ok[None, :]
+    if SPLIT == 1:
+        tl.store(out, _glu(acc1, acc3, beta1, beta2, ACT, HAS_BETA2).to(DT), mask=ok)      # h [BN, BM]
+    else:           # fp32 partial sums of split sk; _glu_splits_kernel sums them and applies act
+        tl.store(out + sk * stride_hs, acc1, mask=ok)
+        tl.store(out + sk * stride_hs + up_off, acc3, mask=ok)
 
 
 @triton.jit
 def _moe_down_kernel(h_ptr, pair_ptr, counts_ptr, offsets_ptr, w2_ptr, s2_ptr, o_ptr,
-                     E, ELL, INTER, stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o, N_TILES,
+                     E, ELL, INTER, stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o, stride_os, N_TILES,
                      E_PAD: tl.constexpr, W_FMT: tl.constexpr, IEEE: tl.constexpr, DT: tl.constexpr,
-                     WIDE: tl.constexpr, PF: tl.constexpr, SL: tl.constexpr, BM: tl.constexpr,
-                     BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
-    tid, nb = _swizzle(tl.program_id(0), N_TILES, tl.cdiv(ELL, BN), GROUP_M)
+                     WIDE: tl.constexpr, PF: tl.constexpr, SL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr):
+    pid = tl.program_id(0)
+    sk = pid % SPLIT
+    tid, nb = _swizzle(pid // SPLIT, N_TILES, tl.cdiv(ELL, BN), GROUP_M)
     total, e, row0, m0, rows = _locate_tile(counts_ptr, offsets_ptr, tid, E, E_PAD, BM)
     if tid >= total:
         return
@@ -118,7 +141,8 @@ def _moe_down_kernel(h_ptr, pair_ptr, counts_ptr, offsets_ptr, w2_ptr, s2_ptr, o
     wbase = e.to(tl.int64) * stride_we
     sbase = e.to(tl.int64) * stride_se
     acc = tl.zeros([BN, BM], dtype=tl.float32)
-    for k0 in range(0, INTER, BK):
+    k_lo, k_hi = _k_range(sk, INTER, BK, SPLIT)
+    for k0 in range(k_lo, k_hi, BK):
         if SL:
             s2 = _step_scales(s2_ptr, sbase, rn, n_ok, k0, INTER, stride_sn, BN, BK, W_FMT, PF)
         else:
@@ -126,8 +150,49 @@ def _moe_down_kernel(h_ptr, pair_ptr, counts_ptr, offsets_ptr, w2_ptr, s2_ptr, o
         b0, b1, b2, b3 = _load_bt(rows_ptr, row_ok, k0, INTER, W_FMT, DT, BK)
         acc = _mma_step_t(acc, b0, b1, b2, b3, w2_ptr, s2_ptr, wbase, sbase, rn, n_ok, k0, INTER, stride_wn,
                           stride_sn, s2, BN, BK, W_FMT, IEEE, DT, WIDE, SL, PF)
-    tl.store(o_ptr + pair.to(tl.int64)[None, :] * stride_o + rn[:, None], acc.to(o_ptr.dtype.element_ty),
-             mask=n_ok[:, None] & row_ok[None, :])
+    # SPLIT > 1: o is fp32 [SPLIT, pairs, l], split sk's partial sums at sk·stride_os
+    tl.store(o_ptr + sk * stride_os + pair.to(tl.int64)[None, :] * stride_o + rn[:, None],
+             acc.to(o_ptr.dtype.element_ty), mask=n_ok[:, None] & row_ok[None, :])
+
+
+@triton.jit
+def _glu_splits_kernel(part_ptr, h_ptr, R, INTER, stride_split, up_off, stride_row, stride_h, beta1, beta2,
+                       SPLIT: tl.constexpr, ACT: tl.constexpr, HAS_BETA2: tl.constexpr, BR: tl.constexpr,
+                       BI: tl.constexpr):
+    """h[r] = act(Σ_s a_s[r], Σ_s u_s[r]) in h's dtype, from the split gate-up kernel's fp32 partials
+    (a_s at part[s·stride_split + r·stride_row], u_s up_off further; summed in split order)."""
+    rr = tl.program_id(0) * BR + tl.arange(0, BR)
+    ri = tl.program_id(1) * BI + tl.arange(0, BI)
+    m = (rr < R)[:, None] & (ri < INTER)[None, :]
+    ptr = part_ptr + rr.to(tl.int64)[:, None] * stride_row + ri[None, :]
+    a = tl.zeros([BR, BI], dtype=tl.float32)
+    u = tl.zeros([BR, BI], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        a += tl.load(ptr + s * stride_split, mask=m, other=0.0)
+        u += tl.load(ptr + s * stride_split + up_off, mask=m, other=0.0)
+    h = _glu(a, u, beta1, beta2, ACT, HAS_BETA2)
+    tl.store(h_ptr + rr.to(tl.int64)[:, None] * stride_h + ri[None, :], h.to(h_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _combine_splits_kernel(o_ptr, w_ptr, ids_ptr, y_ptr, T, E, ELL, stride_os, stride_o, stride_y,
+                           TOPK: tl.constexpr, SPLIT: tl.constexpr, BT: tl.constexpr, BL: tl.constexpr):
+    """y[t] = Σ_j w[t,j] · Σ_s o[s, t·k+j] (fp32; slots in order, splits in order; ids outside [0, E) add 0)."""
+    rt = tl.program_id(0) * BT + tl.arange(0, BT)
+    rl = tl.program_id(1) * BL + tl.arange(0, BL)
+    t_ok = rt < T
+    l_ok = rl < ELL
+    y = tl.zeros([BT, BL], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        pj = rt.to(tl.int64) * TOPK + j
+        ej = tl.load(ids_ptr + pj, mask=t_ok, other=-1)
+        wj = tl.load(w_ptr + pj, mask=t_ok, other=0.0).to(tl.float32)
+        m = (t_ok & (ej >= 0) & (ej < E))[:, None] & l_ok[None, :]
+        oj = tl.zeros([BT, BL], dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            oj += tl.load(o_ptr + s * stride_os + pj[:, None] * stride_o + rl[None, :], mask=m, other=0.0)
+        y += wj[:, None] * oj
+    tl.store(y_ptr + rt.to(tl.int64)[:, None] * stride_y + rl[None, :], y, mask=t_ok[:, None] & l_ok[None, :])
 
 
 # ------------------------------------------------------------------------------------------ host
@@ -191,11 +256,18 @@ def _int16_view(q: torch.Tensor) -> torch.Tensor | None:
 
 
 
+def max_tiles(pairs: int, experts: int, bm: int) -> int:
+    """Upper bound on the BM-row tiles of `pairs` routed pairs over `experts` experts:
+    Σ_e ceil(c_e / BM) <= floor((P + live·(BM-1)) / BM), live <= min(E, P) experts with tokens."""
+    return (pairs + min(experts, pairs) * (bm - 1)) // bm
+
+
 def expert_pair_outputs(z: torch.Tensor, ids: torch.Tensor, w1, w2, w3, act: str, beta1: float | None = None,
                         beta2: float | None = None, config: dict | None = None,
                         segments: ExpertSegments | None = None) -> tuple[torch.Tensor, ExpertSegments]:
-    """o [T·k, ℓ] (z's dtype): o[t·k+j] = W2_e act(W1_e z_t, W3_e z_t), e = ids[t,j]; rows of pairs
-    whose expert is outside [0, E) are left unwritten (the combine skips them)."""
+    """o (z's dtype) [T·k, ℓ]: o[t·k+j] = W2_e act(W1_e z_t, W3_e z_t), e = ids[t,j]; or, with the down
+    kernel split along K (config SPLIT2 > 1), its fp32 partial sums o [SPLIT2, T·k, ℓ] (combine_pairs
+    adds them). Rows of pairs whose expert is outside [0, E) are left unwritten (the combine skips them)."""
     if act not in ("situ", "silu"):
         raise ValueError(f"expert activation must be 'situ' or 'silu', found {act!r}")
     if z.dim() != 2 or ids.dim() != 2 or ids.shape[0] != z.shape[0]:
@@ -212,49 +284,84 @@ def expert_pair_outputs(z: torch.Tensor, ids: torch.Tensor, w1, w2, w3, act: str
         raise ValueError("experts: w1 and w3 must share storage format and strides (read in one pass)")
     K = ids.shape[1]
     cfg = {**heuristic(_key(T, E, K, ell, inter, f1 == "mxfp4", z.dtype, config or {}), None), **(config or {})}
+    split, split2 = int(cfg.get("SPLIT", 1)), int(cfg.get("SPLIT2", cfg.get("SPLIT", 1)))
+    if split < 1 or split2 < 1:
+        raise ValueError(f"experts: SPLIT={split} and SPLIT2={split2} must be >= 1")
     z = z if z.stride(-1) == 1 else z.contiguous()
     seg = segments or permute_tokens(ids, E)
     P = T * K
     dt = _TL[z.dtype]
-    h = torch.empty(max(P, 1), inter, dtype=z.dtype, device=z.device)
-    o = torch.empty(max(P, 1), ell, dtype=z.dtype, device=z.device)
+    rows = max(P, 1)
+    h = torch.empty(rows, inter, dtype=z.dtype, device=z.device)
+    # split gate-up: fp32 partials of W1 z and W3 z [SPLIT, 2, rows, I], act applied by _glu_splits_kernel
+    part = torch.empty(split, 2, rows, inter, dtype=torch.float32, device=z.device) if split > 1 else h
+    o = (torch.empty(split2, rows, ell, dtype=torch.float32, device=z.device) if split2 > 1
+         else torch.empty(rows, ell, dtype=z.dtype, device=z.device))
     if P == 0:
-        return o[:0], seg
+        return o[..., :0, :], seg
+    h_st = (part.stride(-2), part.stride(0), part.stride(1)) if split > 1 else (h.stride(0), 0, 0)
     e_pad, bm, ieee = triton.next_power_of_2(E), cfg["BM"], z.dtype == torch.float32
-    max_tiles = triton.cdiv(P, bm) + min(E, P)
+    n_tiles = max_tiles(P, E, bm)
     # PF: inline PTX, not in the interpreter
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], SL=int(cfg.get("SL", 0)),
                   PF=int(cfg.get("PF", 0)) if z.is_cuda else 0)
+    if cfg.get("MAXNREG") and z.is_cuda:    # a register cap: more programs per SM (the decode tiles take ~220)
+        launch["maxnreg"] = int(cfg["MAXNREG"])
+    glu = dict(ACT=0 if act == "situ" else 1, HAS_BETA2=act == "situ" and beta2 is not None)
+    betas = (1.0 if beta1 is None else float(beta1), 1.0 if beta2 is None else float(beta2))
     c1, a1, b1, st1, wide1 = _kernel_weight(f1, q1, s1, cfg["DEQ"], z.dtype)
     c3, a3, b3, st3, wide3 = _kernel_weight(f3, q3, s3, cfg["DEQ"], z.dtype)
     if (c1, st1) != (c3, st3):      # one kernel reads both weights the same way: the byte decode
         deq = _BYTE_DECODE.get(cfg["DEQ"], cfg["DEQ"])
         c1, a1, b1, st1, wide1 = _kernel_weight(f1, q1, s1, deq, z.dtype)
         c3, a3, b3, st3, wide3 = _kernel_weight(f3, q3, s3, deq, z.dtype)
-    _moe_gate_up_kernel[(max_tiles * triton.cdiv(inter, cfg["BN"]),)](
-        z, seg.pair_ids, seg.counts, seg.offsets, a1, a3, b1, b3, h, E, ell, inter, z.stride(0), *st1, h.stride(0),
-        1.0 if beta1 is None else float(beta1), 1.0 if beta2 is None else float(beta2), max_tiles,
-        TOPK=K, E_PAD=e_pad, W_FMT=c1, ACT=0 if act == "situ" else 1, HAS_BETA2=act == "situ" and beta2 is not None,
-        IEEE=ieee, DT=dt, WIDE=wide1 or wide3, BM=bm, BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"], **launch)
+    _moe_gate_up_kernel[(n_tiles * triton.cdiv(inter, cfg["BN"]) * split,)](
+        z, seg.pair_ids, seg.counts, seg.offsets, a1, a3, b1, b3, part, E, ell, inter, z.stride(0), *st1, *h_st,
+        *betas, n_tiles, TOPK=K, E_PAD=e_pad, W_FMT=c1, IEEE=ieee, DT=dt, WIDE=wide1 or wide3, BM=bm,
+        BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"], SPLIT=split, **glu, **launch)
+    if split > 1:   # a separate pass: summed inside the down kernel's K loop, the partials were pipelined
+        #             through shared memory (2·SPLIT fp32 tiles a stage: 1 program per SM on the H200)
+        br, bi = min(16, triton.next_power_of_2(P)), min(1024, triton.next_power_of_2(inter))
+        _glu_splits_kernel[(triton.cdiv(P, br), triton.cdiv(inter, bi))](
+            part, h, P, inter, *h_st[1:], h_st[0], h.stride(0), *betas, SPLIT=split, BR=br, BI=bi, num_warps=4, **glu)
     c2, a2, b2, st2, wide2 = _kernel_weight(f2, q2, s2, cfg["DEQ"], z.dtype)
-    _moe_down_kernel[(max_tiles * triton.cdiv(ell, cfg["BN2"]),)](
-        h, seg.pair_ids, seg.counts, seg.offsets, a2, b2, o, E, ell, inter, h.stride(0), *st2, o.stride(0), max_tiles,
-        E_PAD=e_pad, W_FMT=c2, IEEE=ieee, DT=dt, WIDE=wide2, BM=bm, BN=cfg["BN2"], BK=cfg["BK2"],
-        GROUP_M=cfg["GROUP_M"], **launch)
+    _moe_down_kernel[(n_tiles * triton.cdiv(ell, cfg["BN2"]) * split2,)](
+        h, seg.pair_ids, seg.counts, seg.offsets, a2, b2, o, E, ell, inter, h.stride(0), *st2, o.stride(-2),
+        o.stride(0) if split2 > 1 else 0, n_tiles, E_PAD=e_pad, W_FMT=c2, IEEE=ieee, DT=dt, WIDE=wide2,
+        BM=bm, BN=cfg["BN2"], BK=cfg["BK2"], GROUP_M=cfg["GROUP_M"], SPLIT=split2, **launch)
     return o, seg
+
+
+def combine_pairs(o: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """y f32 [T, ℓ] = Σ_j w[t,j]·o[t·k+j] for expert_pair_outputs' o: per-pair rows [T·k, ℓ] (moe_tail's
+    combine) or fp32 split partials [S, T·k, ℓ], summed in split order inside the slot sum."""
+    if o.dim() == 2:
+        from codegen.triton.moe_tail import combine  # the weighted combine lives with the tail (no import cycle)
+        return combine(o, weights, ids, num_experts)
+    T, K = ids.shape
+    ell = o.shape[-1]
+    y = torch.empty(T, ell, dtype=torch.float32, device=o.device)
+    if T and ell:
+        ids = ids if ids.is_contiguous() else ids.contiguous()
+        weights = weights if weights.is_contiguous() else weights.contiguous()
+        bt, bl = min(4, triton.next_power_of_2(T)), min(1024, triton.next_power_of_2(ell))
+        _combine_splits_kernel[(triton.cdiv(T, bt), triton.cdiv(ell, bl))](
+            o, weights, ids, y, T, num_experts, ell, o.stride(0), o.stride(1), y.stride(0),
+            TOPK=K, SPLIT=o.shape[0], BT=bt, BL=bl, num_warps=4)
+    return y
 
 
 def moe_experts(z, weights, ids, w1, w2, w3, act: str, beta1=None, beta2=None, config: dict | None = None):
     """Drop-in for `ir.ref.moe.moe_experts`: y f32 [T, ℓ]."""
-    from codegen.triton.moe_tail import combine  # the weighted combine lives with the tail (no import cycle)
-
     o, seg = expert_pair_outputs(z, ids, w1, w2, w3, act, beta1, beta2, config)
-    return combine(o, weights, ids, seg.num_experts)
+    return combine_pairs(o, weights, ids, seg.num_experts)
 
 
 # --------------------------------------------------------------------------------------- template
 BATCH_INVARIANT_CONFIG = {"BM": 64, "BN": 64, "BK": 64, "BN2": 64, "BK2": 64, "num_warps": 4, "num_stages": 3,
-                          "GROUP_M": 8}
+                          "GROUP_M": 8, "SPLIT": 1}
+GPU_SLOTS = 528             # 4 decode programs on each of the H200's 132 SMs (219 registers a thread)
+DECODE_MAXNREG = 168        # the cap that fits 6 when the programs fill several waves (T=64: 1.11 vs 1.16 ms)
 
 
 def target_cc(target) -> int | None:
@@ -316,9 +423,13 @@ def _fit_bk(bk: int, K: int, mx: bool) -> int:
 def heuristic(key: dict, target=None) -> dict:
     """Tiles by tokens per expert, measured on the H200 (benches/bench_moe.py). Decode (<= 16 tokens per
     expert): a 16-token tile x 64 weight rows on 2 warps (mma.sync, see the module doc), K steps of 128,
-    asm16, scales first (SL): 1.14 ms vs 1.37 for 128-row wgmma tiles. Prefill: 128 tokens x 64 rows on
-    wgmma, asm. Batch-invariant: one fixed tiling. MXFP4 with bf16 activations: the PTX decodes on
-    sm_90, tl.dot_scaled from sm_100 on (tcgen05 takes no register operand); pure Triton elsewhere."""
+    asm16, scales first (SL): 1.14 ms vs 1.37 for 128-row wgmma tiles; when the routed tiles fill the
+    GPU (T=64, top-16) a register cap (DECODE_MAXNREG) raises occupancy from 4 to 6 programs per SM.
+    No split-K: at T=1 (2 experts x 48 blocks) the measured split path (partials reduced inside the down
+    kernel's loop) was 2.3x slower; the split path now reduces in its own pass, unmeasured (SPLIT stays a
+    tunable). Prefill: 128 tokens x 64 rows on wgmma, asm. Batch-invariant: one fixed tiling, no split.
+    MXFP4 with bf16 activations: the PTX decodes on sm_90, tl.dot_scaled from sm_100 on (tcgen05 takes
+    no register operand); pure Triton elsewhere."""
     decode = False
     if key.get("BI"):
         cfg = dict(BATCH_INVARIANT_CONFIG)
@@ -340,6 +451,10 @@ def heuristic(key: dict, target=None) -> dict:
     cfg["SL"], cfg["PF"] = int(decode), 0
     cfg["BK"] = _fit_bk(cfg["BK"], key["L"], key["MX"])
     cfg["BK2"] = _fit_bk(cfg["BK2"], key["I"], key["MX"])
+    cfg["SPLIT"] = 1
+    full = max_tiles(key["T"] * key["K"], key["E"], cfg["BM"]) * -(-key["I"] // cfg["BN"]) >= 2 * GPU_SLOTS
+    if decode and cc is not None and cc < 100 and full:
+        cfg["MAXNREG"] = DECODE_MAXNREG
     return cfg
 
 
@@ -355,8 +470,10 @@ def constraints(config: dict, key: dict, target=None) -> list[str]:
             out.append(f"DEQ={config['DEQ']} needs MXFP4 weights and bf16 activations")
         if cc is None or cc < 90:
             out.append(f"DEQ={config['DEQ']} needs a CUDA target of compute capability >= 9.0, found {cc}")
-    if key.get("BI") and any(config[k] != v for k, v in BATCH_INVARIANT_CONFIG.items()):
-        out.append("batch_invariant: tiles are fixed to BATCH_INVARIANT_CONFIG")
+    if key.get("BI") and any(config.get(k, 1 if k == "SPLIT" else None) != v for k, v in BATCH_INVARIANT_CONFIG.items()):
+        out.append("batch_invariant: tiles are fixed to BATCH_INVARIANT_CONFIG (no split-K)")
+    if key.get("BI") and config.get("SPLIT2", 1) != 1:
+        out.append("batch_invariant: no split-K (SPLIT2 must be 1)")
     # per stage: the activation tile (twice for MXFP4: as loaded and split into even/odd columns) and the
     # w1, w3 tiles (MXFP4 half a byte per element, bf16 weights two)
     stage = config["BM"] * config["BK"] * 2 * (2 if mx else 1) + config["BN"] * config["BK"] * (1 if mx else 4)
@@ -392,12 +509,13 @@ def launch(a, attrs, config=None):
 TEMPLATES = [KernelTemplate(
     family="moe_grouped_gemm", backend="triton", ops=("moe_experts",), launch=launch, key_dims=key_dims,
     heuristic=heuristic, bucket=bucket, constraints=constraints, supports=supports, batch_invariant=True,
-    tunables=(Tunable("BM", (16, 32, 64, 128)), Tunable("BN", (32, 64, 128)), Tunable("BK", (32, 64, 128, 256)),
-              Tunable("BN2", (32, 64, 128, 256)), Tunable("BK2", (32, 64, 128, 256)), Tunable("num_warps", (2, 4, 8)),
-              Tunable("num_stages", (2, 3, 4, 5)), Tunable("GROUP_M", (1, 8)), Tunable("SL", (0, 1)),
-              Tunable("DEQ", ("asm16", "asm", "bytes", "bytes16", "dot_scaled"))),
-    # PF (L1 prefetch of the next step's scales) stays an explicit-config option: measured slower on the
-    # H200 in every tile shape (benches/results/h200-2026-11-29-s3/moe.json), and with it the space
-    # (737,280 configs) exceeds the tuner's enumeration limit
+    tunables=(Tunable("BM", (16, 32, 64, 128)), Tunable("BN", (32, 64, 128)), Tunable("BK", (32, 64, 128)),
+              Tunable("BN2", (64, 128, 256)), Tunable("BK2", (64, 128, 256)), Tunable("num_warps", (2, 4, 8)),
+              Tunable("num_stages", (2, 3, 4)), Tunable("GROUP_M", (1, 8)), Tunable("SL", (0, 1)),
+              Tunable("DEQ", ("asm16", "asm", "bytes", "bytes16", "dot_scaled")), Tunable("SPLIT", (1, 2, 4, 8))),
+    # 233,280 configs (the tuner enumerates up to 250,000): SPLIT's x4 cost the values measured slow on the
+    # H200 (BK 256, BN2/BK2 32, 5 stages; benches/results/h200-2026-11-29-s3). Explicit-config options:
+    # SPLIT2 (the down kernel's own split; default SPLIT), MAXNREG (a register cap per thread, CUDA) and PF
+    # (L1 prefetch of the next step's scales, measured slower in every tile shape)
     doc="grouped expert GEMMs: permutation, gate+up with fused SiTU-GLU/SwiGLU, down, fp32 slot-order combine; "
         "MXFP4 dequantised in registers (or tl.dot_scaled)")]

@@ -20,6 +20,8 @@ token t's j-th routed slot; pairs are grouped by expert, ascending p inside each
   3. scatter: offsets = exclusive cumsum(counts); pair_ids[offsets[e] + chunk_base[c, e] + rank] = p,
               rank = number of earlier pairs of chunk c routed to e.
 Ids outside [0, E) (experts held by another rank under EP) are dropped: they get no row.
+Up to FUSED_MAX_PAIRS pairs (decode), the three steps run in ONE program (`_permute_one_program_kernel`):
+two passes over the pairs in chunks, counts then ranks, the same result with two launches fewer.
 """
 
 from __future__ import annotations
@@ -184,6 +186,34 @@ def _scatter_pairs_kernel(ids_ptr, chunk_base_ptr, counts_ptr, offsets_ptr, pair
     tl.store(pair_ids_ptr + pos, p, mask=(p < P) & (e >= 0) & (e < E))
 
 
+@triton.jit
+def _permute_one_program_kernel(ids_ptr, counts_ptr, offsets_ptr, pair_ids_ptr, P, E, E_PAD: tl.constexpr,
+                                CHUNK: tl.constexpr):
+    """count, scan and scatter in one program: pass 1 sums the one-hot counts over chunks of CHUNK pairs;
+    offsets = exclusive cumsum; pass 2 places chunk c's pairs at offsets[e] + (pairs of e in earlier
+    chunks) + rank in the chunk."""
+    ev = tl.arange(0, E_PAD)
+    emask = ev < E
+    cnt = tl.zeros([E_PAD], dtype=tl.int32)
+    for c0 in range(0, P, CHUNK):
+        p = c0 + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + p, mask=p < P, other=-1).to(tl.int32)
+        cnt += tl.sum(((e[:, None] == ev[None, :]) & emask[None, :]).to(tl.int32), 0)
+    incl = tl.cumsum(cnt, 0)
+    tl.store(counts_ptr + ev, cnt, mask=emask)
+    tl.store(offsets_ptr + ev, incl - incl, mask=ev == 0)
+    tl.store(offsets_ptr + 1 + ev, incl, mask=emask)
+    base = incl - cnt
+    for c0 in range(0, P, CHUNK):
+        p = c0 + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + p, mask=p < P, other=-1).to(tl.int32)
+        one = (e[:, None] == ev[None, :]) & emask[None, :]
+        rank = tl.cumsum(one.to(tl.int32), 0) - 1
+        pos = tl.sum(tl.where(one, rank + base[None, :], 0), 1)
+        tl.store(pair_ids_ptr + pos, p, mask=(p < P) & (e >= 0) & (e < E))
+        base += tl.sum(one.to(tl.int32), 0)
+
+
 @dataclass
 class ExpertSegments:
     """Pairs (t, j) grouped by expert: expert e owns rows offsets[e] : offsets[e+1] of `pair_ids`.
@@ -207,8 +237,13 @@ def _perm_chunk(e_pad: int) -> int:
     return max(16, min(256, 16384 // e_pad))
 
 
-def permute_tokens(ids: torch.Tensor, num_experts: int, chunk: int | None = None) -> ExpertSegments:
-    """Group the routed pairs of `ids` [T, k] by expert (three kernels, deterministic, no host sync)."""
+FUSED_MAX_PAIRS = 256      # one program up to here (H200: 3.2 vs 7.9 us at 2 pairs, 27 vs 11 us at 1024)
+
+
+def permute_tokens(ids: torch.Tensor, num_experts: int, chunk: int | None = None,
+                   fused: bool | None = None) -> ExpertSegments:
+    """Group the routed pairs of `ids` [T, k] by expert (deterministic, no host sync): one program when
+    `fused` (default: T·k <= FUSED_MAX_PAIRS), else three kernels over chunks of `chunk` pairs."""
     if ids.dim() != 2:
         raise ValueError(f"permute_tokens: ids must be [T, k], found shape {tuple(ids.shape)}")
     T, K = ids.shape
@@ -217,11 +252,16 @@ def permute_tokens(ids: torch.Tensor, num_experts: int, chunk: int | None = None
     flat = ids.reshape(-1)
     flat = flat if flat.is_contiguous() else flat.contiguous()
     e_pad = triton.next_power_of_2(E)
-    ch = chunk or _perm_chunk(e_pad)
-    nchunk = max(1, triton.cdiv(P, ch))
     counts = torch.empty(E, dtype=torch.int32, device=dev)
     offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
     pair_ids = torch.zeros(max(P, 1), dtype=torch.int32, device=dev)
+    if fused if fused is not None else P <= FUSED_MAX_PAIRS:
+        ch = chunk or min(_perm_chunk(e_pad), max(16, triton.next_power_of_2(P)))
+        _permute_one_program_kernel[(1,)](flat, counts, offsets, pair_ids, P, E, E_PAD=e_pad, CHUNK=ch,
+                                          num_warps=4)
+        return ExpertSegments(counts, offsets, pair_ids, E, K, T)
+    ch = chunk or _perm_chunk(e_pad)
+    nchunk = max(1, triton.cdiv(P, ch))
     chunk_counts = torch.empty(nchunk, E, dtype=torch.int32, device=dev)
     chunk_base = torch.empty(nchunk, E, dtype=torch.int32, device=dev)
     _count_chunks_kernel[(nchunk,)](flat, chunk_counts, P, E, E_PAD=e_pad, CHUNK=ch)

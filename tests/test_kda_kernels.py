@@ -133,7 +133,8 @@ def bf16_in_interpreter(monkeypatch):
     monkeypatch.setattr(InterpreterBuilder, "cast_impl", cast)
 
 
-@pytest.mark.parametrize("config", [{}, {"LOWP_A": 1, "LOWP_WU": 1}, {"SPLIT_INTRA": 1, "LOWP_WU": 1, "BK_WU": 16}])
+@pytest.mark.parametrize("config", [{}, {"LOWP_A": 1, "LOWP_WU": 1}, {"SPLIT_INTRA": 1, "LOWP_WU": 1, "BK_WU": 16},
+                                    {"BK": 64, "LOWP_A": 1, "LOWP_WU": 1}])  # the last: the H200 heuristic's form
 def test_prefill_bf16_inputs_and_bf16_products(bf16_in_interpreter, config):
     """bf16 q/k/v/beta (bf16 workspace, bf16 tensor-core products where the config asks) within the bf16
     contract (1e-2) of the fp32 recurrence; also the intra kernel split in two (A + inverse, then W/U)."""
@@ -144,7 +145,7 @@ def test_prefill_bf16_inputs_and_bf16_products(bf16_in_interpreter, config):
     slots, cu = torch.tensor([2, 0]), _cu(lengths)
     mine, want = pool.clone(), pool.clone()
     low = [x.to(torch.bfloat16) for x in (q, k, v)]
-    o = kda_prefill(*low, gate, beta.to(torch.bfloat16), mine, slots, cu, D ** -0.5, config=dict(config, BK=16))
+    o = kda_prefill(*low, gate, beta.to(torch.bfloat16), mine, slots, cu, D ** -0.5, config={"BK": 16, **config})
     o_ref = ref.kda_recurrence(*(x.float() for x in low), gate, beta.to(torch.bfloat16).float(), want, slots, cu,
                                D ** -0.5)
     assert o.dtype == torch.bfloat16
@@ -245,6 +246,7 @@ def test_prefill_and_gate_templates_drop_in():
     (2, 32, [1, 3, 0, 8], -5.0, 32, 8, 2, True),           # head columns split over 2 programs (2 blocks each)
     (2, 32, [2, 8], -5.0, 32, 8, 2, False),                # the same without the one-block-ahead loads
     (1, 64, [1, 9], None, None, 16, 4, True),              # split 4, gate input f given whole (f_b None)
+    (1, 64, [1, 1, 2], -5.0, 64, 8, 8, True),              # split 8 (the rank preset's B=1 heuristic form)
 ])
 def test_decode_vs_unfused_sequence(H, D, lengths, lb, rank, block_v, split, prefetch):
     g = _gen(7)
@@ -376,8 +378,8 @@ def test_interrupted_split_launch_leaves_no_arrivals_counted(monkeypatch):
     assert_close_rel(out, _unfused(want, D ** -0.5, -5.0, 1e-5)[0], 1e-5, "launch after an interrupted one")
 
 
-@pytest.mark.parametrize("gate_mm,rank_block", [(True, 32), (False, 16)])
-def test_decode_gate_gemm_and_rank_blocks(gate_mm, rank_block):
+@pytest.mark.parametrize("gate_mm,rank_block,split", [(True, 32, 1), (False, 16, 1), (False, 128, 2)])
+def test_decode_gate_gemm_and_rank_blocks(gate_mm, rank_block, split):
     """f = f_a f_b^T as one GEMM before the kernel (GATE_MM), or per program in rank blocks of RB: the same
     outputs and states as the unfused sequence."""
     g = _gen(11)
@@ -385,7 +387,25 @@ def test_decode_gate_gemm_and_rank_blocks(gate_mm, rank_block):
     ops = decode_operands(g, H, D, lengths, 40, 5)
     want = [x.clone() if isinstance(x, torch.Tensor) else x for x in ops]
     out, _, state = kda_decode(*[x.clone() if isinstance(x, torch.Tensor) else x for x in ops], scale=D ** -0.5,
-                               lower_bound=-5.0, norm_eps=1e-5, block_v=8, gate_mm=gate_mm, rank_block=rank_block)
+                               lower_bound=-5.0, norm_eps=1e-5, block_v=8, gate_mm=gate_mm, rank_block=rank_block,
+                               split=split)
     y_ref, _ = _unfused(want, D ** -0.5, -5.0, 1e-5)
     assert_close_rel(out, y_ref, 1e-5, f"output gate_mm={gate_mm} RB={rank_block}")
     assert_close_rel(state, want[12], 1e-5, f"states gate_mm={gate_mm} RB={rank_block}")
+
+
+def test_gpu_heuristics_are_the_measured_configs():
+    """The H200 heuristics pick what benches/bench_kda.py measured fastest (session 5), and satisfy the
+    templates' constraints: prefill bf16 products with BK 64; decode split until ~one program per SM."""
+    (t_pre, _), (t_dec,) = PREFILL_TEMPLATES, DECODE_TEMPLATES
+    key = {"H": 32, "D": 128, "Dv": 128, "T": 8192, "R": 1}
+    cfg = t_pre.heuristic(key, "cuda")
+    assert (cfg["BK"], cfg["LOWP_A"], cfg["LOWP_WU"], cfg["SPLIT_INTRA"]) == (64, 1, 1, 0)
+    assert t_pre.constraints(cfg, key, "cuda") == []
+    want = {(64, 32): (1, 64, 1, 32), (1, 32): (4, 32, 0, 128), (1, 12): (8, 16, 0, 128)}
+    for (R, H), (split, bv, gate_mm, rb) in want.items():
+        key = {"H": H, "D": 128, "T": R, "R": R}
+        cfg = t_dec.heuristic(key, "cuda")
+        assert (cfg["SPLIT"], cfg["BV"], cfg["GATE_MM"], cfg["RB"]) == (split, bv, gate_mm, rb), (R, H, cfg)
+        assert t_dec.constraints(cfg, key, "cuda") == []
+    assert t_dec.heuristic({"H": 32, "D": 128, "T": 512, "R": 64}, "cuda")["GATE_MM"] == 0  # 8-token verification

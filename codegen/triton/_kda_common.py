@@ -2,7 +2,8 @@
 (SPEC §3.4, both variants) as a Triton function, the standalone gate kernel behind the `kda_gate`
 template, the chunk tables of the chunked prefill (cut every 64 tokens from each request's start,
 and also at requested checkpoint positions), its small tile helpers (64-row chunks as four 16-row
-sub-blocks) and the phase-1 row-block products of its intra-chunk kernel (`_row_block`, `_diag_exact`).
+sub-blocks) and the phase-1 row-block products of its intra-chunk kernel (`_row_block`, `_diag_exact`);
+the fused decode's host helpers (split-V arrival counters, the gate GEMM, operand row views).
 """
 
 from __future__ import annotations
@@ -250,3 +251,34 @@ def _diag_exact(a: tl.constexpr, k, q, lw, t0, L, s_k, s_q, cols, acc, accq, D: 
         acc += tl.where(put, tl.sum(ka * e, axis=1)[:, None], 0.0)
         accq += tl.where(put, tl.sum(qa * e, axis=1)[:, None], 0.0)
     return acc, accq
+
+
+# ---- host helpers of the fused decode (`kda_decode.py`)
+_COUNTERS: dict = {}  # device -> int32 arrival counters of the split-V programs, zero between launches
+
+
+def _counters(device, n: int) -> torch.Tensor:
+    """Per-(request, head) arrival counters, zero after each launch: one buffer per device serves launches on
+    one stream in order. Made by the first split launch: run one before capturing a CUDA graph (warm-up does)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
+def _gate_gemm(f_a: torch.Tensor, f_b: torch.Tensor) -> torch.Tensor:
+    """f = f_a f_b^T [T, P] in fp32 (bf16 operands, fp32 accumulation and output on CUDA)."""
+    if f_a.is_cuda and f_a.dtype in (torch.bfloat16, torch.float16) and f_b.dtype == f_a.dtype:
+        try:
+            return torch.mm(f_a, f_b.t(), out_dtype=torch.float32)
+        except (TypeError, RuntimeError):  # torch without mm(out_dtype=): fp32 operands
+            pass
+    return f_a.float() @ f_b.float().t()
+
+
+def _rows(x: torch.Tensor, T: int, width: int, what: str) -> torch.Tensor:
+    if x.shape[0] != T or x.numel() != T * width:
+        raise ValueError(f"kda_decode: {what} has shape {tuple(x.shape)}, expected [{T}, {width}]")
+    x = x.reshape(T, width)
+    return x if x.stride(1) == 1 else x.contiguous()

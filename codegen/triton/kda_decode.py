@@ -27,10 +27,12 @@ groups of MAXT tokens at once as [MAXT, D] tiles (MAXT = min(8, pow2(T/R)): 1 in
 verification; f_a f_b^T as 16-row tensor-core dots over RB rank columns at a time, or with GATE_MM one
 GEMM before the kernel), then walks its D/SPLIT state columns in [D, BV] blocks (independent; with
 PREFETCH the next block's load is issued before the current block's update), so the state is read and
-written once per step. SPLIT > 1 (small batches) shares a head's columns among SPLIT programs: each
-stores its slice of o (fp32 workspace) and counts itself on a per-(request, head) atomic counter
-(acq_rel); the last to arrive applies the gated RMSNorm over the head's D outputs, writes the q/k conv
-tails (all programs have read them by then) and resets the counter. Per-token states: every program.
+written once per step. Every other load (the v conv inputs, the output gate, o_norm_w, the new conv
+tails) is issued before the recurrence, so no load waits at the end. SPLIT > 1 (small batches) shares a
+head's columns among SPLIT programs: each stores its slice of o (fp32 workspace) and counts itself on a
+per-(request, head) atomic counter (acq_rel); the last to arrive applies the gated RMSNorm over the
+head's D outputs, writes the q/k conv tails (all programs have read them by then) and resets the
+counter. Per-token states: every program. MAXNREG caps the registers (more programs per SM).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import triton
 import triton.language as tl
 
 from ..kernel import KernelTemplate, Tunable, pow2_bucket
-from ._kda_common import kda_gate_math
+from ._kda_common import _counters, _gate_gemm, _rows, kda_gate_math
 from codegen.triton import _precision as precision
 
 FUSED_OP = "fused.kda_decode"
@@ -87,13 +89,10 @@ def _row(x2, t):
 
 
 @triton.jit
-def _gated_rms_store(o2, rows, rm, gate, s_gt, onw, out, ch, dd, norm_eps, D: tl.constexpr, P: tl.constexpr,
-                     HAS_NW: tl.constexpr):
-    """out = rmsnorm(o2) * o_norm_w * sigmoid(gate) for the [MAXT, D] outputs of one head."""
-    z = tl.load(gate + rows[:, None] * s_gt + ch[None, :], mask=rm, other=0.0).to(tl.float32)
-    y = o2 / tl.sqrt(tl.sum(o2 * o2, axis=1) / D + norm_eps)[:, None] * tl.sigmoid(z)
-    if HAS_NW:
-        y = y * tl.load(onw + dd).to(tl.float32)[None, :]
+def _gated_rms_store(o2, rows, rm, z, nw, out, ch, norm_eps, D: tl.constexpr, P: tl.constexpr):
+    """out = rmsnorm(o2) * o_norm_w * sigmoid(z) for the [MAXT, D] outputs of one head (z: the gate
+    projection's tile, nw: o_norm_w or ones, both loaded ahead by the caller)."""
+    y = o2 / tl.sqrt(tl.sum(o2 * o2, axis=1) / D + norm_eps)[:, None] * tl.sigmoid(z) * nw[None, :]
     tl.store(out + rows[:, None] * P + ch[None, :], y.to(out.dtype.element_ty), mask=rm)
 
 
@@ -122,6 +121,15 @@ def _kda_decode_kernel(q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, fa, s_fa, fb,
     st_h = st + (slot * H + h) * D * D
     tg = tl.arange(0, 16)
     sp0 = st_h + dd[:, None] * D + c0 + tl.arange(0, BV)[None, :]
+    if HAS_NW:
+        nw = tl.load(onw + dd).to(tl.float32)
+    else:
+        nw = tl.full([D], 1.0, tl.float32)
+    # the new conv tails (last K-1 context rows) are loaded up front, so the kernel's end waits on no load;
+    # they are stored at the end, after every read of the old tails (all programs of the head read q/k)
+    tv = _tail(v, s_v, cst + 2 * P, C3, bos, n + 1 - KW, cvp, KW, KWP)
+    tq = _tail(q, s_q, cst, C3, bos, n + 1 - KW, ch, KW, KWP)
+    tk = _tail(k, s_k, cst + P, C3, bos, n + 1 - KW, ch, KW, KWP)
     for t0 in range(0, n, MAXT):  # token groups of MAXT (a power of two <= 16; verification: 1-8)
         nt = n - t0
         rows = bos + t0 + tt
@@ -149,6 +157,9 @@ def _kda_decode_kernel(q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, fa, s_fa, fb,
             fx += tl.load(dtb + ch).to(tl.float32)[None, :]
         eg = tl.exp(kda_gate_math(fx, a_h, lower_bound, GATE))
         bt = tl.sigmoid(tl.load(bl + rows * s_bl + h, mask=tt < nt, other=0.0).to(tl.float32))
+        if SPLIT == 1:  # the output gate, loaded before the recurrence
+            z = tl.load(gate + rows[:, None] * s_gt + ch[None, :], mask=rm, other=0.0).to(tl.float32)
+        xv3 = tl.reshape(_conv_silu(v, s_v, cst + 2 * P, C3, vw, bos, t0, nt, cvp, KW, MAXT), [MAXT, NV, BV])
         o3 = tl.zeros([MAXT, NV, BV], dtype=tl.float32)
         # the recurrence, one [D, BV] column block of the state at a time
         for vb in range(NV):
@@ -161,7 +172,10 @@ def _kda_decode_kernel(q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, fa, s_fa, fb,
                                      eviction_policy="evict_first")
             else:
                 S = tl.load(sp, eviction_policy="evict_first").to(tl.float32)
-            xv = _conv_silu(v, s_v, cst + 2 * P, C3, vw, bos, t0, nt, h * D + cv, KW, MAXT)
+            if NV == 1:
+                xv = tl.reshape(xv3, [MAXT, BV])
+            else:
+                xv = tl.sum(tl.where((tl.arange(0, NV) == vb)[None, :, None], xv3, 0.0), axis=1)
             for t in range(0, tl.minimum(nt, MAXT)):
                 kt = _row(kn, t)
                 S = S * _row(eg, t)[:, None]
@@ -179,7 +193,7 @@ def _kda_decode_kernel(q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, fa, s_fa, fb,
             tl.debug_barrier()
         o2 = tl.reshape(o3, [MAXT, DVP])
         if SPLIT == 1:  # gated RMSNorm over the head's D outputs of each token
-            _gated_rms_store(o2, rows, rm, gate, s_gt, onw, out, ch, dd, norm_eps, D, P, HAS_NW)
+            _gated_rms_store(o2, rows, rm, z, nw, out, ch, norm_eps, D, P)
         else:  # the head's last program to finish normalises (below)
             tl.store(ows + rows[:, None] * P + cvp[None, :], o2, mask=rm)
     if KEEP:  # conv tail after each token (q, k channels by the head's first program)
@@ -189,12 +203,9 @@ def _kda_decode_kernel(q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, fa, s_fa, fb,
                 _put_tail(dst, C3, ch, _tail(q, s_q, cst, C3, bos, t + 2 - KW, ch, KW, KWP), KW, KWP)
                 _put_tail(dst + P, C3, ch, _tail(k, s_k, cst + P, C3, bos, t + 2 - KW, ch, KW, KWP), KW, KWP)
             _put_tail(dst + 2 * P, C3, cvp, _tail(v, s_v, cst + 2 * P, C3, bos, t + 2 - KW, cvp, KW, KWP), KW, KWP)
-    # new conv tail = last K-1 context rows, all read (old state included) before any is overwritten;
+    # new conv tails (loaded above, old state included) stored now that every read of the old ones is done;
     # v channels belong to this program alone, q/k channels are read by every program of the head
-    tv = _tail(v, s_v, cst + 2 * P, C3, bos, n + 1 - KW, cvp, KW, KWP)
     if SPLIT == 1:
-        tq = _tail(q, s_q, cst, C3, bos, n + 1 - KW, ch, KW, KWP)
-        tk = _tail(k, s_k, cst + P, C3, bos, n + 1 - KW, ch, KW, KWP)
         tl.debug_barrier()
         _put_tail(cst, C3, ch, tq, KW, KWP)
         _put_tail(cst + P, C3, ch, tk, KW, KWP)
@@ -210,49 +221,18 @@ def _kda_decode_kernel(q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, fa, s_fa, fb,
                 rows = bos + t0 + tt
                 rm = (tt < n - t0)[:, None]
                 o2 = tl.load(ows + rows[:, None] * P + ch[None, :], mask=rm, other=0.0, cache_modifier=".cg")
-                _gated_rms_store(o2, rows, rm, gate, s_gt, onw, out, ch, dd, norm_eps, D, P, HAS_NW)
-            tq = _tail(q, s_q, cst, C3, bos, n + 1 - KW, ch, KW, KWP)
-            tk = _tail(k, s_k, cst + P, C3, bos, n + 1 - KW, ch, KW, KWP)
-            tl.debug_barrier()
+                z = tl.load(gate + rows[:, None] * s_gt + ch[None, :], mask=rm, other=0.0).to(tl.float32)
+                _gated_rms_store(o2, rows, rm, z, nw, out, ch, norm_eps, D, P)
             _put_tail(cst, C3, ch, tq, KW, KWP)
             _put_tail(cst + P, C3, ch, tk, KW, KWP)
             tl.atomic_xchg(ctr + r * H + h, 0)  # ready for the next launch
 
 
-_COUNTERS: dict = {}  # device -> int32 arrival counters of the split-V programs, zero between launches
-
-
-def _counters(device, n: int) -> torch.Tensor:
-    """Per-(request, head) arrival counters, zero after each launch: one buffer per device serves launches on
-    one stream in order. Made by the first split launch: run one before capturing a CUDA graph (warm-up does)."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
-
-
-def _gate_gemm(f_a: torch.Tensor, f_b: torch.Tensor) -> torch.Tensor:
-    """f = f_a f_b^T [T, P] in fp32 (bf16 operands, fp32 accumulation and output on CUDA)."""
-    if f_a.is_cuda and f_a.dtype in (torch.bfloat16, torch.float16) and f_b.dtype == f_a.dtype:
-        try:
-            return torch.mm(f_a, f_b.t(), out_dtype=torch.float32)
-        except (TypeError, RuntimeError):  # torch without mm(out_dtype=): fp32 operands
-            pass
-    return f_a.float() @ f_b.float().t()
-
-
-def _rows(x: torch.Tensor, T: int, width: int, what: str) -> torch.Tensor:
-    if x.shape[0] != T or x.numel() != T * width:
-        raise ValueError(f"kda_decode: {what} has shape {tuple(x.shape)}, expected [{T}, {width}]")
-    x = x.reshape(T, width)
-    return x if x.stride(1) == 1 else x.contiguous()
-
-
 def kda_decode(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_bias, b, state, gate, o_norm_w,
                state_slot, cu_seqlens, *, scale: float, lower_bound, norm_eps: float, l2_eps: float = 1e-6,
                keep_states: bool = False, block_v: int = 64, num_warps: int = 4, split: int = 1,
-               prefetch: bool = True, group: int | None = None, gate_mm: bool = False, rank_block: int = 32):
+               prefetch: bool = True, group: int | None = None, gate_mm: bool = False, rank_block: int = 32,
+               max_regs: int = 0):
     """The fused op `fused.kda_decode` (operands and results: see the module docstring).
 
     `f_b=None` takes `f_a` as the whole gate input f [T, P] (already up-projected). `split` programs share
@@ -260,7 +240,8 @@ def kda_decode(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_
     `group` (tokens per front tile, a power of two <= 16) defaults to min(8, pow2(T/R)); fix it (8) for
     batch-invariant results, since the tile shape sets the order of the L2 / RMS reductions. `gate_mm` computes
     f = f_a f_b^T (fp32 out) as one GEMM before the kernel instead of per program (large batches); else
-    each program does it in steps of `rank_block` rank columns."""
+    each program does it in steps of `rank_block` rank columns. `max_regs` (CUDA, 0: none) caps the registers
+    per thread so that more programs share an SM (large batches: the state stream needs many in flight)."""
     if gate_mm and f_b is not None:
         f_a, f_b = _gate_gemm(f_a, f_b), None
     T, P = q.shape
@@ -296,6 +277,7 @@ def kda_decode(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_
     ows = torch.empty(T, P, device=dev, dtype=torch.float32) if split > 1 else out
     ctr = _counters(dev, R * H) if split > 1 else state_slot
     low = fbc.dtype in (torch.bfloat16, torch.float16)
+    cap = {"maxnreg": int(max_regs)} if max_regs and q.is_cuda else {}
     if R > 0:
         try:
             _kda_decode_kernel[(R, H, split)](
@@ -306,8 +288,8 @@ def kda_decode(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_
                 H=H, D=D, KW=KW, KWP=triton.next_power_of_2(KW), RL=RL, BV=bv_, SPLIT=split,
                 RB=max(16, min(rank_block, triton.next_power_of_2(RL))), GATE=1 if lower_bound is not None else 2,
                 HAS_BIAS=dt_bias is not None, HAS_NW=o_norm_w is not None, KEEP=bool(keep_states),
-                LOWRANK=f_b is not None, MAXT=group, PREFETCH=bool(prefetch), PREC=precision.fast_fp32() if low else "ieee",
-                num_warps=num_warps)
+                LOWRANK=f_b is not None, MAXT=group, PREFETCH=bool(prefetch),
+                PREC=precision.fast_fp32() if low else "ieee", num_warps=num_warps, **cap)
         except BaseException:
             if split > 1:  # an interrupted launch (time-out, error) must not leave arrivals counted
                 ctr.zero_()
@@ -337,7 +319,8 @@ def _launch(a, attrs, config):
                       norm_eps=attrs["norm_eps"], l2_eps=attrs.get("l2_eps", 1e-6),
                       keep_states=attrs.get("keep_states", False), block_v=config["BV"], num_warps=config["WARPS"],
                       split=config.get("SPLIT", 1), prefetch=bool(config.get("PREFETCH", 1)), group=group,
-                      gate_mm=bool(config.get("GATE_MM", 0)), rank_block=config.get("RB", 32))
+                      gate_mm=bool(config.get("GATE_MM", 0)), rank_block=config.get("RB", 32),
+                      max_regs=config.get("MAXNREG", 0))
 
 
 def key_dims(a, attrs):
@@ -346,26 +329,32 @@ def key_dims(a, attrs):
     return {"H": H, "D": int(o["q"].shape[1]) // H, "T": int(o["q"].shape[0]), "R": int(o["state_slot"].shape[0])}
 
 
-_SMS = 132  # H200 multiprocessors: the split aims at >= 2 programs per SM
+_MIN_PROGRAMS = 128  # a split grid aims at ~one program per SM (H200: 132): measured best at B=1, H=12 and 32
 
 
 def heuristic(key, target):
-    """GPU: one program per (request, head) when R*H fills the GPU twice, f = f_a f_b^T then as one GEMM
-    before the kernel; else the head's columns split over 2-4 programs; BV 64 (or the program's columns),
-    4 warps, one block loaded ahead. H200 (benches/bench_kda.py, H=32, D=128, graph replays): B=64 111 us;
-    the gate GEMM took 13-15 us off (103 vs 118 us in a run of a since-reverted variant; f given whole
-    98.7 vs 111); BV 32 126-142 us, 8 warps 175-204 us, split 2-4 134-181 us. B=1 split 4 x BV 32 13.8 us
-    (split 1-2 and BV 64-128 within 15.2-16.2 us in the same run as the 103/118). B=64 x 8 tokens: 0.80 ms
-    without the GEMM, 0.87 with it. CPU: one block."""
+    """GPU: the head's D state columns split over SPLIT programs until the grid has ~one program per SM
+    (R*H*SPLIT >= 128; each keeps >= 16 columns), BV = min(64, D/SPLIT), 4 warps, one block loaded ahead;
+    one program per (request, head) from 128 (request, head) pairs on, with f = f_a f_b^T then one GEMM
+    before the kernel for single-token steps; RB 128 (the rank in one tensor-core step) when split.
+    H200, benches/bench_kda.py 2026-11-29 session 5, device time per launch in a CUDA graph of launches on
+    distinct (L2-cold) pools, D=128, bf16 (launch gap 0.67 us):
+      B=64 H=32: split 1 BV 64 GEMM 87.4 us (1.39x the state byte floor; fla 91.3); no GEMM 100.2; BV 32 /
+        2 warps 97.5; split 2 129.4; split 4 x BV 32 133.2.
+      B=1 H=32: split 4 BV 32 RB 128 9.40 us (RB 32 11.1); split 2 BV 64 9.55; split 8 BV 16 10.3; one
+        program per head (BV 128, 8 warps) 10.9; fla (recurrence only, f given) 6.14.
+      B=1 H=12 (the rank preset): split 8 BV 16 RB 128 8.68 us; split 2 9.00; split 4 9.02 (RB 32: 10.4).
+      B=64 x 8 tokens (states kept, no GEMM): 868 us.
+    The register cap MAXNREG (3-4 programs per SM at B=64) is a tunable not yet measured: none. CPU: one block."""
     D = key["D"]
     if str(target).startswith("cpu"):
-        return {"BV": D, "WARPS": 4, "SPLIT": 1, "PREFETCH": 1, "GATE_MM": 0, "RB": 32}
+        return {"BV": D, "WARPS": 4, "SPLIT": 1, "PREFETCH": 1, "GATE_MM": 0, "RB": 32, "MAXNREG": 0}
     split = 1
-    while key["R"] * key["H"] * split < 2 * _SMS and D // (2 * split) >= 32:
+    while key["R"] * key["H"] * split < _MIN_PROGRAMS and D // (2 * split) >= 16:
         split *= 2
     one_token = key.get("T", key["R"]) <= key["R"]  # verification (8 tokens): per-program 8-row dots win
-    return {"BV": min(64, D // split), "WARPS": 4, "SPLIT": split, "PREFETCH": 1, "RB": 32,
-            "GATE_MM": int(split == 1 and one_token)}
+    return {"BV": min(64, D // split), "WARPS": 4, "SPLIT": split, "PREFETCH": 1, "RB": 128 if split > 1 else 32,
+            "GATE_MM": int(split == 1 and one_token), "MAXNREG": 0}
 
 
 def constraints(config, key, target):
@@ -393,7 +382,8 @@ TEMPLATES = [
         family="kda_decode", backend="triton", ops=(FUSED_OP,), launch=_launch, key_dims=key_dims,
         heuristic=heuristic, bucket=lambda key: {**key, "T": pow2_bucket(key["T"]), "R": pow2_bucket(key["R"])},
         constraints=constraints, supports=supports, batch_invariant=True,
-        tunables=(Tunable("BV", (16, 32, 64)), Tunable("WARPS", (2, 4, 8)), Tunable("SPLIT", (1, 2, 4)),
-                  Tunable("PREFETCH", (0, 1)), Tunable("GATE_MM", (0, 1)), Tunable("RB", (32, 64, 128))),
+        tunables=(Tunable("BV", (16, 32, 64)), Tunable("WARPS", (2, 4, 8)), Tunable("SPLIT", (1, 2, 4, 8)),
+                  Tunable("PREFETCH", (0, 1)), Tunable("GATE_MM", (0, 1)), Tunable("RB", (32, 64, 128)),
+                  Tunable("MAXNREG", (0, 128, 168))),
         doc="fused KDA decode/verify: conv + SiLU + L2 + gate + recurrence + gated RMSNorm, per-token states"),
 ]

@@ -309,17 +309,20 @@ def bucket(key):
 
 
 def heuristic(key, target):
-    """CPU interpreter: big tiles (cost is per program step). GPU, D=128, as measured on the H200 (B=1,
-    T=8192, H=32; benches/bench_kda.py, 2026-11-29): kernel 1 fused, BK 32 / 4 warps / 2 stages 0.81 ms (3
-    stages 0.82, 1 stage 0.93, 8 warps 1.44; split into A/inverse + W/U kernels 0.87, both at 255 registers;
-    BK 16 1.3-1.5 ms); kernel 2 BV 32 / 4 warps / 3 stages 0.20 ms (BV 64: 0.33-0.43, BV 16: 0.41, 8 warps
-    0.37). The bf16 tensor-core products (LOWP_A, LOWP_WU) are tunables, not yet measured on the GPU."""
+    """CPU interpreter: big tiles (cost is per program step). GPU, D=128, as measured on the H200 (bf16, B=1,
+    T=8192, H=32; benches/bench_kda.py, 2026-11-29 session 5): kernel 1 with bf16 tensor-core products in both
+    phases (LOWP_A, LOWP_WU) and BK 64, 4 warps, 2 stages: 0.669 ms (BK 32: 0.732; LOWP_WU only 0.768; tf32
+    products of fp32 operands, the session-3 choice, 0.809; split into A/inverse + W/U kernels 0.794); kernel 2
+    BV 32 / 4 warps / 3 stages ~0.20 ms (session 3: BV 64 0.33-0.43, BV 16 0.41, 8 warps 0.37). Whole prefill
+    0.876 ms (session-3 config 1.004; fla chunk_kda 1.0-1.27 ms); T=32K 3.42 ms (fla 3.89), B=4 x 8192
+    3.75 ms (fla 3.87). bf16 rounding of the products moves the error vs the fp32 reference from 4.6e-3 to
+    5.3e-3 (fla: 4.8e-3); fp32 inputs never round (LOWP applies to bf16/fp16 inputs only)."""
     D, Dv = key["D"], key["Dv"]
-    off = {"SPLIT_INTRA": 0, "LOWP_A": 0, "LOWP_WU": 0}
     if str(target).startswith("cpu"):
-        return {"BK": D, "BV_INTRA": Dv, "WARPS_INTRA": 4, "STAGES_INTRA": 1, "BV": Dv, "WARPS": 4, "STAGES": 2, **off}
-    return {"BK": min(32, D), "BV_INTRA": min(64, Dv), "WARPS_INTRA": 4, "STAGES_INTRA": 2, "BV": min(32, Dv),
-            "WARPS": 4, "STAGES": 3, **off}
+        return {"BK": D, "BV_INTRA": Dv, "WARPS_INTRA": 4, "STAGES_INTRA": 1, "BV": Dv, "WARPS": 4, "STAGES": 2,
+                "SPLIT_INTRA": 0, "LOWP_A": 0, "LOWP_WU": 0}
+    return {"BK": min(64, D), "BV_INTRA": min(64, Dv), "WARPS_INTRA": 4, "STAGES_INTRA": 2, "BV": min(32, Dv),
+            "WARPS": 4, "STAGES": 3, "SPLIT_INTRA": 0, "LOWP_A": 1, "LOWP_WU": 1}
 
 
 _SMEM_BYTES = 232448  # per block on the H200 (sm_90)

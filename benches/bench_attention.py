@@ -384,11 +384,11 @@ def _mla_shape(res):
 
 
 def _mla_configs(base, fmt):
-    """The heuristic and the runners-up of 2026-11-29 (H200): 32-row steps with the next step's bytes in
-    registers, whole rows (SUB 1) with the pipeliner's async copies, 8 warps."""
+    """The heuristic (heads-major ORIENT 1), 8 warps, the previous rows-major default (ORIENT 0, SUB 4), and
+    no row prefetch with a deeper pipeline."""
     if fmt != "fp8":
         return [base, dict(base, BLOCK_N=64 if base["BLOCK_N"] == 32 else 32)]
-    return [base, dict(base, num_warps=8), dict(base, BLOCK_N=32, PREFETCH=2),
+    return [base, dict(base, num_warps=8), dict(base, ORIENT=0, BLOCK_N=64, SUB=4, num_stages=1, PREFETCH=1),
             dict(base, SUB=1, BLOCK_N=32, num_stages=3, PREFETCH=0)]
 
 
@@ -446,7 +446,7 @@ def sec_step(res):
     ib = _best_structure(os.path.join(here, "indexer.json"), "indexer_decode_fp8_cfg",
                          ("BLOCK_N", "CAND", "DOT", "MERGE_TILE", "num_warps", "num_stages"))
     mb = _best_structure(os.path.join(here, "mla.json"), "mla_sparse_decode_fp8_cfg",
-                         ("BLOCK_N", "SUB", "PREFETCH", "num_warps", "num_stages"))
+                         ("ORIENT", "BLOCK_N", "SUB", "PREFETCH", "num_warps", "num_stages"))
     res["structure"] = {"indexer": ib, "mla": mb}
     for L in lengths:
         di = _indexer_inputs(B, L, seed=2)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from codegen.triton.indexer_topk import TEMPLATES, default_kt, heuristic, indexer_topk
+from codegen.triton.indexer_topk import TEMPLATES, default_kt, default_kt_pairs, heuristic, indexer_topk
 from ir import formats
 from ir.ops import OPS
 from ir.ref import indexer as ref
@@ -23,6 +23,8 @@ SMALL = dict(BLOCK_N=16, KT=4, SPLITS=2, num_warps=4, num_stages=1, MERGE_TILE=6
 WIDE = dict(BLOCK_N=64, KT=8, SPLITS=1, num_warps=4, num_stages=1, MERGE_TILE=128)
 # group top-2 candidates (CAND 1: 4 groups of 8 per tile), several programs per row
 PAIRS = dict(BLOCK_N=32, KT=8, SPLITS=2, num_warps=4, num_stages=1, MERGE_TILE=64, CAND=1)
+# every key a candidate (KT = BLOCK_N: no witness, no rescore), one tile per program, resident merge
+ALL_KEYS = dict(BLOCK_N=16, KT=16, SPLITS=16, num_warps=4, num_stages=1, MERGE_TILE=256)
 
 
 def _batch(seed, lengths, key_format="fp8", keys=None, q=None):
@@ -100,7 +102,7 @@ def test_decode_contexts_below_and_above_topk():
     """One token per request; contexts < topk (select all), == topk, just above, far above."""
     b = _batch(0, [(5, 1), (16, 1), (17, 1), (40, 1), (150, 1)])
     want = _reference(b)
-    for cfg in (SMALL, WIDE, PAIRS, None):
+    for cfg in (SMALL, WIDE, PAIRS, ALL_KEYS, dict(ALL_KEYS, MERGE_TILE=64), None):   # 64: candidates streamed
         got = _run(b, config=cfg)
         _check(got, b)
         assert torch.equal(got, want), f"config {cfg}"
@@ -122,6 +124,26 @@ def test_overflow_path_clustered_winners():
     keys[3 + 48: 3 + 80] = q[0].mean(0) * 3 + torch.randn(32, DI, generator=g) * 0.1
     b = _batch(2, [(120, 3)], keys=keys, q=q)
     for cfg in (SMALL, PAIRS, dict(SMALL, MERGE_TILE=16)):   # the last: candidates streamed, not resident
+        stats = {}
+        got = _run(b, config=cfg, stats=stats)
+        assert stats["overflowed_rows"] > 0, (cfg, stats)
+        _check(got, b)
+        assert torch.equal(got, _reference(b))
+
+
+@pytest.mark.parametrize("factor", [1, 8], ids=["all_keys_radix", "work_row"])
+def test_second_merge_paths(monkeypatch, factor):
+    """Overflowed rows are re-selected from the first merge's threshold survivors in a work row (room for
+    8 pow2(topk) keys: always fits here) or, when the survivors do not fit (room for pow2(topk) only), by
+    radix passes over every candidate and rescored key: both exact."""
+    from codegen.triton import indexer_topk as mod
+    g = torch.Generator().manual_seed(21)
+    q = torch.randn(3, HI, DI, generator=g)
+    keys = torch.randn(3 + 200 + 5, DI, generator=g) * 0.1
+    keys[3 + 64: 3 + 96] = q[0].mean(0) * 3 + torch.randn(32, DI, generator=g) * 0.1
+    b = _batch(22, [(200, 3)], keys=keys, q=q)
+    monkeypatch.setattr(mod, "WORK_ROW_FACTOR", factor)
+    for cfg in (SMALL, PAIRS):
         stats = {}
         got = _run(b, config=cfg, stats=stats)
         assert stats["overflowed_rows"] > 0, (cfg, stats)
@@ -224,6 +246,33 @@ def test_fused_indexer_select_template_emits_rows():
     assert t.supports(a, attrs, "cpu") is None
     got = t.launch(a, attrs, t.heuristic(t.key_dims(a, attrs), "cpu"))
     assert torch.equal(got, ref_mla.selection_positions_to_rows(_reference(b), b["tr"], b["tbl"], b["bs"]))
+
+
+def test_launcher_reads_no_device_data_on_the_host(monkeypatch):
+    """Without `max_context` the context bound is the block table's width (a shape), so the launcher never
+    reads device data on the host and can be captured in a CUDA graph (the tuner captures it); the selection
+    still equals the reference's when the table is wider than every context."""
+    b = _batch(14, [(40, 1), (150, 1), (9, 1)])
+    b["tbl"] = torch.cat([b["tbl"], torch.full((b["tbl"].shape[0], 7), -1, dtype=b["tbl"].dtype)], 1)
+    want = _reference(b)
+
+    def refuse(*a, **k):
+        raise AssertionError("host read of device data in the launcher")
+    for name in ("item", "tolist", "__int__", "__index__", "__bool__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    got = [_run(b, config=cfg) for cfg in (ALL_KEYS, SMALL)]
+    monkeypatch.undo()
+    for g in got:
+        assert torch.equal(g, want)
+
+
+def test_short_context_heuristic_takes_every_key():
+    """Decode at 8K with top-2048 (the rank preset): every key is a candidate, one 128-key tile per program at
+    batch 1; long contexts keep per-tile candidates (group top-2)."""
+    cfg = heuristic({"T": 1, "L": 8192, "K": 2048, "HI": 32, "DI": 128}, "h200")
+    assert cfg["KT"] == cfg["BLOCK_N"] == 128 and cfg["SPLITS"] == 64
+    long = heuristic({"T": 32, "L": 1 << 17, "K": 2048, "HI": 32, "DI": 128}, "h200")
+    assert long["CAND"] == 1 and long["KT"] == default_kt_pairs(long["BLOCK_N"], 2048, 1 << 17) < long["BLOCK_N"]
 
 
 def test_heuristics_are_legal():

@@ -25,7 +25,11 @@ SCALE = (DN + DR) ** -0.5
 ONE_PASS = dict(BLOCK_H=16, BLOCK_N=16, CHUNK=16, num_warps=4, num_stages=1, SUB=1,   # 16-row chunks + combine,
                 PREFETCH=1)                                                           # rows a step ahead
 TWO_PASS = dict(BLOCK_H=16, BLOCK_N=16, CHUNK=32, num_warps=4, num_stages=1, SUB=4)   # column blocks
-PREFETCHED = dict(TWO_PASS, PREFETCH=2)   # next step's bytes held in registers, each tile read once
+HEADS = dict(ORIENT=1, BLOCK_H=16, BLOCK_N=16, CHUNK=32, num_warps=4, num_stages=1, PREFETCH=1)  # heads-major, split
+HEADS_WHOLE = dict(HEADS, CHUNK=64, PREFETCH=0)   # one piece per token: the kernel writes o~ and lse itself
+HEADS_AHEAD = dict(HEADS, PREFETCH=2, CHUNK=48)   # next step bytes in registers, rows two steps ahead (3 steps)
+CONFIGS, IDS = [ONE_PASS, TWO_PASS, HEADS, HEADS_WHOLE, HEADS_AHEAD], ["one_pass", "two_pass", "heads", "heads_whole",
+                                                                     "heads_ahead"]
 PREFILL = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 
 
@@ -72,7 +76,7 @@ def _lse64(b, lat):
     return out
 
 
-@pytest.mark.parametrize("config", [ONE_PASS, TWO_PASS, PREFETCHED], ids=["one_pass", "two_pass", "prefetched"])
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
 def test_sparse_decode_and_lse(config):
     """1-8 tokens per request, contexts below and above TOPK, -1 padded selections."""
     b = _batch(0, [(40, 3), (9, 1), (25, 8), (12, 1)])
@@ -82,7 +86,7 @@ def test_sparse_decode_and_lse(config):
     assert_close_rel(lse, _lse64(b, b["lat"]), 1e-5, "lse")
 
 
-@pytest.mark.parametrize("config", [ONE_PASS, TWO_PASS, PREFETCHED], ids=["one_pass", "two_pass", "prefetched"])
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
 def test_dense_decode_over_the_causal_context(config):
     b = _batch(1, [(45, 2), (7, 1), (20, 1)], with_selection=False)
     want = ref.mla_attention(*_args(b), "absorbed")
@@ -112,7 +116,7 @@ def test_selection_as_physical_rows():
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
-@pytest.mark.parametrize("config", [ONE_PASS, TWO_PASS, PREFETCHED], ids=["one_pass", "two_pass", "prefetched"])
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
 def test_quantised_latent_pools(fmt, config):
     """Dequantised in-kernel; compared with the reference run on the same quantised pool."""
     b = _batch(3, [(35, 2), (18, 1)])
@@ -129,6 +133,52 @@ def test_quantised_latent_pools(fmt, config):
                                return_lse=True, config=config)
     assert_close_rel(o, want, 2e-2, f"{fmt} o")
     assert_close_rel(lse, _lse64(b, deq), 2e-2, f"{fmt} lse")
+
+
+def test_absorbed_queries_kernel_vs_float64():
+    """q~ = W_UK^T q_nope per head from strided views (q_nope a slice of q, W_UK a slice of kv_b), 1 and 37
+    tokens (token blocks of 16, the last partial)."""
+    g = torch.Generator().manual_seed(20)
+    for T in (1, 37):
+        q = torch.randn(T, H, DN + DR, generator=g)
+        kvb = torch.randn(H * (DN + DV), KV, generator=g)
+        W_UK, _ = sparse_mod.split_kv_b(kvb, H, DN)
+        got = sparse_mod.absorb_queries(q[:, :, :DN], W_UK, torch.float32)
+        want = torch.einsum("thn,hnk->thk", q[:, :, :DN].double(), W_UK.double())
+        assert_close_rel(got, want, 1e-5, f"q~ T={T}")
+
+
+def test_sparse_launcher_reads_no_device_data_on_the_host(monkeypatch):
+    """With a selection (or max_context for a dense context) the launcher never reads device data on the host
+    (CUDA-graph capture): absorption, attention and combine are launches only."""
+    b = _batch(23, [(30, 2), (12, 1)])
+    want = mla_sparse_decode(*_args(b), return_lse=True, config=HEADS)
+    dense = _args(b)[:-1] + (None,)
+    want_dense = mla_sparse_decode(*dense, return_lse=True, config=HEADS)
+
+    def refuse(*a, **k):
+        raise AssertionError("host read of device data in the launcher")
+    for name in ("item", "tolist", "__int__", "__index__", "__bool__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    got = mla_sparse_decode(*_args(b), return_lse=True, config=HEADS)
+    got_dense = mla_sparse_decode(*dense, return_lse=True, config=HEADS, max_context=64)
+    monkeypatch.undo()
+    for g_, w_ in zip(got + got_dense, want + want_dense):
+        assert torch.equal(g_, w_)
+
+
+def test_heuristic_splits_selected_rows_by_batch():
+    """The split of a token's rows follows the selection size and the batch (about 4 programs per SM in all),
+    never the context bound; batch-invariant mode fixes it per L; every GPU heuristic passes the constraints."""
+    t = sparse_mod.TEMPLATES[0]
+    one = sparse_mod.heuristic({"H": 12, "L": 2048, "KV": 512, "fmt": 1, "sparse": 1, "T": 1, "bi": 0}, "h200")
+    many = sparse_mod.heuristic({"H": 12, "L": 2048, "KV": 512, "fmt": 1, "sparse": 1, "T": 64, "bi": 0}, "h200")
+    assert one["ORIENT"] == 1 and 2048 // one["CHUNK"] >= 32 and 2048 // many["CHUNK"] <= 16
+    inv = [sparse_mod.heuristic({"H": 12, "L": 2048, "KV": 512, "fmt": 1, "T": T, "bi": 1}, "h200") for T in (1, 64)]
+    assert inv[0] == inv[1]
+    for key in ({"H": H_, "L": 2048, "KV": 512, "fmt": f, "T": T, "bi": bi} for T in (1, 8, 64) for bi in (0, 1)
+                for f in (0, 1, 2) for H_ in (12, 64)):
+        assert not t.constraints(sparse_mod.heuristic(key, "h200"), key, "h200"), key
 
 
 def test_prefill_dense_decompressed():

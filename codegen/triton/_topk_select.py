@@ -72,6 +72,32 @@ def _gather_eq_vals(k, m, prefix, pmask, dst, cnt, LIMIT):
 
 
 @triton.jit
+def _gather_ge(ptr, n, prefix, pmask, dst, cnt, LIMIT, TILE: tl.constexpr):
+    """Append the keys of ptr[0:n] whose masked bits are >= prefix (the keys a threshold selects) to
+    dst[cnt:LIMIT], TILE at a time; returns the new count (every such key counted, also past LIMIT)."""
+    for off in range(0, n, TILE):
+        o = off + tl.arange(0, TILE)
+        k = tl.load(ptr + o, mask=o < n, other=INVALID)
+        sel = (o < n) & (k != INVALID) & ((k & pmask) >= prefix)
+        at = cnt + tl.cumsum(sel.to(tl.int32), 0) - 1
+        tl.store(dst + at, k, mask=sel & (at < LIMIT))
+        cnt += tl.sum(sel.to(tl.int32), 0)
+    return cnt
+
+
+@triton.jit
+def _select_sorted(v, m, orow, tblrow, TOPK, KP: tl.constexpr, ROWS_OUT: tl.constexpr, LOG_BS: tl.constexpr):
+    """Write the positions v (mask m: the selected ones, <= TOPK of them, any order) to orow ascending (as pool
+    rows when ROWS_OUT), -1 padded to TOPK."""
+    v = tl.sort(tl.where(m, v, 1 << 62))
+    j = tl.arange(0, KP)
+    cnt = tl.sum(m.to(tl.int32), 0)
+    if ROWS_OUT:
+        v = rows_of(tblrow, v, j < cnt, LOG_BS)
+    tl.store(orow + j, tl.where(j < cnt, v, -1), mask=j < TOPK)
+
+
+@triton.jit
 def _gather_eq(ptr, n, prefix, pmask, dst, LIMIT, TILE: tl.constexpr):
     """`_gather_eq_vals` over keys ptr[0:n], TILE at a time, from dst[0]."""
     cnt = tl.zeros([], tl.int32)
@@ -134,9 +160,9 @@ def _collect(ptr, n, prefix, pmask, dst, cnt, tblrow, LIMIT, TILE: tl.constexpr,
 
 
 @triton.jit
-def _merge_kernel(cand_ptr, tmin_ptr, hist_ptr, ext_ptr, ovf_ptr, novf_ptr, work_ptr, out_ptr, tbl_ptr, req_ptr, MB,
-                  pos_ptr,
-                  NT, TOPK, MAX_OVF, BLOCK_N: tl.constexpr, KT: tl.constexpr, KP: tl.constexpr,
+def _merge_kernel(cand_ptr, tmin_ptr, hist_ptr, ext_ptr, ovf_ptr, novf_ptr, work_ptr, th_ptr, out_ptr, tbl_ptr, req_ptr,
+                  MB, pos_ptr,
+                  NT, TOPK, MAX_OVF, BLOCK_N: tl.constexpr, KT: tl.constexpr, KP: tl.constexpr, KW: tl.constexpr,
                   PHASE: tl.constexpr, ROWS_OUT: tl.constexpr, TILE: tl.constexpr, LOG_BS: tl.constexpr,
                   RESIDENT: tl.constexpr):
     """PHASE 1 radix-selects theta over a row's candidates, flags overflowed tiles and, without overflow,
@@ -144,7 +170,12 @@ def _merge_kernel(cand_ptr, tmin_ptr, hist_ptr, ext_ptr, ovf_ptr, novf_ptr, work
     PHASE 1 takes its first digit (the top 11 bits) from the histogram the score kernel counted, copies
     the boundary bucket's keys to the work row when they fit (KP) and finishes the select there, on
     registers (else: 8-bit passes over all candidates, RESIDENT: loaded once when they fit one TILE);
-    one last pass over the candidates writes the selection."""
+    one last pass over the candidates writes the selection. PHASE 1 also stores its threshold (prefix, pmask)
+    in th_ptr: the true top-k only holds keys above it (the candidates of PHASE 2 are a superset of PHASE
+    1's), so PHASE 2 gathers the candidates and rescored keys at or above it into the work row (KW keys:
+    top-k plus the rescored tiles' survivors) and selects there, in registers; only when they do not fit
+    does it radix-select over every candidate and rescored key (8 passes).
+    The work rows are KW keys apart; PHASE 1 uses the first KP of its row."""
     row = tl.program_id(0)
     ctx = tl.load(pos_ptr + row) + 1
     tblrow = tbl_ptr + tl.load(req_ptr + row) * MB
@@ -178,7 +209,7 @@ def _merge_kernel(cand_ptr, tmin_ptr, hist_ptr, ext_ptr, ovf_ptr, novf_ptr, work
             i11 = tl.arange(0, 2048)
             need, prefix, pmask, done = _radix_step(tl.load(hist_ptr + row * 2048 + i11), i11, need, prefix, pmask,
                                                     53, 11, 1024)
-            wrow = work_ptr + row.to(tl.int64) * KP
+            wrow = work_ptr + row.to(tl.int64) * KW
             n_w = tl.zeros([], tl.int32)
             if done == 0:   # the boundary bucket's keys -> work row (when they fit), refined there
                 if RESIDENT:
@@ -207,7 +238,12 @@ def _merge_kernel(cand_ptr, tmin_ptr, hist_ptr, ext_ptr, ovf_ptr, novf_ptr, work
                             h = _hist_pass(crow, n_c, prefix, pmask, sh, TILE)
                         need, prefix, pmask, done = _radix_step(h, idx, need, prefix, pmask, sh, 8, 0)
         else:
-            done = tl.zeros([], tl.int32)
+            wrow = work_ptr + row.to(tl.int64) * KW
+            p1 = tl.load(th_ptr + row.to(tl.int64) * 2)
+            m1 = tl.load(th_ptr + row.to(tl.int64) * 2 + 1)
+            n_w = _gather_ge(crow, n_c, p1, m1, wrow, tl.zeros([], tl.int32), KW, TILE)
+            n_w = _gather_ge(erow, n_e, p1, m1, wrow, n_w, KW, TILE)
+            done = (n_w <= KW).to(tl.int32)   # done: selected in the work row, below; else 8 passes over all keys
             for p in tl.static_range(8):
                 if done == 0:
                     hist = _hist_pass(crow, n_c, prefix, pmask, 56 - 8 * p, TILE) + \
@@ -226,6 +262,8 @@ def _merge_kernel(cand_ptr, tmin_ptr, hist_ptr, ext_ptr, ovf_ptr, novf_ptr, work
                     tl.store(ovf_ptr + row * MAX_OVF + at, tt, mask=ov & (at < MAX_OVF))
                     n_ovf += tl.sum(ov.to(tl.int32), 0)
             tl.store(novf_ptr + row, tl.minimum(n_ovf, MAX_OVF))
+            tl.store(th_ptr + row.to(tl.int64) * 2, prefix)
+            tl.store(th_ptr + row.to(tl.int64) * 2 + 1, pmask)
             if n_ovf == 0:  # candidates are in position order: compaction gives the sorted output
                 if RESIDENT:
                     cnt = _collect_vals(k_r, m_r, prefix, pmask, orow, tl.zeros([], tl.int32), tblrow, TOPK, ROWS_OUT,
@@ -236,17 +274,31 @@ def _merge_kernel(cand_ptr, tmin_ptr, hist_ptr, ext_ptr, ovf_ptr, novf_ptr, work
                 for off in range(0, TOPK, TILE):
                     j = off + tl.arange(0, TILE)
                     tl.store(orow + j, tl.full([TILE], -1, tl.int64), mask=(j >= cnt) & (j < TOPK))
+        elif n_w <= KW:   # the threshold's survivors in the work row: the top-k among them, in registers
+            tl.debug_barrier()
+            wo = tl.arange(0, KW)
+            wm = wo < n_w
+            wk = tl.load(wrow + wo, mask=wm, other=INVALID)
+            done = tl.zeros([], tl.int32)
+            for p in tl.static_range(8):
+                if done == 0:
+                    need, prefix, pmask, done = _radix_step(_hist_vals(wk, wm, prefix, pmask, 56 - 8 * p), idx, need,
+                                                            prefix, pmask, 56 - 8 * p, 8, 128 if p == 0 else 0)
+            sel = wm & (wk != INVALID) & ((wk & pmask) >= prefix)
+            pos = _low32() - (wk & _low32())
+            cnt = tl.sum(sel.to(tl.int32), 0)
+            at = tl.cumsum(sel.to(tl.int32), 0) - 1
+            tl.debug_barrier()
+            tl.store(wrow + at, pos, mask=sel & (at < KP))   # compacted positions, then sorted
+            tl.debug_barrier()
+            j = tl.arange(0, KP)
+            _select_sorted(tl.load(wrow + j, mask=j < cnt, other=0), j < cnt, orow, tblrow, TOPK, KP, ROWS_OUT, LOG_BS)
         else:
-            wrow = work_ptr + row.to(tl.int64) * KP
             cnt = _collect(crow, n_c, prefix, pmask, wrow, tl.zeros([], tl.int32), tblrow, KP, TILE, False, LOG_BS)
             cnt = _collect(erow, n_e, prefix, pmask, wrow, cnt, tblrow, KP, TILE, False, LOG_BS)
             tl.debug_barrier()
             j = tl.arange(0, KP)
-            v = tl.load(wrow + j, mask=j < cnt, other=(1 << 62))
-            v = tl.sort(v)
-            if ROWS_OUT:
-                v = rows_of(tblrow, v, j < cnt, LOG_BS)
-            tl.store(orow + j, tl.where(j < cnt, v, -1), mask=j < TOPK)
+            _select_sorted(tl.load(wrow + j, mask=j < cnt, other=0), j < cnt, orow, tblrow, TOPK, KP, ROWS_OUT, LOG_BS)
 
 
 # ------------------------------------------------------------------------------------ host API

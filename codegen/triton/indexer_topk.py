@@ -25,8 +25,12 @@ whose order is exactly the selection order; four kernels:
              with topk elements above theta); they are in position order, so compaction writes the
              ascending output directly.
  3. rescore  grid (rows, <= 16): overflowed tiles are rescored whole into `ext`, their candidates dropped.
- 4. merge 2  rows that overflowed: radix select over candidates + ext, then one tl.sort.
-Workspace per row 8 B x (NT*(KT+1) + (topk/KT)*BLOCK_N + pow2(topk)); prefill runs in row chunks.
+ 4. merge 2  rows that overflowed: the keys of candidates + ext at or above merge 1's threshold (a superset
+             of the true top-k: adding keys only raises the topk-th largest) are gathered into a work row of
+             2 pow2(topk) keys and selected there in registers, then one tl.sort (when they do not fit: radix
+             select over all candidates + ext).
+With KT = BLOCK_N (short contexts, see `heuristic`) every key is a candidate: no witness, steps 3-4 never run.
+Workspace per row 8 B x (NT*(KT+1) + (topk/KT)*BLOCK_N + 2 pow2(topk) + 2); prefill runs in row chunks.
 Pools: flat [N, ...] or block views [NB, block_size, ...] of a packed pool (`_paging.pool_strides`), read
 in place through `row_offsets`.
 
@@ -53,16 +57,19 @@ from .mla_sparse import e2m1_to_f32, e8m0_to_f32
 
 WORKSPACE_BYTES = 1 << 28
 RESCORE_PROGRAMS = 16   # programs per row rescoring overflowed tiles
+WORK_ROW_FACTOR = 2     # second merge: survivors of the first merge's threshold held in a work row of 2 pow2(topk) keys
 
 
 @triton.jit
-def _load_q(q_ptr, wq_ptr, row, HI: tl.constexpr, DI: tl.constexpr, HP: tl.constexpr,
+def _load_q(q_ptr, w_ptr, qs_ptr, row, HI: tl.constexpr, DI: tl.constexpr, HP: tl.constexpr,
             KEY_FMT: tl.constexpr, DOT_DT: tl.constexpr):
-    """q^T operands ([DI, HP], or even/odd halves [DI/2, HP] for MXFP4) and per-head weights w*qs.
-    DOT_DT fp8 (FP8 keys only): the e4m3 codes as they are (an fp8 x fp8 tensor-core dot)."""
+    """q^T operands ([DI, HP], or even/odd halves [DI/2, HP] for MXFP4) and per-head weights w*qs (fp32,
+    formed here: no separate launch). DOT_DT fp8 (FP8 keys only): the e4m3 codes as they are (an fp8 x fp8
+    tensor-core dot)."""
     h = tl.arange(0, HP)
     hm = h < HI
-    wq = tl.load(wq_ptr + row * HI + h, mask=hm, other=0.0)
+    wq = tl.load(w_ptr + row * HI + h, mask=hm, other=0.0).to(tl.float32) * \
+        tl.load(qs_ptr + row * HI + h, mask=hm, other=0.0).to(tl.float32)
     qrow = q_ptr + row * HI * DI
     if KEY_FMT == 0:
         d = tl.arange(0, DI)
@@ -144,7 +151,7 @@ def _candidates(key, BLOCK_N: tl.constexpr, KT: tl.constexpr, CAND: tl.constexpr
 
 
 @triton.jit
-def _score_kernel(q_ptr, wq_ptr, k_ptr, ks_ptr, k_sb, k_sr, s_sb, s_sr, tbl_ptr, req_ptr, MB, pos_ptr, cand_ptr,
+def _score_kernel(q_ptr, w_ptr, qs_ptr, k_ptr, ks_ptr, k_sb, k_sr, s_sb, s_sr, tbl_ptr, req_ptr, MB, pos_ptr, cand_ptr,
                   tmin_ptr, hist_ptr, NT, TOPK, SPLITS, HI: tl.constexpr, DI: tl.constexpr, HP: tl.constexpr,
                   BLOCK_N: tl.constexpr, KT: tl.constexpr, KEY_FMT: tl.constexpr, DOT_DT: tl.constexpr,
                   LOG_BS: tl.constexpr, CAND: tl.constexpr, IMPRECISE: tl.constexpr):
@@ -155,7 +162,7 @@ def _score_kernel(q_ptr, wq_ptr, k_ptr, ks_ptr, k_sb, k_sr, s_sb, s_sr, tbl_ptr,
     ctx = tl.load(pos_ptr + row) + 1
     if ctx > TOPK:
         tblrow = tbl_ptr + tl.load(req_ptr + row) * MB
-        qa, qb, wq = _load_q(q_ptr, wq_ptr, row, HI, DI, HP, KEY_FMT, DOT_DT)
+        qa, qb, wq = _load_q(q_ptr, w_ptr, qs_ptr, row, HI, DI, HP, KEY_FMT, DOT_DT)
         n_tiles = tl.cdiv(ctx, BLOCK_N)
         crow = cand_ptr + row.to(tl.int64) * NT * KT
         for tile in range(split, n_tiles, SPLITS):
@@ -169,7 +176,7 @@ def _score_kernel(q_ptr, wq_ptr, k_ptr, ks_ptr, k_sb, k_sr, s_sb, s_sr, tbl_ptr,
 
 
 @triton.jit
-def _rescore_kernel(q_ptr, wq_ptr, k_ptr, ks_ptr, k_sb, k_sr, s_sb, s_sr, tbl_ptr, req_ptr, MB, pos_ptr, cand_ptr,
+def _rescore_kernel(q_ptr, w_ptr, qs_ptr, k_ptr, ks_ptr, k_sb, k_sr, s_sb, s_sr, tbl_ptr, req_ptr, MB, pos_ptr, cand_ptr,
                     ovf_ptr, novf_ptr, ext_ptr,
                     NT, MAX_OVF, HI: tl.constexpr, DI: tl.constexpr, HP: tl.constexpr,
                     BLOCK_N: tl.constexpr, KT: tl.constexpr, KEY_FMT: tl.constexpr, DOT_DT: tl.constexpr,
@@ -180,7 +187,7 @@ def _rescore_kernel(q_ptr, wq_ptr, k_ptr, ks_ptr, k_sb, k_sr, s_sb, s_sr, tbl_pt
     if tl.program_id(1) < n_ovf:
         ctx = tl.load(pos_ptr + row) + 1
         tblrow = tbl_ptr + tl.load(req_ptr + row) * MB
-        qa, qb, wq = _load_q(q_ptr, wq_ptr, row, HI, DI, HP, KEY_FMT, DOT_DT)
+        qa, qb, wq = _load_q(q_ptr, w_ptr, qs_ptr, row, HI, DI, HP, KEY_FMT, DOT_DT)
         for i in range(tl.program_id(1), n_ovf, tl.num_programs(1)):
             tile = tl.load(ovf_ptr + row * MAX_OVF + i)
             key = _tile_keys(qa, qb, wq, k_ptr, ks_ptr, k_sb, k_sr, s_sb, s_sr, tblrow, ctx, tile * BLOCK_N, DI,
@@ -210,26 +217,35 @@ def default_kt_pairs(block_n: int, topk: int, context: int) -> int:
 
 
 def heuristic(key: dict, target: str) -> dict:
-    """cpu: few, big programs. GPU (H200, 128K x 32 rows, paged block 64, 2026-11-29): the score pass is a
-    stream of key tiles, so programs must be lean (~140 registers at BLOCK_N 128 / 4 warps, no tile held
-    across iterations: num_stages 3 lets the pipeliner stream FP8 codes into shared memory with 16-byte
-    async copies) and many (SPLITS: ~8 programs per SM, >= 4 tiles each; 66 ran as fast, 16 slower).
+    """cpu: few, big programs. GPU: the score pass is a stream of key tiles, so programs must be lean (~140
+    registers at BLOCK_N 128 / 4 warps, no tile held across iterations: the pipeliner streams FP8 codes into
+    shared memory with 16-byte async copies) and many (SPLITS: ~8 programs per SM).
+    Short contexts (L <= ~8 topk: a 128-key tile then holds >= 32 winners on average, so per-tile candidates
+    would be a large share of the keys anyway): every key is a candidate (KT = BLOCK_N: no per-tile sort,
+    no witness, never a rescore), one tile per program, the merge streams 2048 keys at a time.
+    Long contexts: the best two of each group of consecutive positions (CAND 1, `default_kt_pairs`), a
+    four-deep pipeline; the few tiles that hold more winners are rescored exactly.
+    H200 2026-11-29 (benches/bench_attention_decode.py, FP8 keys, 32 x 128 heads, top-2048, rows out,
+    graph replay): batch 1 at 8K: 25.7 us (MERGE_TILE 2048; 4096: 26.2, 8192 resident: 30.1 (spills); the
+    previous KT 64 candidates + rescore path 43.8; the score kernel alone 6.8); batch 32 at 128K: 646 us
+    (CAND 1, KT 32, num_stages 4; 30 of 32 rows rescore a few tiles; the score pass alone 417 us) vs 670 us
+    for CAND 0 KT 16 (tl.topk per tile); every selection exact.
     DOT is numerics, not a tunable: SPEC §5.6 asks fp32 accumulation, which DOT 0 (e4m3 codes widened
-    exactly to bf16, fp32-accumulating tensor-core dots) gives. Measured alternatives, kept for an explicit
-    config only: DOT 1 (FP8 tensor-core dots, reduced-precision sums promoted to fp32 every 32-deep step)
-    makes the score pass 0.35 ms vs 0.52 ms, with selections that differ from the reference at near-ties
-    within 1e-4; DOT 2 (no promotion) fails the check.
-    The last session's kernel held a prefetched tile in registers (218-255 registers: 2 programs per SM).
-    MERGE_TILE 2048: the merge streams the candidates twice (bucket gather, output), 170 registers (8192
-    resident candidates spilled)."""
+    exactly to bf16, fp32-accumulating tensor-core dots) gives. DOT 1 (FP8 tensor-core dots, reduced-precision
+    sums promoted to fp32 every 32-deep step) differs from the reference at near-ties within 1e-4; DOT 2 (no
+    promotion) fails the check: both kept for an explicit config only."""
     L, K, T = max(1, key["L"]), key["K"], max(1, key["T"])
     if target == "cpu":
         bn = 32 if L <= 256 else 128
         return dict(BLOCK_N=bn, KT=default_kt(bn, K, L), SPLITS=1, num_warps=4, num_stages=1, MERGE_TILE=256,
                     CAND=0, DOT=0)
     bn = 128
-    splits = max(1, min(max(1, -(-L // bn) // 4), round(8 * 132 / T)))
-    return dict(BLOCK_N=bn, KT=default_kt(bn, K, L), SPLITS=splits, num_warps=4, num_stages=3, CAND=0, DOT=0,
+    nt = -(-L // bn)
+    if default_kt(bn, K, L) * 4 >= bn:
+        return dict(BLOCK_N=bn, KT=bn, SPLITS=max(1, min(nt, round(8 * 132 / T))), num_warps=4, num_stages=3,
+                    CAND=0, DOT=0, MERGE_TILE=2048)
+    splits = max(1, min(max(1, nt // 4), round(8 * 132 / T)))
+    return dict(BLOCK_N=bn, KT=default_kt_pairs(bn, K, L), SPLITS=splits, num_warps=4, num_stages=4, CAND=1, DOT=0,
                 MERGE_TILE=2048)
 
 
@@ -244,7 +260,10 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_tab
     (a page of a packed block pool): read in place through `_paging.pool_strides`, never copied.
     Keys of request r's position p are at pool row block_table[r, p // block_size] * block_size + p % block_size.
     Returns int64 [T, topk]: ascending positions (output="positions") or their pool rows
-    (output="rows"), -1 padded. `max_context` (>= every token_pos + 1) avoids a host sync;
+    (output="rows"), -1 padded. `max_context` (>= every token_pos + 1) bounds the context; without it the bound
+    is the block table's width x block_size (a shape): the launcher never reads device data on the host, so
+    it can be captured in a CUDA graph either way. Launches: one memset (histograms + overflow counts), the
+    score kernel, the merge; with per-tile candidates (KT < BLOCK_N) also the rescore and the second merge;
     `stats` (a dict) receives overflowed_rows / overflowed_tiles (a host sync; tests and benches).
     `stop_after="score"` runs the score kernel only (a profiling aid for benches: `out` is then garbage)."""
     T, HI, DI = q.shape
@@ -262,7 +281,9 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_tab
     out = torch.empty(T, topk, dtype=torch.int64, device=dev)
     if T == 0:
         return out
-    L = int(max_context) if max_context is not None else int(token_pos.max()) + 1
+    # the context bound sizes the workspace and the tile grid; without `max_context` it is the block table's
+    # width (a shape: no host read of device data, so the launcher can be captured in a CUDA graph)
+    L = int(max_context) if max_context is not None else int(block_table.shape[1]) * int(block_size)
     cfg = dict(config or heuristic({"T": T, "L": L, "K": topk, "HI": HI, "DI": DI},
                                    "cpu" if dev.type == "cpu" else "gpu"))
     bn, kt = int(cfg["BLOCK_N"]), int(cfg["KT"])
@@ -277,7 +298,7 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_tab
         k8, ks = keys.view(torch.uint8), key_scale.view(torch.uint8)
     k_sb, k_sr = pool_strides(k8, block_size, 1, "indexer keys")
     s_sb, s_sr = pool_strides(ks, block_size, 0 if fmt == 0 else 1, "indexer key scales")
-    wq = (w.to(torch.float32) * q_scale.to(torch.float32)).contiguous()
+    w, q_scale = w.contiguous(), q_scale.contiguous()   # w * q_scale is formed in the kernels
     pos = token_pos.to(device=dev, dtype=torch.int64).contiguous()
     tbl, req, MB, log_bs = paging_args(block_table, token_req, block_size, dev)
     NT = -(-L // bn)
@@ -286,7 +307,8 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_tab
         raise ValueError(f"indexer_topk: config {cfg} needs CAND in (0, 1), DOT in (0, 1, 2), KT >= 2 for CAND 1")
     max_ovf = max(1, topk // (kt if cand_mode == 0 else 2))   # an overflowed tile holds >= KT (CAND 1: 2) winners
     KP = _pow2(topk)
-    per_row = 8 * (NT * kt + NT + max_ovf * bn + KP) + 4 * (max_ovf + 1 + 2048)
+    KW = WORK_ROW_FACTOR * KP    # work row: top-k plus the survivors of rescored tiles (second merge)
+    per_row = 8 * (NT * kt + NT + max_ovf * bn + KW + 2) + 4 * (max_ovf + 1 + 2048)
     chunk = max(1, min(T, WORKSPACE_BYTES // per_row))
     # DOT 0: both sides exact in bf16, fp32 accumulation (SPEC §5.6). DOT 1 / 2: FP8 keys x FP8 queries on
     # the tensor cores, which sum the products of one 32-deep MMA step with ~14-bit alignment (not exact
@@ -300,27 +322,29 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_tab
     for r0 in range(0, T, chunk):
         r1 = min(T, r0 + chunk)
         n = r1 - r0
-        cand, tmin, ext, work = (torch.empty(n, m, dtype=torch.int64, device=dev) for m in (NT * kt, NT, max_ovf * bn, KP))
-        ovf, novf = torch.empty(n, max_ovf, dtype=torch.int32, device=dev), torch.zeros(n, dtype=torch.int32, device=dev)
-        hist = torch.zeros(n, 2048, dtype=torch.int32, device=dev)   # first radix digit, counted while scoring
-        qc, wc, rc, pc, oc = q8[r0:r1], wq[r0:r1], req[r0:r1], pos[r0:r1], out[r0:r1]
+        cand, tmin, ext, work, th = (torch.empty(n, m, dtype=torch.int64, device=dev)
+                                     for m in (NT * kt, NT, max_ovf * bn, KW, 2))
+        ovf = torch.empty(n, max_ovf, dtype=torch.int32, device=dev)
+        zeroed = torch.zeros(n * 2049, dtype=torch.int32, device=dev)   # one memset: histograms + overflow counts
+        hist, novf = zeroed[:n * 2048].view(n, 2048), zeroed[n * 2048:]   # hist: first radix digit, counted while scoring
+        qc, wc, sc, rc, pc, oc = q8[r0:r1], w[r0:r1], q_scale[r0:r1], req[r0:r1], pos[r0:r1], out[r0:r1]
         common = dict(HI=HI, DI=DI, HP=HP, BLOCK_N=bn, KT=kt, KEY_FMT=fmt, DOT_DT=dot_dt, LOG_BS=log_bs,
                       IMPRECISE=imprecise)
         pools = (k8, ks, k_sb, k_sr, s_sb, s_sr)
         splits = max(1, min(int(cfg["SPLITS"]), NT))
-        _score_kernel[(n, splits)](qc, wc, *pools, tbl, rc, MB, pc, cand, tmin, hist, NT, topk, splits,
+        _score_kernel[(n, splits)](qc, wc, sc, *pools, tbl, rc, MB, pc, cand, tmin, hist, NT, topk, splits,
                                    num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
                                    CAND=cand_mode, **common)
         if stop_after == "score":
             continue
-        merge = dict(BLOCK_N=bn, KT=kt, KP=KP, ROWS_OUT=output == "rows", TILE=mt, LOG_BS=log_bs,
+        merge = dict(BLOCK_N=bn, KT=kt, KP=KP, KW=KW, ROWS_OUT=output == "rows", TILE=mt, LOG_BS=log_bs,
                      num_warps=8 if mt >= 1024 else 4)
-        _merge_kernel[(n,)](cand, tmin, hist, ext, ovf, novf, work, oc, tbl, rc, MB, pc, NT, topk, max_ovf, PHASE=1,
+        _merge_kernel[(n,)](cand, tmin, hist, ext, ovf, novf, work, th, oc, tbl, rc, MB, pc, NT, topk, max_ovf, PHASE=1,
                             RESIDENT=NT * kt <= mt, **merge)
         if kt < bn and L > topk:
-            _rescore_kernel[(n, min(max_ovf, RESCORE_PROGRAMS))](qc, wc, *pools, tbl, rc, MB, pc, cand, ovf, novf, ext,
+            _rescore_kernel[(n, min(max_ovf, RESCORE_PROGRAMS))](qc, wc, sc, *pools, tbl, rc, MB, pc, cand, ovf, novf, ext,
                                                                   NT, max_ovf, num_warps=int(cfg["num_warps"]), **common)
-            _merge_kernel[(n,)](cand, tmin, hist, ext, ovf, novf, work, oc, tbl, rc, MB, pc, NT, topk, max_ovf, PHASE=2,
+            _merge_kernel[(n,)](cand, tmin, hist, ext, ovf, novf, work, th, oc, tbl, rc, MB, pc, NT, topk, max_ovf, PHASE=2,
                                 RESIDENT=False, **merge)
         if stats is not None:
             stats["overflowed_rows"] = stats.get("overflowed_rows", 0) + int((novf > 0).sum())

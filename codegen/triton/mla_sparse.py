@@ -2,14 +2,19 @@
 
 Math, per token t (request r, position p) and head h, over its context rows c(s) = [c_KV(s); k_pe(s)]
 (the selected positions Sel(t), or every s <= p without a selection):
-    q~ = [W_UK^h^T q_nope ; q_pe]                          (batched matmul before the kernel)
+    q~ = [W_UK^h^T q_nope ; q_pe]                          (`_absorb_kernel`, one launch, before)
     z(s) = scale * q~ . c(s),   lse = log sum_s e^z(s),   o~ = sum_s e^(z(s)-lse) c_KV(s)
-    o^h = W_UV^h o~                                         (batched matmul after the kernel)
+    o^h = W_UV^h o~                                         (batched matmul after; form="latent" stops at o~)
 The kernel does the attention over latent rows: one program per (token, block of BLOCK_H heads,
 chunk of CHUNK context entries), all heads of the block sharing every latent row it loads (the
 row is read once per token, not once per head), online softmax in fp32 (exp2), tensor-core dots.
-Chunks of the same token are merged by `_combine_kernel` with their log-sum-exps, in a fixed order;
-chunk boundaries depend only on the token's own context, so results are batch invariant.
+Two orientations (ORIENT): 1 = `_mla_heads_kernel` (heads are the dots' M, one pass per step over whole
+rows: the default), 0 = `_mla_sparse_kernel` (rows are M, optional column blocks: the previous path).
+Chunks of the same token are merged by `_combine_kernel` with their log-sum-exps, in a fixed order
+(o~ i = sum_i e^(lse_i - lse) o~_i, lse = log sum_i e^lse_i). The number of chunks is L / CHUNK with L
+the number of selected rows (sparse) or the context bound (dense): never the context for a selection.
+Chunk boundaries depend only on CHUNK and the token's own rows; CHUNK follows the batch size (to fill the
+GPU) except in batch-invariant mode, where it depends on L only.
 
 Latent pool formats (dequantised in registers):
   "bf16" / "fp32"  rows [kv + dr] as stored (the IR's pool);
@@ -28,9 +33,9 @@ them back (in torch; prefill decompresses from it).
 
 Selections are positions (the IR op; mapped to rows by the block table, `_paging`) or physical rows
 (`selection_rows=True`, what `indexer_topk(..., output="rows")` returns); -1 entries are skipped.
-Tunables: BLOCK_H, BLOCK_N (rows per step), CHUNK (rows per program), SUB (column blocks per row:
-1 = one pass, 4 = two passes), PREFETCH (1: next step's rows resolved a step ahead; 2, SUB 4: next
-step's bytes loaded into registers before this step's dots, each tile read once), num_warps, num_stages.
+Tunables: ORIENT, BLOCK_H, BLOCK_N (rows per step), CHUNK (rows per program), SUB (ORIENT 0: column
+blocks per row, 1 = one pass, 4 = two passes), PREFETCH (1: next step's rows resolved a step ahead),
+num_warps, num_stages.
 """
 
 from __future__ import annotations
@@ -187,10 +192,8 @@ def _mla_sparse_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, p
     in four column blocks and read twice (logits pass, then a value pass that re-reads the bytes from
     L1/L2): a dequantised tile never has to live in registers whole.
     PREFETCH = 1: the next step's rows (selection entries, then block ids) are resolved one step ahead,
-    so a step's gathers never wait on an index or block-table read. PREFETCH = 2 (SUB = 4): the stored
-    bytes of the next BLOCK_N rows are loaded into registers before this step's dots, and this step's
-    bytes, held since the previous step, serve both passes (no re-read). H200 2026-11-29: PREFETCH 2 at
-    BLOCK_N 64 / 4 warps ran 6x slower than PREFETCH 0 (144 registers of raw bytes: spills).
+    so a step's gathers never wait on an index or block-table read. (A PREFETCH 2 that held the next
+    step's bytes in registers ran 6x slower on the H200, 2026-11-29: spills; removed.)
     PAGED: context entries are request positions, mapped to pool rows through the token's block-table
     row; otherwise they are pool rows already (a selection of rows)."""
     t = tl.program_id(0)  # tokens on grid axis 0 (up to 2**31 - 1; axes 1 and 2 stop at 65535)
@@ -215,86 +218,46 @@ def _mla_sparse_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, p
         acc3 = tl.zeros([KB, BLOCK_H], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], -1e30, tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    if PREFETCH == 2:
-        ro, valid = _rows_at(idx_ptr, t, KSEL, start, end, tblrow, sb, sr, BLOCK_N, SPARSE, PAGED, LOG_BS)
-        kr = _k_pe_raw(lat_ptr, ro, valid, KV, DR, FMT)
-        x0, s0 = _sub_raw(lat_ptr, ro, valid, 0, KV, KB, FMT, "")
-        x1, s1 = _sub_raw(lat_ptr, ro, valid, 1, KV, KB, FMT, "")
-        x2, s2 = _sub_raw(lat_ptr, ro, valid, 2, KV, KB, FMT, "")
-        x3, s3 = _sub_raw(lat_ptr, ro, valid, 3, KV, KB, FMT, "")
-        for j in range(start, end, BLOCK_N):
-            cv, ck, c0, d0, c1, d1, c2, d2, c3, d3 = valid, kr, x0, s0, x1, s1, x2, s2, x3, s3
-            ro, valid = _rows_at(idx_ptr, t, KSEL, j + BLOCK_N, end, tblrow, sb, sr, BLOCK_N, SPARSE, PAGED, LOG_BS)
-            kr = _k_pe_raw(lat_ptr, ro, valid, KV, DR, FMT)
-            x0, s0 = _sub_raw(lat_ptr, ro, valid, 0, KV, KB, FMT, "")
-            x1, s1 = _sub_raw(lat_ptr, ro, valid, 1, KV, KB, FMT, "")
-            x2, s2 = _sub_raw(lat_ptr, ro, valid, 2, KV, KB, FMT, "")
-            x3, s3 = _sub_raw(lat_ptr, ro, valid, 3, KV, KB, FMT, "")
-            if FMT == 0:
-                kp = ck.to(DOT_DT)
-            else:
-                kp = _fp8_to(ck, DOT_DT)
-            s = tl.dot(kp, qpT, input_precision=PREC) * pe_scale
-            sc = tl.dot(_sub_deq(c0, d0, KB, FMT, DOT_DT), _q_sub(qa_ptr, th, hm, 0, KB, KV, DOT_DT),
-                        input_precision=PREC)
-            sc += tl.dot(_sub_deq(c1, d1, KB, FMT, DOT_DT), _q_sub(qa_ptr, th, hm, 1, KB, KV, DOT_DT),
-                         input_precision=PREC)
-            sc += tl.dot(_sub_deq(c2, d2, KB, FMT, DOT_DT), _q_sub(qa_ptr, th, hm, 2, KB, KV, DOT_DT),
-                         input_precision=PREC)
-            sc += tl.dot(_sub_deq(c3, d3, KB, FMT, DOT_DT), _q_sub(qa_ptr, th, hm, 3, KB, KV, DOT_DT),
-                         input_precision=PREC)
-            s = tl.where(cv[:, None], (s + sc * v_scale) * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 0))
-            alpha = tl.math.exp2(m_i - m_new)
-            p = tl.math.exp2(s - m_new[None, :])
-            l_i = l_i * alpha + tl.sum(p, 0)
-            pd = p.to(DOT_DT)
-            acc0 = acc0 * alpha[None, :] + tl.dot(tl.trans(_sub_deq(c0, d0, KB, FMT, DOT_DT)), pd, input_precision=PREC)
-            acc1 = acc1 * alpha[None, :] + tl.dot(tl.trans(_sub_deq(c1, d1, KB, FMT, DOT_DT)), pd, input_precision=PREC)
-            acc2 = acc2 * alpha[None, :] + tl.dot(tl.trans(_sub_deq(c2, d2, KB, FMT, DOT_DT)), pd, input_precision=PREC)
-            acc3 = acc3 * alpha[None, :] + tl.dot(tl.trans(_sub_deq(c3, d3, KB, FMT, DOT_DT)), pd, input_precision=PREC)
-            m_i = m_new
-    else:
-        if PREFETCH == 1:
-            nro, nvalid = _rows_at(idx_ptr, t, KSEL, start, end, tblrow, sb, sr, BLOCK_N, SPARSE, PAGED, LOG_BS)
-        for j in range(start, end, BLOCK_N):
-            if PREFETCH == 1:   # this step's rows were resolved a step ago; request the next step's now
-                ro, valid = nro, nvalid
-                nro, nvalid = _rows_at(idx_ptr, t, KSEL, j + BLOCK_N, end, tblrow, sb, sr, BLOCK_N, SPARSE, PAGED, LOG_BS)
-            else:
-                ro, valid = _rows_at(idx_ptr, t, KSEL, j, end, tblrow, sb, sr, BLOCK_N, SPARSE, PAGED, LOG_BS)
-            kp = _k_pe(lat_ptr, ro, valid, KV, DR, FMT, DOT_DT)
-            s = tl.dot(kp, qpT, input_precision=PREC) * pe_scale              # [BLOCK_N, BLOCK_H]
-            if SUB == 1:
-                c0 = _sub_tile(lat_ptr, ro, valid, 0, KV, KB, FMT, DOT_DT, "")
-                sc = tl.dot(c0, qaT, input_precision=PREC)
-            else:
-                sc = tl.dot(_sub_tile(lat_ptr, ro, valid, 0, KV, KB, FMT, DOT_DT, "evict_last"),
-                            _q_sub(qa_ptr, th, hm, 0, KB, KV, DOT_DT), input_precision=PREC)
-                sc += tl.dot(_sub_tile(lat_ptr, ro, valid, 1, KV, KB, FMT, DOT_DT, "evict_last"),
-                             _q_sub(qa_ptr, th, hm, 1, KB, KV, DOT_DT), input_precision=PREC)
-                sc += tl.dot(_sub_tile(lat_ptr, ro, valid, 2, KV, KB, FMT, DOT_DT, "evict_last"),
-                             _q_sub(qa_ptr, th, hm, 2, KB, KV, DOT_DT), input_precision=PREC)
-                sc += tl.dot(_sub_tile(lat_ptr, ro, valid, 3, KV, KB, FMT, DOT_DT, "evict_last"),
-                             _q_sub(qa_ptr, th, hm, 3, KB, KV, DOT_DT), input_precision=PREC)
-            s = tl.where(valid[:, None], (s + sc * v_scale) * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 0))
-            alpha = tl.math.exp2(m_i - m_new)
-            p = tl.math.exp2(s - m_new[None, :])
-            l_i = l_i * alpha + tl.sum(p, 0)
-            pd = p.to(DOT_DT)
-            if SUB == 1:
-                acc0 = acc0 * alpha[None, :] + tl.dot(tl.trans(c0), pd, input_precision=PREC)
-            else:
-                c = _sub_tile(lat_ptr, ro, valid, 0, KV, KB, FMT, DOT_DT, "evict_first")
-                acc0 = acc0 * alpha[None, :] + tl.dot(tl.trans(c), pd, input_precision=PREC)
-                c = _sub_tile(lat_ptr, ro, valid, 1, KV, KB, FMT, DOT_DT, "evict_first")
-                acc1 = acc1 * alpha[None, :] + tl.dot(tl.trans(c), pd, input_precision=PREC)
-                c = _sub_tile(lat_ptr, ro, valid, 2, KV, KB, FMT, DOT_DT, "evict_first")
-                acc2 = acc2 * alpha[None, :] + tl.dot(tl.trans(c), pd, input_precision=PREC)
-                c = _sub_tile(lat_ptr, ro, valid, 3, KV, KB, FMT, DOT_DT, "evict_first")
-                acc3 = acc3 * alpha[None, :] + tl.dot(tl.trans(c), pd, input_precision=PREC)
-            m_i = m_new
+    if PREFETCH == 1:
+        nro, nvalid = _rows_at(idx_ptr, t, KSEL, start, end, tblrow, sb, sr, BLOCK_N, SPARSE, PAGED, LOG_BS)
+    for j in range(start, end, BLOCK_N):
+        if PREFETCH == 1:   # this step's rows were resolved a step ago; request the next step's now
+            ro, valid = nro, nvalid
+            nro, nvalid = _rows_at(idx_ptr, t, KSEL, j + BLOCK_N, end, tblrow, sb, sr, BLOCK_N, SPARSE, PAGED, LOG_BS)
+        else:
+            ro, valid = _rows_at(idx_ptr, t, KSEL, j, end, tblrow, sb, sr, BLOCK_N, SPARSE, PAGED, LOG_BS)
+        kp = _k_pe(lat_ptr, ro, valid, KV, DR, FMT, DOT_DT)
+        s = tl.dot(kp, qpT, input_precision=PREC) * pe_scale              # [BLOCK_N, BLOCK_H]
+        if SUB == 1:
+            c0 = _sub_tile(lat_ptr, ro, valid, 0, KV, KB, FMT, DOT_DT, "")
+            sc = tl.dot(c0, qaT, input_precision=PREC)
+        else:
+            sc = tl.dot(_sub_tile(lat_ptr, ro, valid, 0, KV, KB, FMT, DOT_DT, "evict_last"),
+                        _q_sub(qa_ptr, th, hm, 0, KB, KV, DOT_DT), input_precision=PREC)
+            sc += tl.dot(_sub_tile(lat_ptr, ro, valid, 1, KV, KB, FMT, DOT_DT, "evict_last"),
+                         _q_sub(qa_ptr, th, hm, 1, KB, KV, DOT_DT), input_precision=PREC)
+            sc += tl.dot(_sub_tile(lat_ptr, ro, valid, 2, KV, KB, FMT, DOT_DT, "evict_last"),
+                         _q_sub(qa_ptr, th, hm, 2, KB, KV, DOT_DT), input_precision=PREC)
+            sc += tl.dot(_sub_tile(lat_ptr, ro, valid, 3, KV, KB, FMT, DOT_DT, "evict_last"),
+                         _q_sub(qa_ptr, th, hm, 3, KB, KV, DOT_DT), input_precision=PREC)
+        s = tl.where(valid[:, None], (s + sc * v_scale) * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(p, 0)
+        pd = p.to(DOT_DT)
+        if SUB == 1:
+            acc0 = acc0 * alpha[None, :] + tl.dot(tl.trans(c0), pd, input_precision=PREC)
+        else:
+            c = _sub_tile(lat_ptr, ro, valid, 0, KV, KB, FMT, DOT_DT, "evict_first")
+            acc0 = acc0 * alpha[None, :] + tl.dot(tl.trans(c), pd, input_precision=PREC)
+            c = _sub_tile(lat_ptr, ro, valid, 1, KV, KB, FMT, DOT_DT, "evict_first")
+            acc1 = acc1 * alpha[None, :] + tl.dot(tl.trans(c), pd, input_precision=PREC)
+            c = _sub_tile(lat_ptr, ro, valid, 2, KV, KB, FMT, DOT_DT, "evict_first")
+            acc2 = acc2 * alpha[None, :] + tl.dot(tl.trans(c), pd, input_precision=PREC)
+            c = _sub_tile(lat_ptr, ro, valid, 3, KV, KB, FMT, DOT_DT, "evict_first")
+            acc3 = acc3 * alpha[None, :] + tl.dot(tl.trans(c), pd, input_precision=PREC)
+        m_i = m_new
     has = l_i > 0.0
     inv = tl.where(has, v_scale / tl.where(has, l_i, 1.0), 0.0)
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * _LN2, float("-inf"))
@@ -309,22 +272,123 @@ def _mla_sparse_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, p
 
 
 @triton.jit
-def _combine_kernel(po_ptr, plse_ptr, o_ptr, lse_ptr, NSPLIT, KV: tl.constexpr, NSP2: tl.constexpr):
-    """o = sum_i e^(lse_i - lse) o_i, lse = log sum_i e^lse_i over one (token, head)'s chunks."""
-    i = tl.program_id(0).to(tl.int64)
-    sp = tl.arange(0, NSP2)
-    ls = tl.load(plse_ptr + i * NSPLIT + sp, mask=sp < NSPLIT, other=float("-inf"))
-    mx = tl.max(ls, 0)
-    mx = tl.where(mx == float("-inf"), 0.0, mx)
+def _mla_heads_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, pos_ptr, o_ptr, lse_ptr,
+                      H, KSEL, NSPLIT, CHUNK, sb, sr, qk_scale, v_scale, pe_scale,
+                      KV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                      FMT: tl.constexpr, SPARSE: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr,
+                      PAGED: tl.constexpr, LOG_BS: tl.constexpr, PREFETCH: tl.constexpr):
+    """ORIENT 1 (heads-major): the program's BLOCK_H heads are the M dimension of both dots, the
+    BLOCK_N context rows of a step the N (logits) and K (values) dimension, one pass per step:
+        S = [q~ ; q_pe] [c_KV ; k_pe]^T   [BLOCK_H, BLOCK_N]  (q~ and q_pe held in registers, loaded once)
+        acc = alpha acc + P c_KV          [BLOCK_H, KV]       (the dequantised tile serves both dots)
+    Each row's stored bytes are read once (one gather per step, dequantised in registers); the
+    accumulator is BLOCK_H x KV fp32 whatever BLOCK_N is, so short steps keep registers low and a
+    step's loads can be software-pipelined (num_stages) or prefetched by hand (PREFETCH 2: the next step's
+    stored bytes are loaded into registers before this step's dots, its rows resolved two steps ahead, so
+    no gather waits on an index read and every byte is in flight while the previous step computes). The grid's third axis splits a token's rows
+    (selected rows, or its causal context) into CHUNK-row pieces merged by `_combine_kernel`; with one
+    piece the program writes the final o~ (in o_ptr's dtype) and lse itself. Same partial layout and
+    numerics contract as `_mla_sparse_kernel` (fp32 accumulation, exp2 online softmax)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    sp = tl.program_id(2)
+    hm = h < H
+    pos = tl.load(pos_ptr + t)
+    tblrow = tbl_ptr + tl.load(req_ptr + t) * MB
+    n_ctx = KSEL if SPARSE else pos + 1
+    start = sp * CHUNK
+    end = tl.minimum(start + CHUNK, n_ctx)
+    th = t.to(tl.int64) * H + h
     k = tl.arange(0, KV)
-    acc = tl.zeros([KV], dtype=tl.float32)
+    r = tl.arange(0, DR)
+    qa = tl.load(qa_ptr + th[:, None] * KV + k[None, :], mask=hm[:, None], other=0.0).to(DOT_DT)   # [BLOCK_H, KV]
+    qp = tl.load(qp_ptr + th[:, None] * DR + r[None, :], mask=hm[:, None], other=0.0).to(DOT_DT)   # [BLOCK_H, DR]
+    acc = tl.zeros([BLOCK_H, KV], dtype=tl.float32)
+    m_i = tl.full([BLOCK_H], -1e30, tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if PREFETCH >= 1:
+        nro, nvalid = _rows_at(idx_ptr, t, KSEL, start, end, tblrow, sb, sr, BLOCK_N, SPARSE, PAGED, LOG_BS)
+    if PREFETCH == 2:   # this step's bytes in flight one step ahead, its rows resolved two steps ahead
+        xn, sn = _sub_raw(lat_ptr, nro, nvalid, 0, KV, KV, FMT, "")
+        kn = _k_pe_raw(lat_ptr, nro, nvalid, KV, DR, FMT)
+        vn = nvalid
+        nro, nvalid = _rows_at(idx_ptr, t, KSEL, start + BLOCK_N, end, tblrow, sb, sr, BLOCK_N, SPARSE, PAGED, LOG_BS)
+    for j in range(start, end, BLOCK_N):
+        if PREFETCH == 2:
+            x, xs, kr, valid = xn, sn, kn, vn
+            xn, sn = _sub_raw(lat_ptr, nro, nvalid, 0, KV, KV, FMT, "")
+            kn = _k_pe_raw(lat_ptr, nro, nvalid, KV, DR, FMT)
+            vn = nvalid
+            nro, nvalid = _rows_at(idx_ptr, t, KSEL, j + 2 * BLOCK_N, end, tblrow, sb, sr, BLOCK_N, SPARSE, PAGED,
+                                   LOG_BS)
+            c = _sub_deq(x, xs, KV, FMT, DOT_DT)
+            kp = kr.to(DOT_DT) if FMT == 0 else _fp8_to(kr, DOT_DT)
+        else:
+            if PREFETCH == 1:   # this step's rows were resolved a step ago; request the next step's now
+                ro, valid = nro, nvalid
+                nro, nvalid = _rows_at(idx_ptr, t, KSEL, j + BLOCK_N, end, tblrow, sb, sr, BLOCK_N, SPARSE, PAGED,
+                                       LOG_BS)
+            else:
+                ro, valid = _rows_at(idx_ptr, t, KSEL, j, end, tblrow, sb, sr, BLOCK_N, SPARSE, PAGED, LOG_BS)
+            c = _sub_tile(lat_ptr, ro, valid, 0, KV, KV, FMT, DOT_DT, "")    # [BLOCK_N, KV]
+            kp = _k_pe(lat_ptr, ro, valid, KV, DR, FMT, DOT_DT)            # [BLOCK_N, DR]
+        s = tl.dot(qa, tl.trans(c), input_precision=PREC) * v_scale + \
+            tl.dot(qp, tl.trans(kp), input_precision=PREC) * pe_scale
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DT), c, input_precision=PREC)
+        m_i = m_new
+    has = l_i > 0.0
+    inv = tl.where(has, v_scale / tl.where(has, l_i, 1.0), 0.0)
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * _LN2, float("-inf"))
+    tl.store(o_ptr + (th * NSPLIT + sp)[:, None] * KV + k[None, :], acc * inv[:, None], mask=hm[:, None])
+    tl.store(lse_ptr + th * NSPLIT + sp, lse, mask=hm)
+
+
+@triton.jit
+def _combine_kernel(po_ptr, plse_ptr, o_ptr, lse_ptr, NSPLIT, KV: tl.constexpr, CB: tl.constexpr, SB: tl.constexpr):
+    """o = sum_i e^(lse_i - lse) o_i, lse = log sum_i e^lse_i over one (token, head)'s chunks, for CB of its
+    kv columns (grid: token x head, kv / CB); o stored in o_ptr's dtype. The partials are read SB chunks at
+    a time as one [SB, CB] tile (all loads of a tile in flight together, not one chunk after another)."""
+    i = tl.program_id(0).to(tl.int64)
+    k = tl.program_id(1) * CB + tl.arange(0, CB)
+    sp = tl.arange(0, SB)
+    mx = tl.full([], float("-inf"), tl.float32)
+    for s0 in range(0, NSPLIT, SB):
+        ls = tl.load(plse_ptr + i * NSPLIT + s0 + sp, mask=s0 + sp < NSPLIT, other=float("-inf"))
+        mx = tl.maximum(mx, tl.max(ls, 0))
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    acc = tl.zeros([CB], dtype=tl.float32)
     den = tl.zeros([], dtype=tl.float32)
-    for s in range(0, NSPLIT):
-        w = tl.exp(tl.load(plse_ptr + i * NSPLIT + s) - mx)
-        acc += w * tl.load(po_ptr + (i * NSPLIT + s) * KV + k)
-        den += w
+    for s0 in range(0, NSPLIT, SB):
+        m = s0 + sp < NSPLIT
+        w = tl.exp(tl.load(plse_ptr + i * NSPLIT + s0 + sp, mask=m, other=float("-inf")) - mx)
+        part = tl.load(po_ptr + (i * NSPLIT + s0 + sp)[:, None] * KV + k[None, :], mask=m[:, None], other=0.0)
+        acc += tl.sum(w[:, None] * part, 0)
+        den += tl.sum(w, 0)
     tl.store(o_ptr + i * KV + k, acc / tl.where(den > 0.0, den, 1.0))
-    tl.store(lse_ptr + i, tl.where(den > 0.0, mx + tl.log(den), float("-inf")))
+    if tl.program_id(1) == 0:
+        tl.store(lse_ptr + i, tl.where(den > 0.0, mx + tl.log(den), float("-inf")))
+
+
+@triton.jit
+def _absorb_kernel(qn_ptr, w_ptr, out_ptr, T, H, s_qt, s_qh, s_wh, s_wn, DN: tl.constexpr, KV: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr):
+    """q~[t, h, k] = sum_n q_nope[t, h, n] W_UK[h, n, k] for BLOCK_T tokens x BLOCK_K latent columns of one
+    head (grid: token blocks, heads, column blocks); fp32 accumulation, stored in out's dtype (the
+    einsum it replaces ran in q_nope's dtype). q_nope and W_UK are read through their strides."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1).to(tl.int64)
+    kk = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
+    n = tl.arange(0, DN)
+    tm = t < T
+    q = tl.load(qn_ptr + t.to(tl.int64)[:, None] * s_qt + h * s_qh + n[None, :], mask=tm[:, None], other=0.0)
+    w = tl.load(w_ptr + h * s_wh + n[:, None] * s_wn + kk[None, :])
+    acc = tl.dot(q.to(DOT_DT), w.to(DOT_DT), input_precision=PREC)
+    tl.store(out_ptr + (t.to(tl.int64)[:, None] * H + h) * KV + kk[None, :], acc, mask=tm[:, None])
 
 
 # ------------------------------------------------------------------------------------ host API
@@ -336,36 +400,55 @@ def _pow2(n: int) -> int:
 
 
 def heuristic(key: dict, target: str) -> dict:
-    """Heads share latent rows: BLOCK_H = all heads up to 32 (min 16 for the MMA; larger accumulators
-    spill); the head blocks of a token are adjacent in the grid, so their row reads hit L2. CHUNK
-    depends on the context length only (batch invariant): 4 programs per token for top-2048, <= 64
-    for dense contexts. Quantised pools: BLOCK_N 64 = one wgmma M tile (4 warps), SUB = 4; bf16 pools:
-    BLOCK_N 32 (H200 2026-11-29: 0.087 vs 0.104 ms at 64). PREFETCH 1 (rows a step ahead: paged positions
-    are two dependent reads, index then block id, before a gather). FP8 pools are read through an fp8
-    pointer (16-byte loads); every variant swept then (8 warps, 32-row steps, SUB 1 with async copies,
-    shorter chunks) was slower than this one (0.100 ms, 18% of read bandwidth): the kernel is bound by
-    registers (~255 per thread, 2 programs per SM), not by bytes."""
-    bh = min(32, max(16, _pow2(key["H"])))
+    """FP8 pools (the model's): ORIENT 1 (`_mla_heads_kernel`), BLOCK_H 16 heads per program (the MMA's
+    minimum M; the fp32 accumulator is BLOCK_H x kv), rows resolved a step ahead (PREFETCH 1: positions are two dependent
+    reads, index then block id, before the gather). CHUNK (rows per program) sizes the split of a token's
+    rows, which is what fills the GPU at small batches: a batch of T tokens gets about 4 programs per SM
+    (132 SMs) in all, pieces of >= BLOCK_N rows (the split is over the selected rows, never the context
+    bound). Under batch-invariant mode (key bi 1) the chunk depends on L only (16 pieces).
+    H200 2026-11-29 (benches/bench_attention_decode.py; FP8 latents, 12 heads, top-2048 rows of 8K contexts,
+    whole launcher under graph replay, inputs rotated so rows come from HBM):
+      batch 1:  BLOCK_N 64, 8 warps, num_stages 2, CHUNK 64 (32 pieces): 16.8 us; 32-row pieces 17.6-17.9;
+                128-row pieces 24-26; the previous path (einsum, rows-major kernel in 4 pieces, fp32 out + cast)
+                76.8 us; the rank record's CHUNK 4096 (one program per token) 424.5 us.
+      batch 64: BLOCK_N 32, 4 warps, num_stages 1, CHUNK 256 (8 pieces): 98.9 us (18.3% of read bandwidth);
+                the previous path 110.5 us; PREFETCH 2 (next step's bytes in registers) 102-117 us.
+    bf16 and NVFP4 pools keep the rows-major kernel's configs (measured 2026-11-29 s3: 0.087 / 0.185 ms at
+    batch 64), with the same split rule."""
+    H = max(1, key.get("H", 16))
+    bh = 16 if target != "cpu" or H <= 16 else min(32, _pow2(H))
     L = max(1, key["L"])
     if target == "cpu":
-        return dict(BLOCK_H=bh, BLOCK_N=32, CHUNK=max(32, _pow2(L)), num_warps=4, num_stages=1)
-    chunk = 512 if L <= 4096 else min(16384, max(512, _pow2(-(-L // 64))))
-    quant = key.get("fmt", 0) > 0   # Triton pipelines bf16 loads itself; dequantised tiles go by columns
-    if quant:
-        return dict(BLOCK_H=bh, BLOCK_N=64, CHUNK=chunk, num_warps=4, num_stages=1, SUB=4, PREFETCH=1)
-    return dict(BLOCK_H=bh, BLOCK_N=32, CHUNK=chunk, num_warps=4, num_stages=2, SUB=1, PREFETCH=1)
+        return dict(ORIENT=1, BLOCK_H=bh, BLOCK_N=32, CHUNK=max(32, _pow2(L)), num_warps=4, num_stages=1, PREFETCH=1)
+    T = key.get("T", 0)
+    if key.get("bi", 0) or not T:
+        pieces = 16
+    else:
+        pieces = max(1, (4 * 132) // (T * -(-H // bh)))
+    fmt = key.get("fmt", 1)
+    if fmt != 1:   # bf16 / NVFP4 pools: the previous rows-major configs (ORIENT 1 not yet measured on them)
+        cfg = dict(ORIENT=0, BLOCK_H=bh, BLOCK_N=32, num_warps=4, num_stages=2, SUB=1, PREFETCH=1) if fmt == 0 else \
+            dict(ORIENT=0, BLOCK_H=bh, BLOCK_N=64, num_warps=4, num_stages=1, SUB=4, PREFETCH=1)
+    elif not key.get("bi", 0) and 0 < T <= 8:
+        cfg = dict(ORIENT=1, BLOCK_H=bh, BLOCK_N=64, num_warps=8, num_stages=2, PREFETCH=1)
+    else:
+        cfg = dict(ORIENT=1, BLOCK_H=bh, BLOCK_N=32, num_warps=4, num_stages=1, PREFETCH=1)
+    cfg["CHUNK"] = min(16384, max(cfg["BLOCK_N"], _pow2(-(-L // pieces))))
+    return cfg
 
 
 def sparse_latent_attention(q_abs, q_pe, latent, token_pos, paging, scale: float, selection=None, *,
                             latent_format: str = "bf16", latent_scale: float = 1.0, pe_scale: float = 1.0,
                             config: dict | None = None, max_context: int | None = None,
-                            block_size: int | None = None):
-    """(o~ fp32 [T, H, kv], lse fp32 [T, H]) of softmax(scale * q~ . c) over each token's rows.
+                            block_size: int | None = None, out_dtype: torch.dtype = torch.float32):
+    """(o~ [T, H, kv] in out_dtype, lse fp32 [T, H]) of softmax(scale * q~ . c) over each token's rows.
     q_abs [T, H, kv], q_pe [T, H, dr]; `paging` = `_paging.paging_args(block_table, token_req,
     block_size)` maps request positions (selection entries, or 0 .. token_pos without a selection) to
     pool rows; paging None means the selection already holds pool rows. The pool is flat [N, width] or a
     block view [NB, block_size, width] with any block stride (a page of a packed block pool), read in
-    place through `_paging.pool_strides`; `block_size` is needed only for a block view read by rows."""
+    place through `_paging.pool_strides`; `block_size` is needed only for a block view read by rows.
+    Nothing is read on the host when a selection is given or `max_context` is (CUDA-graph safe).
+    Launches: the attention kernel, plus `_combine_kernel` when a token's rows are split (CHUNK < L)."""
     if latent_format not in LATENT_FORMATS:
         raise ValueError(f"latent_format must be one of {LATENT_FORMATS}, found {latent_format!r}")
     T, H, KV = q_abs.shape
@@ -378,21 +461,23 @@ def sparse_latent_attention(q_abs, q_pe, latent, token_pos, paging, scale: float
     if KV & (KV - 1) or DR & (DR - 1) or KV < 32 or DR < 16:
         raise ValueError(f"mla: kv {KV} and dr {DR} must be powers of two (kv >= 32, dr >= 16)")
     dev = q_abs.device
-    pos = token_pos.to(device=dev, dtype=torch.int64).contiguous()
+    pos = token_pos.to(dev).contiguous()   # int32 or int64: the kernels read either
     if selection is not None:
-        sel = selection.to(device=dev, dtype=torch.int64).contiguous()
+        sel = selection.to(dev).contiguous()
         L = sel.shape[1]
     else:
         sel = pos  # unused
         L = int(max_context) if max_context is not None else (int(pos.max()) + 1 if T else 1)
-    cfg = dict(config or heuristic({"H": H, "L": L, "fmt": fmt}, "cpu" if dev.type == "cpu" else "gpu"))
+    cfg = dict(config or heuristic({"H": H, "L": L, "fmt": fmt, "T": T}, "cpu" if dev.type == "cpu" else "gpu"))
+    orient = int(cfg.get("ORIENT", 0))
     bh, bn, chunk = int(cfg["BLOCK_H"]), int(cfg["BLOCK_N"]), int(cfg["CHUNK"])
     prefetch = int(cfg.get("PREFETCH", 0))
-    if prefetch not in (0, 1, 2) or (prefetch == 2 and int(cfg.get("SUB", 1)) != 4):
-        raise ValueError(f"mla: config {cfg}: PREFETCH must be 0, 1 or 2, and 2 needs SUB=4 (the next tile's bytes "
-                         f"in four column blocks)")
+    if prefetch not in (0, 1, 2) or orient not in (0, 1) or (orient == 1 and int(cfg.get("SUB", 1)) != 1) or \
+            (orient == 0 and prefetch == 2):
+        raise ValueError(f"mla: config {cfg}: ORIENT must be 0 or 1, PREFETCH 0 or 1 (ORIENT 1 also 2), and ORIENT 1 "
+                         f"takes whole rows (SUB 1)")
     nsplit = max(1, -(-L // chunk))
-    o = torch.empty(T, H, KV, dtype=torch.float32, device=dev)
+    o = torch.empty(T, H, KV, dtype=out_dtype, device=dev)
     lse = torch.empty(T, H, dtype=torch.float32, device=dev)
     if T == 0:
         return o, lse
@@ -416,21 +501,45 @@ def sparse_latent_attention(q_abs, q_pe, latent, token_pos, paging, scale: float
         log_bs = bs.bit_length() - 1
     sb, sr = pool_strides(lat, 1 << log_bs, 1, f"mla {latent_format} latent pool")
     qa, qp = q_abs.contiguous(), q_pe.contiguous()
+    common = dict(KV=KV, DR=DR, BLOCK_H=bh, BLOCK_N=bn, FMT=fmt, SPARSE=selection is not None, DOT_DT=dot_dt,
+                  PREC="ieee" if f32 else precision.low_bits(), PAGED=paging is not None, LOG_BS=log_bs,
+                  PREFETCH=prefetch, num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
+    if orient == 0:
+        common["SUB"] = int(cfg.get("SUB", 1))
+    kernel = _mla_heads_kernel if orient == 1 else _mla_sparse_kernel
     for t0 in range(0, T, tb):
         t1 = min(T, t0 + tb)
         po, plse = (o[t0:t1], lse[t0:t1]) if nsplit == 1 else (po_all[:t1 - t0], plse_all[:t1 - t0])
-        _mla_sparse_kernel[(t1 - t0, -(-H // bh), nsplit)](
+        kernel[(t1 - t0, -(-H // bh), nsplit)](
             qa[t0:t1], qp[t0:t1], lat, sel[t0:t1] if selection is not None else sel, tbl,
             req[t0:t1] if paging is not None else req, MB, pos[t0:t1],
             po, plse, H, sel.shape[1] if selection is not None else 0, nsplit, chunk, sb, sr, scale * LOG2E,
-            vs, ps, KV=KV, DR=DR, BLOCK_H=bh, BLOCK_N=bn, FMT=fmt,
-            SPARSE=selection is not None, DOT_DT=dot_dt, PREC="ieee" if f32 else precision.low_bits(),
-            SUB=int(cfg.get("SUB", 1)), PAGED=paging is not None, LOG_BS=log_bs, PREFETCH=prefetch,
-            num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
+            vs, ps, **common)
         if nsplit > 1:
-            _combine_kernel[((t1 - t0) * H,)](po, plse, o[t0:t1], lse[t0:t1], nsplit, KV=KV, NSP2=_pow2(nsplit),
-                                              num_warps=4)
+            cb = min(KV, 128)
+            _combine_kernel[((t1 - t0) * H, KV // cb)](po, plse, o[t0:t1], lse[t0:t1], nsplit, KV=KV, CB=cb,
+                                                       SB=min(64, _pow2(nsplit)), num_warps=4)
     return o, lse
+
+
+def absorb_queries(q_nope: torch.Tensor, W_UK: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q~ = W_UK^T q_nope per head: [T, H, kv] in `dtype` from q_nope [T, H, dn] and W_UK [H, dn, kv] (strided
+    views allowed: unit inner strides), one `_absorb_kernel` launch with fp32 accumulation; dn must be a
+    power of two >= 16 (else the einsum in `dtype`)."""
+    T, H, DN = q_nope.shape
+    KV = W_UK.shape[2]
+    if DN & (DN - 1) or DN < 16 or KV % 32 or q_nope.stride(2) != 1 or W_UK.stride(2) != 1:
+        return torch.einsum("thn,hnk->thk", q_nope.to(dtype), W_UK.to(dtype))
+    out = torch.empty(T, H, KV, dtype=dtype, device=q_nope.device)
+    if T == 0:
+        return out
+    f32 = _interpreting() or dtype == torch.float32
+    bk = min(KV, 128)
+    _absorb_kernel[(-(-T // 16), H, KV // bk)](q_nope, W_UK, out, T, H, q_nope.stride(0), q_nope.stride(1),
+                                               W_UK.stride(0), W_UK.stride(1), DN=DN, KV=KV, BLOCK_T=16,
+                                               BLOCK_K=bk, DOT_DT=tl.float32 if f32 else tl.bfloat16,
+                                               PREC="ieee" if f32 else precision.low_bits(), num_warps=4)
+    return out
 
 
 def split_kv_b(kv_b: torch.Tensor, H: int, dn: int):
@@ -448,18 +557,19 @@ def mla_sparse_decode(q_nope, q_pe, latent, kv_b, token_pos, token_req, block_ta
                       config: dict | None = None, max_context: int | None = None):
     """Absorbed MLA attention: o [T, H, dv] (latent_out: o~ [T, H, kv], the IR's form="latent", W_UV left
     to mla_value_proj), and lse [T, H] (natural log) when return_lse. q~ = W_UK^T q_nope and
-    o = W_UV o~ are batched matmuls in q_nope's dtype around the kernel."""
+    o = W_UV o~ are matmuls in q_nope's dtype around the kernel (q~: `absorb_queries`, one launch; the
+    attention writes o~ in q_nope's dtype itself: form="latent" is 2 launches, 3 with split rows)."""
     T, H, dn = q_nope.shape
     W_UK, W_UV = split_kv_b(kv_b, H, dn)
     dt = q_nope.dtype
-    q_abs = torch.einsum("thn,hnk->thk", q_nope, W_UK.to(dt))
+    q_abs = absorb_queries(q_nope, W_UK, dt)
     rows_given = selection is not None and selection_rows
     paging = None if rows_given else paging_args(block_table, token_req, block_size, q_nope.device)
     o_lat, lse = sparse_latent_attention(q_abs, q_pe.to(dt), latent, token_pos, paging, scale, selection,
                                          latent_format=latent_format, latent_scale=latent_scale,
                                          pe_scale=pe_scale, config=config, block_size=block_size,
-                                         max_context=max_context)
-    o = o_lat.to(dt) if latent_out else torch.einsum("thk,hvk->thv", o_lat.to(dt), W_UV.to(dt))
+                                         max_context=max_context, out_dtype=dt)
+    o = o_lat if latent_out else torch.einsum("thk,hvk->thv", o_lat, W_UV.to(dt))
     return (o, lse) if return_lse else o
 
 
@@ -473,23 +583,32 @@ def _launch(a, attrs, config):
 
 
 def _key(a, attrs) -> dict:
+    """H, L (selected rows, or the context bound), KV, sparse, fmt; T (tokens: the split size fills the GPU)
+    and bi (batch-invariant mode: the split may not depend on T)."""
     H = int(a.q_nope.shape[1])
+    T = a.q_nope.shape[0]
+    T = int(T) if hasattr(T, "__index__") else 0
     if a.selection is not None:
         L = int(a.selection.shape[1])
     else:
         L = context_bound(a.token_pos, attrs)
     fmt = {"fp8": 1, "nvfp4": 2}.get(pool_format(a.latent, attrs), 0) if isinstance(a.latent, torch.Tensor) else 0
-    return {"H": H, "L": L, "KV": int(a.kv_b.shape[1]), "sparse": int(a.selection is not None), "fmt": fmt}
+    return {"H": H, "L": L, "KV": int(a.kv_b.shape[1]), "sparse": int(a.selection is not None), "fmt": fmt,
+            "T": T, "bi": int(bool(attrs.get("batch_invariant")))}
 
 
 def _bucket(key: dict) -> dict:
-    return dict(key, L=pow2_bucket(key["L"], 256))
+    return dict(key, L=pow2_bucket(key["L"], 256), T=pow2_bucket(key.get("T", 0)))
 
 
 def _constraints(config: dict, key: dict, target: str) -> list[str]:
     out = []
-    if config.get("PREFETCH", 0) == 2 and config.get("SUB", 1) != 4:
-        out.append("PREFETCH=2 needs SUB=4")
+    if config.get("ORIENT", 0) == 1 and config.get("SUB", 1) != 1:
+        out.append("ORIENT=1 reads whole rows (SUB=1)")
+    if config.get("ORIENT", 0) == 0 and config.get("PREFETCH", 0) == 2:
+        out.append("PREFETCH=2 is ORIENT=1's")
+    if config.get("ORIENT", 0) == 1 and config["BLOCK_H"] * key.get("KV", 512) > 32 * config["num_warps"] * 128:
+        out.append("ORIENT=1 accumulator BLOCK_H*kv fp32 over num_warps*32 threads > 128 registers each")
     if config["CHUNK"] % config["BLOCK_N"]:
         out.append(f"CHUNK {config['CHUNK']} is not a multiple of BLOCK_N {config['BLOCK_N']}")
     if target != "cpu":
@@ -535,11 +654,12 @@ def pool_and_selection_problem(a, attrs) -> str | None:
 TUNABLES = (
     Tunable("BLOCK_H", (16, 32)),
     Tunable("BLOCK_N", (16, 32, 64, 128)),
-    Tunable("CHUNK", (256, 512, 1024, 2048, 4096, 8192, 16384)),
+    Tunable("CHUNK", (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)),
     Tunable("num_warps", (4, 8)),
     Tunable("num_stages", (1, 2, 3)),
     Tunable("SUB", (1, 4)),
     Tunable("PREFETCH", (0, 1, 2)),
+    Tunable("ORIENT", (0, 1)),
 )
 
 TEMPLATES = [

@@ -1,0 +1,360 @@
+"""H200 decode benchmark of sparse MLA and the indexer at the rank preset's shapes (issues 4 and 7), one JSON
+document on stdout and in $OUT/attention_decode.json (rewritten after every measurement: a killed run keeps
+what it measured).
+
+    python benches/bench_attention_decode.py [--budget-s 150]
+    BENCH_SMOKE=1 python benches/bench_attention_decode.py     # CPU interpreter, tiny shapes: every path once
+
+Sections (bf16 activations, FP8 caches, paged pools of 64-row blocks in random order):
+  hbm      copy (read + write) and streaming-read bandwidth; the larger is the floor's bandwidth
+  mla_b1   sparse MLA, 1 token, 12 heads, top-2048 rows of an 8K context (the runtime's form="latent" call:
+           selection as pool rows), 16 input sets rotated so rows come from HBM, not L2
+  idx_b1   indexer (rows out), 1 token, context 8192, 32 x 128 heads, top-2048, 48 input sets rotated
+  mla_b64  sparse MLA, 64 tokens, top-2048 of 8K contexts
+  idx_b32  indexer, 32 tokens, context 128K
+Each section times the previous path (the previous heuristic's config; for MLA also its einsum + fp32 +
+cast launcher) and the new kernels over a sweep of configs, all as CUDA-graph replays of the whole launcher
+(device time, as the runtime's graphs run them), and checks the new default's results: MLA o~ / lse vs
+float64, the indexer's selection vs the IR reference (exact, ties to the lower position). Ratios: bytes the
+call must read / time vs the measured bandwidth, and previous / new. The indexer launcher is also captured
+without `max_context` (graph safety: what the tuner does).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+SMOKE = os.environ.get("BENCH_SMOKE") == "1"
+if SMOKE:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+import bench_attention as ba  # noqa: E402  (inputs, paging, indexer check; reads BENCH_SMOKE itself)
+
+DEV = ba.DEV
+BS = ba.BLOCK_SIZE
+SCALE = ba.SCALE
+T0 = time.time()
+DOC = {"bench": "attention_decode", "command": " ".join([sys.executable] + sys.argv), "machine": {},
+       "hbm": {}, "measurements": [], "checks": [], "errors": [], "skipped": []}
+
+
+def _left(budget):
+    return budget - (time.time() - T0)
+
+
+def _save():
+    text = json.dumps(DOC, indent=1, default=str)
+    if os.environ.get("OUT"):
+        open(os.path.join(os.environ["OUT"], "attention_decode.json"), "w").write(text)
+    return text
+
+
+def gtime(fns, reps=7):
+    """Median ms per call of fns (called in turn: rotated input sets) as one CUDA-graph replay (host clock in
+    smoke mode)."""
+    if SMOKE:
+        t = time.time()
+        for f in fns:
+            f()
+        return (time.time() - t) * 1e3 / len(fns)
+    for f in fns:
+        f()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    g.replay()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) / len(fns))
+    return sorted(out)[len(out) // 2]
+
+
+def measure(name, fns, nbytes, budget, **extra):
+    if _left(budget) < 8:
+        DOC["skipped"].append(name)
+        return None
+    try:
+        t = time.time()
+        ms = gtime(fns)
+        m = {"name": name, "median_us": ms * 1e3, "bytes": nbytes, "wall_s": time.time() - t, **extra}
+        bw = DOC["hbm"].get("floor_TBps")
+        if bw:
+            m["floor_us"] = nbytes / (bw * 1e12) * 1e6
+            m["frac_of_measured_bw"] = m["floor_us"] / m["median_us"]
+        DOC["measurements"].append(m)
+        print(f"{name:58s} {m['median_us']:9.2f} us  {m.get('frac_of_measured_bw', 0) * 100:5.1f}% BW  "
+              f"{extra.get('config', '')}", file=sys.stderr, flush=True)
+        return m
+    except Exception as e:  # noqa: BLE001
+        DOC["errors"].append(f"{name}: {e!r}\n{traceback.format_exc()[-1200:]}")
+        return None
+    finally:
+        _save()
+
+
+def check(name, fn):
+    try:
+        DOC["checks"].append({"name": name, **fn()})
+    except Exception as e:  # noqa: BLE001
+        DOC["errors"].append(f"check {name}: {e!r}\n{traceback.format_exc()[-1200:]}")
+    _save()
+
+
+# --------------------------------------------------------------------------------------------- hbm
+def sec_hbm():
+    n = (1 << 20) if SMOKE else (2 << 30)
+    x = torch.randint(0, 255, (n,), dtype=torch.uint8, device=DEV)
+    y = torch.empty_like(x)
+    copy = 2 * n / (gtime([lambda: y.copy_(x)]) * 1e-3) / 1e12
+    xf = x.view(torch.float32)
+    read = n / (gtime([lambda: xf.sum()]) * 1e-3) / 1e12
+    DOC["hbm"] = {"copy_TBps": copy, "read_TBps": read, "floor_TBps": max(copy, read)}
+    del x, y
+
+
+# --------------------------------------------------------------------------------------------- mla
+MLA_PREV = dict(ORIENT=0, BLOCK_H=16, BLOCK_N=64, CHUNK=512, num_warps=4, num_stages=1, SUB=4, PREFETCH=1)
+MLA_PREV_RECORD = dict(ORIENT=0, BLOCK_H=16, BLOCK_N=32, CHUNK=4096, num_warps=8, num_stages=1, SUB=4, PREFETCH=1)
+
+
+def _mla_set(T, ctx, K, seed):
+    d = ba._mla_inputs(T, 12, K, ctx, "fp8", seed=seed)
+    d["rows"] = ba._all_rows(d["tbl"], ctx).gather(1, d["sels"][0])   # what the fused indexer hands attention
+    return d
+
+
+def _mla_new(d, cfg):
+    from codegen.triton.mla_sparse import mla_sparse_decode
+    return lambda: mla_sparse_decode(d["qn"], d["qp"], d["pool"], d["kvb"], d["pos"], d["req"], d["tbl"], BS, SCALE,
+                                     d["rows"], latent_format="fp8", latent_scale=d["ls"], selection_rows=True,
+                                     latent_out=True, return_lse=True, config=cfg)
+
+
+def _mla_prev(d, cfg):
+    """The previous launcher: q~ by einsum, attention in fp32, o~ cast to bf16 afterwards."""
+    from codegen.triton.mla_sparse import sparse_latent_attention, split_kv_b
+    W_UK = split_kv_b(d["kvb"], 12, 128)[0]
+
+    def run():
+        q_abs = torch.einsum("thn,hnk->thk", d["qn"], W_UK.to(d["qn"].dtype))
+        o, lse = sparse_latent_attention(q_abs, d["qp"], d["pool"], d["pos"], None, SCALE, d["rows"],
+                                         latent_format="fp8", latent_scale=d["ls"], config=cfg, block_size=BS)
+        return o.to(d["qn"].dtype), lse
+    return run
+
+
+def _mla_check(d, cfg):
+    from codegen.triton.mla_prefill import dequantize_latent
+    o, lse = _mla_new(d, cfg)()
+    deq = dequantize_latent(d["pool"], "fp8", 512, d["ls"], 1.0)
+    c = deq[d["rows"]].double()
+    W = d["kvb"].double().view(12, 256, 512)
+    qa = torch.einsum("thn,hnk->thk", d["qn"].double(), W[:, :128])
+    z = SCALE * (torch.einsum("thk,tlk->thl", qa, c[..., :512]) + torch.einsum("thr,tlr->thl", d["qp"].double(), c[..., 512:]))
+    lse64 = torch.logsumexp(z, -1)
+    o64 = torch.einsum("thl,tlk->thk", torch.softmax(z, -1), c[..., :512])
+    e_o = float((o.double() - o64).norm() / o64.norm())
+    e_l = float((lse.double() - lse64).norm() / lse64.norm())
+    fin = bool(torch.isfinite(o).all()) and bool(torch.isfinite(lse).all())
+    return {"ok": fin and e_o < 2e-2 and e_l < 2e-3, "config": cfg, "rel_err_o": e_o, "rel_err_lse": e_l,
+            "o_dtype": str(o.dtype)}
+
+
+def _mla_variants(T):
+    from codegen.triton.mla_sparse import heuristic
+    base = heuristic({"H": 12, "L": 2048, "KV": 512, "fmt": 1, "sparse": 1, "T": T, "bi": 0}, "cpu" if SMOKE else "h200")
+    if SMOKE:
+        return base, [base]
+    chunks = (32, 64, 128) if T == 1 else (128, 256, 1024)
+    out = [base]
+    for bn, w, st, pf in ((32, 4, 2, 1), (32, 4, 1, 1), (32, 4, 3, 1), (16, 4, 2, 1), (64, 4, 2, 1), (32, 8, 2, 1),
+                          (64, 8, 2, 1), (32, 4, 1, 2), (16, 4, 1, 2), (32, 8, 1, 2), (64, 8, 1, 2)):
+        for ch in chunks:
+            c = dict(base, BLOCK_N=bn, num_warps=w, num_stages=st, PREFETCH=pf, CHUNK=max(ch, bn))
+            if c not in out:
+                out.append(c)
+    out.append(dict(base, PREFETCH=0))
+    return base, out
+
+
+def sec_mla(T, budget, warm=None):
+    ctx, K = (256, 64) if SMOKE else (8192, 2048)
+    T = min(T, 2) if SMOKE else T
+    n_sets = 1 if (SMOKE or T > 1 or warm) else 16
+    sets = [_mla_set(T, ctx, K, seed=100 + i) for i in range(n_sets)]
+    nbytes = T * K * (576 + 8) + 12 * 128 * 512 * 2 + T * 12 * (192 * 2 + 512 * 2 + 4)
+    base, variants = _mla_variants(T)
+    tag = f"mla_b{T}"
+    if warm:
+        k, n = warm
+        for cfg in (variants + [MLA_PREV, MLA_PREV_RECORD])[k::n]:
+            try:
+                (_mla_prev if cfg.get("ORIENT") == 0 else _mla_new)(sets[0], cfg)()
+            except Exception:  # noqa: BLE001
+                pass
+        return
+    prev = measure(f"{tag}_previous_path", [_mla_prev(d, MLA_PREV) for d in sets], nbytes, budget, config=MLA_PREV)
+    measure(f"{tag}_previous_record_config", [_mla_prev(d, MLA_PREV_RECORD) for d in sets], nbytes, budget,
+            config=MLA_PREV_RECORD)
+    new = measure(f"{tag}_new_default", [_mla_new(d, base) for d in sets], nbytes, budget, config=base)
+    check(f"{tag}_new_default_vs_float64", lambda: _mla_check(sets[0], base))
+    best = new
+    for i, cfg in enumerate(variants[1:]):
+        m = measure(f"{tag}_sweep{i}", [_mla_new(d, cfg) for d in sets], nbytes, budget, config=cfg)
+        if m and (best is None or m["median_us"] < best["median_us"]):
+            best = m
+    if best is not None:
+        check(f"{tag}_best_vs_float64", lambda: _mla_check(sets[0], best["config"]))
+        if prev:
+            DOC.setdefault("summary", {})[tag] = {"previous_us": prev["median_us"], "new_default_us": new and new["median_us"],
+                                                  "best_us": best["median_us"], "best_config": best["config"],
+                                                  "best_frac_bw": best.get("frac_of_measured_bw"),
+                                                  "speedup_best": prev["median_us"] / best["median_us"]}
+    del sets
+    if not SMOKE:
+        torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------------ indexer
+def _idx_prev(L, T):
+    """The previous heuristic: per-tile top-KT candidates (tl.topk), witnesses, rescore + second merge."""
+    from codegen.triton.indexer_topk import default_kt
+    nt = -(-L // 128)
+    return dict(BLOCK_N=128, KT=default_kt(128, 2048, L), SPLITS=max(1, min(max(1, nt // 4), round(8 * 132 / T))),
+                num_warps=4, num_stages=3, CAND=0, DOT=0, MERGE_TILE=2048)
+
+
+def _idx_variants(T, L, K):
+    from codegen.triton.indexer_topk import default_kt, default_kt_pairs, heuristic
+    base = heuristic({"T": T, "L": L, "K": K, "HI": 32, "DI": 128}, "cpu" if SMOKE else "h200")
+    if SMOKE:
+        return base, [base]
+    out = [base]
+    if T == 1:
+        nt = L // 128
+        out += [dict(base, MERGE_TILE=4096), dict(base, MERGE_TILE=8192), dict(base, num_warps=8),
+                dict(base, SPLITS=nt // 2), dict(base, num_stages=2),
+                dict(base, BLOCK_N=64, KT=64, SPLITS=2 * nt), dict(base, BLOCK_N=256, KT=256, SPLITS=nt // 2, num_warps=8)]
+    else:
+        kp = base["KT"]
+        out += [dict(base, num_stages=3), dict(base, KT=2 * kp), dict(base, SPLITS=2 * base["SPLITS"]),
+                dict(base, num_warps=8), dict(base, CAND=0, KT=default_kt(128, K, L)),
+                dict(base, BLOCK_N=256, KT=default_kt_pairs(256, K, L), num_warps=8), dict(base, MERGE_TILE=4096)]
+    return base, out
+
+
+def sec_idx(T, budget, warm=None):
+    T_, L, K = (min(T, 2), 1024, 64) if SMOKE else (T, 8192 if T == 1 else 128 * 1024, 2048)
+    n_sets = 1 if (SMOKE or T > 1 or warm) else 48
+    sets = [ba._indexer_inputs(T_, L, seed=200 + i) for i in range(n_sets)]
+    nbytes = ba._indexer_bytes(sets[0], K)
+    base, variants = _idx_variants(T_, L, K)
+    prev_cfg = _idx_prev(L, T_) if not SMOKE else base
+    tag = f"idx_b{T}"
+
+    def call(d, cfg, **kw):
+        return ba._indexer_call(d, K, cfg, output="rows", **kw)
+    if warm:
+        k, n = warm
+        for cfg in (variants + [prev_cfg])[k::n]:
+            try:
+                call(sets[0], cfg)()
+            except Exception:  # noqa: BLE001
+                pass
+        return
+    prev = measure(f"{tag}_previous_heuristic", [call(d, prev_cfg) for d in sets], nbytes, budget, config=prev_cfg)
+    new = measure(f"{tag}_new_default", [call(d, base) for d in sets], nbytes, budget, config=base)
+    check(f"{tag}_new_default_vs_ir_reference", lambda: ba._indexer_check(sets[0], K, base))
+    best = new
+    for i, cfg in enumerate(variants[1:]):
+        m = measure(f"{tag}_sweep{i}", [call(d, cfg) for d in sets], nbytes, budget, config=cfg)
+        if m:
+            st = {}
+            call(sets[0], cfg, stats=st)()
+            m["overflow"] = st
+            if best is None or m["median_us"] < best["median_us"]:
+                best = m
+    if best is not None and best is not new:
+        check(f"{tag}_best_vs_ir_reference", lambda: ba._indexer_check(sets[0], K, best["config"]))
+    if best is not None:
+        measure(f"{tag}_best_score_pass_only", [call(d, best["config"], stop_after="score") for d in sets], nbytes, budget,
+                config=best["config"])
+    if T == 1:   # graph safety: the launcher without max_context (the tuner's call) is captured
+        from codegen.triton.indexer_topk import indexer_topk
+        d = sets[0]
+        m = measure(f"{tag}_new_default_no_max_context", [lambda: indexer_topk(
+            d["q8"], d["qs"], d["w"], d["keys"], d["ks"], d["pos"], d["req"], d["tbl"], BS, K, output="rows",
+            config=base)], nbytes, budget, config=base)
+        DOC.setdefault("summary", {})["indexer_graph_capture_without_max_context"] = m is not None
+    if prev and best:
+        DOC.setdefault("summary", {})[tag] = {"previous_us": prev["median_us"], "new_default_us": new and new["median_us"],
+                                              "best_us": best["median_us"], "best_config": best["config"],
+                                              "best_frac_bw": best.get("frac_of_measured_bw"),
+                                              "speedup_best": prev["median_us"] / best["median_us"]}
+    del sets
+    if not SMOKE:
+        torch.cuda.empty_cache()
+
+
+SECTIONS = (("mla", 1), ("idx", 1), ("mla", 64), ("idx", 32))
+WARM_N = 3          # compile processes per section
+WARM_CAP_S = 70     # measuring starts by then (anything not compiled yet compiles on first use)
+
+
+def main():
+    budget = float(sys.argv[sys.argv.index("--budget-s") + 1]) if "--budget-s" in sys.argv else 150.0
+    if "--warm" in sys.argv:   # compile-only helper: one section's variants on small inputs
+        kind, T, k, n = sys.argv[sys.argv.index("--warm") + 1].split(":")
+        (sec_mla if kind == "mla" else sec_idx)(int(T), budget, warm=(int(k), int(n)))
+        return
+    import triton
+    DOC["machine"] = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
+                      "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (interpreter)"}
+    # compile every variant first in parallel processes (Triton's disk cache), then measure on a quiet GPU
+    warm = [] if SMOKE else [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm", f"{kind}:{T}:{k}:{WARM_N}"],
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             for kind, T in SECTIONS for k in range(WARM_N)]
+    for p in warm:
+        try:
+            p.wait(timeout=max(1.0, T0 + WARM_CAP_S - time.time()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+    DOC["warm_s"] = time.time() - T0
+    try:
+        sec_hbm()
+    except Exception as e:  # noqa: BLE001
+        DOC["errors"].append(f"hbm: {e!r}")
+    for kind, T in SECTIONS:
+        try:
+            (sec_mla if kind == "mla" else sec_idx)(T, budget)
+        except Exception as e:  # noqa: BLE001
+            DOC["errors"].append(f"{kind} T={T}: {e!r}\n{traceback.format_exc()[-1500:]}")
+    DOC["seconds"] = time.time() - T0
+    print(_save())
+
+
+if __name__ == "__main__":
+    main()

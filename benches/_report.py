@@ -51,3 +51,21 @@ def median_ms(fn, device: str, rep: int = 100) -> float:
     from triton.testing import do_bench
 
     return do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def copy_bandwidth_GBps(device, nbytes: int = 1 << 31) -> float:
+    """Measured HBM bandwidth: (read + write bytes) / time of a device-to-device copy of `nbytes`, the
+    median of 6 timed by events; the ceiling byte floors divide by."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ts = []
+    for _ in range(6):
+        a, b = torch.cuda.Event(True), torch.cuda.Event(True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return 2 * nbytes / (sorted(ts)[3] * 1e-3) / 1e9

@@ -33,7 +33,7 @@ if not CUDA:  # before triton's first import
 
 import triton  # noqa: E402
 
-from benches._report import BenchReport  # noqa: E402
+from benches._report import BenchReport, copy_bandwidth_GBps  # noqa: E402
 from codegen.triton import embedding as emb  # noqa: E402
 from codegen.triton import glu  # noqa: E402
 from codegen.triton import mla_query as mq  # noqa: E402
@@ -141,18 +141,7 @@ def machine():
     if not CUDA:
         doc["ceilings"]["bandwidth_GBps"] = 10.0
         return
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
-    dst = torch.empty_like(src)
-    ts = []
-    for _ in range(6):
-        a, b = torch.cuda.Event(True), torch.cuda.Event(True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    doc["ceilings"]["bandwidth_GBps"] = 2 * src.numel() / (sorted(ts)[3] * 1e-3) / 1e9
-    del src, dst
+    doc["ceilings"]["bandwidth_GBps"] = copy_bandwidth_GBps(DEV, 1 << 30)
 
 
 @rep.section

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from benches._report import BenchReport  # noqa: E402
+from benches._report import BenchReport, copy_bandwidth_GBps  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 # (name, N, K, x dtype): the rank preset's decode GEMMs (benches/bench_runtime_gpu.py rank_config)
@@ -102,18 +102,7 @@ def main():
     def bandwidth():
         if not CUDA:
             return rep.doc["ceilings"].update(bandwidth_GBps=10.0)
-        src = torch.empty(1 << 31, dtype=torch.uint8, device=dev)
-        dst = torch.empty_like(src)
-        ts = []
-        for _ in range(6):
-            a, b = torch.cuda.Event(True), torch.cuda.Event(True)
-            a.record()
-            dst.copy_(src)
-            b.record()
-            b.synchronize()
-            ts.append(a.elapsed_time(b))
-        rep.doc["ceilings"]["bandwidth_GBps"] = 2 * src.numel() / (sorted(ts)[3] * 1e-3) / 1e9
-        del src, dst
+        rep.doc["ceilings"]["bandwidth_GBps"] = copy_bandwidth_GBps(dev)
 
     def timed(fn, reps: int) -> float:
         """Median ms per call of fn() (which cycles its operands) in a graph of `reps` calls."""

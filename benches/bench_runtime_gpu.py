@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if not torch.cuda.is_available():  # before triton's first import: its own @jit helpers must be interpreted too
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from benches._report import BenchReport  # noqa: E402
+from benches._report import BenchReport, copy_bandwidth_GBps  # noqa: E402
 
 
 def rank_config():
@@ -202,18 +202,7 @@ def main():
     def bandwidth():
         if not cuda:
             return doc["ceilings"].update(bandwidth_GBps=10.0)  # CPU logic check: a nominal ceiling
-        src = torch.empty(1 << 31, dtype=torch.uint8, device=dev)
-        dst = torch.empty_like(src)
-        ts = []
-        for _ in range(6):
-            a, b = torch.cuda.Event(True), torch.cuda.Event(True)
-            a.record()
-            dst.copy_(src)
-            b.record()
-            b.synchronize()
-            ts.append(a.elapsed_time(b))
-        doc["ceilings"]["bandwidth_GBps"] = 2 * src.numel() / (sorted(ts)[3] * 1e-3) / 1e9
-        del src, dst
+        doc["ceilings"]["bandwidth_GBps"] = copy_bandwidth_GBps(dev)
 
     @rep.section
     def build():

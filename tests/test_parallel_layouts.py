@@ -285,14 +285,13 @@ GRAPH_WORLDS = (2, 4)
 
 def check_graph_safe_dcp_decode(rank, world):
     """Decode steps run as a CUDA-graph capture runs them (Executor.static_context set: dcp_cache_write,
-    dcp_mla and dcp_mla_dense through `k31c.parallel.dcp_graph`'s static-shape references): logits equal one
+    dcp_mla and dcp_mla_dense with static=True, `k31c.parallel.dcp_graph`): logits equal one
     process, sparse and dense; the static merge selects exactly what dcp_topk selects, ties included."""
     if world not in GRAPH_WORLDS:
         return {"max_rel_err": 0.0, "skipped": f"run at W in {GRAPH_WORLDS} only: the static references are the "
                                                f"same code at every W (each world size adds time)"}
     from ir.ops.collective import get_group
-    from k31c.parallel.dcp_graph import static_topk_own_positions
-    from k31c.parallel.dcp_topk import dcp_topk, local_count
+    from k31c.parallel.dcp_topk import dcp_topk, local_count, static_topk_own_positions
     from k31c.runtime.executor import Executor
 
     from collections import Counter

@@ -246,11 +246,14 @@ _DCP = {"block_size": attr(int), "interleave": attr(int, default=1), **_COMM}
 _ATTENTION = {"latent_format": attr(str, default="plain"), "form": attr(str, default="absorbed")}
 
 
-def _dcp_write_ref(a, at):
+# The DCP references take `static=True` under CUDA-graph capture (k31c/parallel/dcp_graph.py: no host read of
+# device data, widths from the block table); the results are the same.
+def _dcp_write_ref(a, at, static: bool = False):
     from k31c.parallel.dcp_attention import dcp_cache_write
+    from k31c.parallel.dcp_graph import dcp_cache_write_static
 
     rank, size = _live(at["group"], at["world"], "dcp_cache_write")
-    return dcp_cache_write(a.pool, a.values, a.token_req, a.token_pos, a.block_table, block_size=at["block_size"],
+    return (dcp_cache_write_static if static else dcp_cache_write)(a.pool, a.values, a.token_req, a.token_pos, a.block_table, block_size=at["block_size"],
                            interleave=at["interleave"], rank=rank, world=size)
 
 
@@ -292,14 +295,14 @@ def _dcp_mla_infer(a, at):
     return [_dcp_attention_type(a, at, "dcp_mla")]
 
 
-def _dcp_mla_ref(a, at):
+def _dcp_mla_ref(a, at, static: bool = False):
     from k31c.parallel.dcp_attention import dcp_mla
 
     _live(at["group"], at["world"], "dcp_mla")
     return dcp_mla(a.q_nope, a.q_pe, a.latent, a.kv_b, a.iq, a.iq_scale, a.iw, a.keys, a.key_scale, a.token_pos,
                    a.token_req, a.block_table, block_size=at["block_size"], scale=at["scale"], topk=at["topk"],
                    interleave=at["interleave"], group=get_group(at["group"]), key_format=at["key_format"],
-                   latent_format=at["latent_format"], form=at["form"])
+                   latent_format=at["latent_format"], form=at["form"], static=static)
 
 
 def _dcp_mla_bytes(a, o, at):
@@ -326,13 +329,14 @@ def _dense_infer(a, at):
     return [_dcp_attention_type(a, at, "dcp_mla_dense")]
 
 
-def _dense_ref(a, at):
+def _dense_ref(a, at, static: bool = False):
     from k31c.parallel.dcp_attention import dcp_mla_dense
 
     _live(at["group"], at["world"], "dcp_mla_dense")
     return dcp_mla_dense(a.q_nope, a.q_pe, a.latent, a.kv_b, a.token_pos, a.token_req, a.block_table,
                          block_size=at["block_size"], scale=at["scale"], interleave=at["interleave"],
-                         group=get_group(at["group"]), latent_format=at["latent_format"], form=at["form"])
+                         group=get_group(at["group"]), latent_format=at["latent_format"], form=at["form"],
+                         static=static)
 
 
 def _dense_bytes(a, o, at):

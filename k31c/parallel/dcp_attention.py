@@ -40,21 +40,28 @@ from ir.formats import dequantize_fp8, dequantize_latent_nvfp4
 from ir.ops.attention import dequantize_index_keys
 from ir.ref.paging import cache_rows, read_rows, write_rows
 
-from .dcp_topk import dcp_topk, global_positions, local_count
+from .dcp_topk import dcp_topk, global_positions, local_count, static_topk_own_positions
 from .lse_combine import lse_combine
 
 MERGE_TRAFFIC: Counter = Counter()
 CHUNK_ELEMENTS = 1 << 30  # per chunk of query tokens: ~2 GiB of bf16 temporaries (4 GiB in fp32)
 
 
-def row_chunk(token_pos: torch.Tensor, world: int, per_position: int, per_selected: int, selected: int) -> int:
+def row_chunk(token_pos: torch.Tensor, world: int, per_position: int, per_selected: int, selected: int,
+              local_rows: int | None = None) -> int:
     """Query tokens per chunk: each costs per_position elements for each of its (at most) ceil(ctx / W)
-    local positions plus per_selected for each of `selected` attended rows."""
+    local positions (read on the host; `local_rows` instead when given: the static bound) plus per_selected
+    for each of `selected` attended rows."""
     if token_pos.numel() == 0:
         return 1
-    ctx = int(token_pos.max()) + 1
-    per_row = -(-ctx // world) * per_position + selected * per_selected
+    local = local_rows if local_rows is not None else -(-(int(token_pos.max()) + 1) // world)
+    per_row = local * per_position + selected * per_selected
     return max(1, CHUNK_ELEMENTS // max(1, per_row))
+
+
+def local_rows(block_table: torch.Tensor, block_size: int) -> int:
+    """L: the local rows a rank's block table addresses (the static bound of every context width)."""
+    return int(block_table.shape[1]) * int(block_size)
 
 
 def _chunked(fn, n_rows: int, rows: int, per_token: dict, **fixed):
@@ -106,54 +113,66 @@ def _local_scores(q, w, keys, key_scale, key_format, token_req, block_table, blo
 
 def dcp_mla(q_nope, q_pe, latent, kv_b, iq, iq_scale, iw, keys, key_scale, token_pos, token_req, block_table, *,
             block_size: int, scale: float, topk: int, interleave: int, group=None, key_format: str = "fp8",
-            latent_format: str = "plain", form: str = "absorbed"):
+            latent_format: str = "plain", form: str = "absorbed", static: bool = False):
     """o [T, H/W, dv] of this rank's heads (see the module docstring). Pools flat or block views; keys
-    FP8 or MXFP4 (`key_format`), latents plain or NVFP4 (`latent_format`), read as the reference reads them."""
+    FP8 or MXFP4 (`key_format`), latents plain or NVFP4 (`latent_format`), read as the reference reads them.
+    `static` (CUDA-graph capture, `k31c.parallel.dcp_graph`): widths are the block table's L local rows, the
+    merge is `dcp_topk.static_topk_own_positions` and nothing reads device data on the host; same results."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     T = q_nope.shape[0]
     heads = q_nope.shape[1] * world
-    rows = row_chunk(token_pos, world, keys.shape[-1] + iq.shape[1], heads + latent.shape[-1], topk)
+    L = local_rows(block_table, block_size) if static else None
+    rows = row_chunk(token_pos, world, keys.shape[-1] + iq.shape[1], heads + latent.shape[-1], topk, local_rows=L)
     if T > rows:
         return _chunked(dcp_mla, T, rows, dict(q_nope=q_nope, q_pe=q_pe, iq=iq, iq_scale=iq_scale, iw=iw,
                                                token_pos=token_pos, token_req=token_req),
                         latent=latent, kv_b=kv_b, keys=keys, key_scale=key_scale, block_table=block_table,
                         block_size=block_size, scale=scale, topk=topk, interleave=interleave, group=group,
-                        key_format=key_format, latent_format=latent_format, form=form)
+                        key_format=key_format, latent_format=latent_format, form=form, static=static)
     ctx_len = token_pos.to(device=q_nope.device, dtype=torch.int64) + 1
 
     # 1–2: local indexer scores, exact global top-k
     q = dequantize_fp8(iq, iq_scale).to(iw.dtype)
     n_local = local_count(ctx_len, rank, world, interleave)
-    scores, _ = _local_scores(q, iw, keys, key_scale, key_format, token_req, block_table, block_size, n_local)
-    if scores.shape[1] == 0:  # no rank-local context in the whole step: one dummy column keeps shapes
-        scores = scores.new_full((T, 1), float("-inf"))
-    res = dcp_topk(scores.float(), topk, ctx_len=ctx_len, interleave=interleave, group=group)
-    MERGE_TRAFFIC.update(calls=1, rows=T, first_round_bytes=res.first_round_bytes, resend_rows=res.resend_rows,
-                         resend_bytes=res.resend_bytes)
-    return _attend_own_and_combine(q_nope, q_pe, latent, kv_b, res.own_positions, token_req, block_table,
+    scores, valid = _local_scores(q, iw, keys, key_scale, key_format, token_req, block_table, block_size, n_local,
+                                  width=L, validate=not static)
+    if static:
+        own = static_topk_own_positions(scores.float(), valid, topk, ctx_len, interleave, group)
+    else:
+        if scores.shape[1] == 0:  # no rank-local context in the whole step: one dummy column keeps shapes
+            scores = scores.new_full((T, 1), float("-inf"))
+        res = dcp_topk(scores.float(), topk, ctx_len=ctx_len, interleave=interleave, group=group)
+        MERGE_TRAFFIC.update(calls=1, rows=T, first_round_bytes=res.first_round_bytes, resend_rows=res.resend_rows,
+                             resend_bytes=res.resend_bytes)
+        own = res.own_positions
+    return _attend_own_and_combine(q_nope, q_pe, latent, kv_b, own, token_req, block_table,
                                    block_size=block_size, scale=scale, interleave=interleave, group=group,
-                                   latent_format=latent_format, form=form)
+                                   latent_format=latent_format, form=form, validate=not static)
 
 
 def dcp_mla_dense(q_nope, q_pe, latent, kv_b, token_pos, token_req, block_table, *, block_size: int, scale: float,
-                  interleave: int, group=None, latent_format: str = "plain", form: str = "absorbed"):
+                  interleave: int, group=None, latent_format: str = "plain", form: str = "absorbed",
+                  static: bool = False):
     """Dense MLA (K3, no indexer) over a DCP group: token t attends over every position <= p_t; this rank
     takes the n_r(p_t + 1) of them it stores (steps 3–5 of the module docstring with Sel(t) = 0..p_t).
-    Returns o [T, H/W, dv] of this rank's heads."""
+    Returns o [T, H/W, dv] of this rank's heads. `static`: every one of the table's L local rows, masked
+    past n_local (CUDA-graph capture, as for dcp_mla)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    rows = row_chunk(token_pos, world, q_nope.shape[1] * world + latent.shape[-1], 0, 0)
+    L = local_rows(block_table, block_size) if static else None
+    rows = row_chunk(token_pos, world, q_nope.shape[1] * world + latent.shape[-1], 0, 0, local_rows=L)
     if q_nope.shape[0] > rows:
         return _chunked(dcp_mla_dense, q_nope.shape[0], rows,
                         dict(q_nope=q_nope, q_pe=q_pe, token_pos=token_pos, token_req=token_req),
                         latent=latent, kv_b=kv_b, block_table=block_table, block_size=block_size, scale=scale,
-                        interleave=interleave, group=group, latent_format=latent_format, form=form)
+                        interleave=interleave, group=group, latent_format=latent_format, form=form, static=static)
     n_local = local_count(token_pos.to(device=q_nope.device, dtype=torch.int64) + 1, rank, world, interleave)
-    L = int(n_local.max()) if n_local.numel() else 0
+    if L is None:
+        L = int(n_local.max()) if n_local.numel() else 0
     gp = global_positions(rank, L, world, interleave, device=q_nope.device)
     own = torch.where(torch.arange(L, device=q_nope.device)[None, :] < n_local[:, None], gp[None, :], -1)
     return _attend_own_and_combine(q_nope, q_pe, latent, kv_b, own, token_req, block_table,
                                    block_size=block_size, scale=scale, interleave=interleave, group=group,
-                                   latent_format=latent_format, form=form)
+                                   latent_format=latent_format, form=form, validate=not static)
 
 
 def _attend_own_and_combine(q_nope, q_pe, latent, kv_b, own_positions, token_req, block_table, *, block_size: int,

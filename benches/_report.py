@@ -69,3 +69,33 @@ def copy_bandwidth_GBps(device, nbytes: int = 1 << 31) -> float:
         b.synchronize()
         ts.append(a.elapsed_time(b))
     return 2 * nbytes / (sorted(ts)[3] * 1e-3) / 1e9
+
+
+def graph_ms(calls, reps: int = 20) -> float:
+    """Device ms per call: every call of `calls` (e.g. rotated input sets, so L2 does not serve the next
+    replay) run once on a side stream (compilation, warm-up), then captured in ONE CUDA graph, replayed
+    `reps` times between events; the median replay over len(calls). GPU only."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2] / len(calls)

@@ -34,6 +34,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+from benches._report import graph_ms  # noqa: E402
 sys.path.insert(0, HERE)
 SMOKE = os.environ.get("BENCH_SMOKE") == "1"
 if SMOKE:
@@ -69,27 +70,7 @@ def gtime(fns, reps=7):
         return (time.time() - t) * 1e3 / len(fns)
     for f in fns:
         f()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / len(fns))
-    return sorted(out)[len(out) // 2]
+    return graph_ms(fns, reps)
 
 
 def measure(name, fns, nbytes, budget, **extra):

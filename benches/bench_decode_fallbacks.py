@@ -33,7 +33,7 @@ if not CUDA:  # before triton's first import
 
 import triton  # noqa: E402
 
-from benches._report import BenchReport, copy_bandwidth_GBps  # noqa: E402
+from benches._report import BenchReport, copy_bandwidth_GBps, graph_ms  # noqa: E402
 from codegen.triton import embedding as emb  # noqa: E402
 from codegen.triton import glu  # noqa: E402
 from codegen.triton import mla_query as mq  # noqa: E402
@@ -78,28 +78,9 @@ def graph_us(fn) -> float:
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e6
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(REPS):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(15):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return sorted(ts)[len(ts) // 2] * 1e3 / REPS
+    for _ in range(2):
+        fn()
+    return graph_ms([fn] * REPS, reps=15) * 1e3
 
 
 def record(name: str, us: float, nbytes: int, peer_us: float | None = None, **extra) -> dict:

@@ -31,7 +31,7 @@ import sys
 import time
 
 import torch
-from _report import BenchReport, median_ms  # benches/_report.py (the script's folder is on sys.path)
+from _report import BenchReport, median_ms, graph_ms as graph_ms_of  # benches/_report.py (the script's folder is on sys.path)
 
 if not torch.cuda.is_available():  # the interpreter must be chosen before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -258,28 +258,7 @@ def graph_ms(calls, reps=30):
     replayed `reps` times; the median replay over len(calls). CPU: one timed pass."""
     if DEV != "cuda":
         return median_ms(lambda: [c() for c in calls], DEV) / len(calls)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for c in calls:                 # compile and warm up outside the capture
-            c()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2] / len(calls)
+    return graph_ms_of(calls, reps)
 
 
 def decode_routings(T, k, n):

@@ -8,23 +8,18 @@ Math, per token t (request r, position p) and head h, over its context rows c(s)
 The kernel does the attention over latent rows: one program per (token, block of BLOCK_H heads,
 chunk of CHUNK context entries), all heads of the block sharing every latent row it loads (the
 row is read once per token, not once per head), online softmax in fp32 (exp2), tensor-core dots.
-Two orientations (ORIENT): 1 = `_mla_heads_kernel` (heads are the dots' M, one pass per step over whole
-rows: the default), 0 = `_mla_sparse_kernel` (rows are M, optional column blocks: the previous path).
-Chunks of the same token are merged by `_combine_kernel` with their log-sum-exps, in a fixed order
-(o~ i = sum_i e^(lse_i - lse) o~_i, lse = log sum_i e^lse_i). The number of chunks is L / CHUNK with L
-the number of selected rows (sparse) or the context bound (dense): never the context for a selection.
-Chunk boundaries depend only on CHUNK and the token's own rows; CHUNK follows the batch size (to fill the
-GPU) except in batch-invariant mode, where it depends on L only.
+Two orientations (ORIENT): 1 = `_mla_heads_kernel` here (heads are the dots' M, one pass per step over
+whole rows: the default, FP8 pools), 0 = `_mla_sparse_kernel` in _mla_rows.py (rows are M, optional column
+blocks: the previous path, kept for bf16 / NVFP4 pools). Both gather and dequantise rows through
+_mla_tiles.py. Chunks of the same token are merged by `_combine_kernel` (_mla_tiles.py) with their
+log-sum-exps, in a fixed order (o~ i = sum_i e^(lse_i - lse) o~_i, lse = log sum_i e^lse_i). The number
+of chunks is L / CHUNK with L the number of selected rows (sparse) or the context bound (dense): never the
+context for a selection. Chunk boundaries depend only on CHUNK and the token's own rows; CHUNK follows the
+batch size (to fill the GPU) except in batch-invariant mode, where it depends on L only.
 
-Latent pool formats (dequantised in registers):
-  "bf16" / "fp32"  rows [kv + dr] as stored (the IR's pool);
-  "fp8"            e4m3 rows [kv + dr], value = code * latent_scale (one fp32 scale per layer);
-  "nvfp4"          uint8 rows [kv/2 + kv/16 + dr] (SPEC §7, 352 B for kv=512, dr=64):
-                   bytes [0, kv/2) E2M1 codes of c_KV (low nibble = even element),
-                   [kv/2, kv/2 + kv/16) E4M3 block scales (16 values each),
-                   [kv/2 + kv/16, +dr) k_pe in e4m3;
-                   c_KV = e2m1 * block_scale * latent_scale (the fp32 per-tensor scale),
-                   k_pe = code * pe_scale.
+Latent pool formats (byte layouts and dequantisation: _mla_tiles.py): "bf16" / "fp32" (rows [kv + dr] as
+stored), "fp8" (e4m3 rows, one fp32 scale per layer), "nvfp4" (uint8 rows [kv/2 + kv/16 + dr]: E2M1 c_KV
+with E4M3 block scales and a per-tensor scale, k_pe in e4m3 with its own scale; SPEC §7).
 A pool is flat [N, width] or a block view [NB, block_size, width] whose block stride may exceed
 block_size * width (a page of a packed block pool): rows are addressed through `_paging.row_offsets` with
 the view's strides (`pool_strides`), never copied. FP8 pools are read through an fp8 pointer on the GPU.
@@ -48,227 +43,18 @@ import triton
 import triton.language as tl
 
 from ..kernel import KernelTemplate, Tunable, pow2_bucket
-from ._paging import context_bound, paging_args, pool_strides, row_offsets, rows_of
+from ._mla_rows import _mla_sparse_kernel
+from ._mla_tiles import (_LN2, _combine_kernel, _fp8_to, _k_pe, _k_pe_raw, _rows_at, _sub_deq, _sub_raw,  # noqa: F401
+                         _sub_tile, e2m1_to_f32, e8m0_to_f32)
+from ._paging import context_bound, paging_args, pool_strides
 from codegen.triton import _precision as precision
 
 LOG2E = 1.4426950408889634
-_LN2 = tl.constexpr(0.6931471805599453)
 LATENT_FORMATS = ("bf16", "fp32", "fp8", "nvfp4")
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@triton.jit
-def e2m1_to_f32(code):
-    """E2M1 codes (low 4 bits) -> fp32: 0, .5, 1, 1.5, 2, 3, 4, 6, bit 3 = sign. Built from bits: a
-    magnitude code m >= 2 is the float with bits (m + 252) << 22 (exponent m>>1 + 126, mantissa bit m&1),
-    m = 1 is 0.5 (0x3F000000), m = 0 is 0."""
-    c = code.to(tl.int32)
-    m = c & 7
-    bits = tl.where(m >= 2, (m + 252) << 22, tl.where(m == 1, 0x3F000000, 0)) | ((c & 8) << 28)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def e8m0_to_f32(b):
-    """E8M0 bytes -> 2^(b-127) in fp32 (b = 0 is the subnormal 2^-127)."""
-    bi = b.to(tl.int32)
-    return tl.where(bi == 0, tl.full(bi.shape, 0x00400000, tl.int32), bi << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _fp8_to(x, DT: tl.constexpr):
-    """e4m3 values (loaded through an fp8 pointer, or raw uint8 bytes) -> DT."""
-    if x.dtype == tl.uint8:
-        x = x.to(tl.float8e4nv, bitcast=True)
-    return x.to(DT)
-
-
-@triton.jit
-def _load_idx(idx_ptr, t, KSEL, j, end, BLOCK_N: tl.constexpr, SPARSE: tl.constexpr):
-    """Context entries j .. j+BLOCK_N-1 of token t: selected positions/rows (-1 = skip) or positions."""
-    jj = j + tl.arange(0, BLOCK_N)
-    jm = jj < end
-    if SPARSE:
-        return tl.load(idx_ptr + t.to(tl.int64) * KSEL + jj, mask=jm, other=-1)
-    else:
-        return tl.where(jm, jj, -1).to(tl.int64)
-
-
-@triton.jit
-def _sub_raw(lat_ptr, ro, valid, kb: tl.constexpr, KV: tl.constexpr, KB: tl.constexpr,
-             FMT: tl.constexpr, EVICT: tl.constexpr):
-    """Stored bytes of c_KV values kb*KB .. (kb+1)*KB-1 of the rows starting at element offsets `ro`:
-    (values, block scales); the scales are a [BLOCK_N, 1] placeholder unless FMT 2 (nvfp4). Invalid rows
-    read as zeros (no traffic)."""
-    rp = lat_ptr + ro[:, None]
-    m = valid[:, None]
-    if FMT == 2:
-        x = tl.load(rp + kb * (KB // 2) + tl.arange(0, KB // 2)[None, :], mask=m, other=0, eviction_policy=EVICT)
-        sc = tl.load(rp + KV // 2 + kb * (KB // 16) + tl.arange(0, KB // 16)[None, :], mask=m, other=0,
-                     eviction_policy=EVICT)
-    else:
-        x = tl.load(rp + kb * KB + tl.arange(0, KB)[None, :], mask=m, other=0.0, eviction_policy=EVICT)
-        sc = tl.zeros([x.shape[0], 1], dtype=tl.uint8)
-    return x, sc
-
-
-@triton.jit
-def _sub_deq(x, sc, KB: tl.constexpr, FMT: tl.constexpr, DOT_DT: tl.constexpr):
-    """`_sub_raw`'s bytes dequantised (natural order, without the per-layer scale) to DOT_DT [BLOCK_N, KB]."""
-    if FMT == 0:
-        return x.to(DOT_DT)
-    elif FMT == 1:
-        return _fp8_to(x, DOT_DT)
-    else:
-        BN: tl.constexpr = x.shape[0]
-        v = tl.reshape(tl.join(e2m1_to_f32(x & 15), e2m1_to_f32(x >> 4)), [BN, KB // 16, 16])
-        return tl.reshape(v * _fp8_to(sc, tl.float32)[:, :, None], [BN, KB]).to(DOT_DT)
-
-
-@triton.jit
-def _sub_tile(lat_ptr, ro, valid, kb: tl.constexpr, KV: tl.constexpr, KB: tl.constexpr,
-              FMT: tl.constexpr, DOT_DT: tl.constexpr, EVICT: tl.constexpr):
-    """c_KV values kb*KB .. (kb+1)*KB-1 of the rows, dequantised to DOT_DT: [BLOCK_N, KB]."""
-    x, sc = _sub_raw(lat_ptr, ro, valid, kb, KV, KB, FMT, EVICT)
-    return _sub_deq(x, sc, KB, FMT, DOT_DT)
-
-
-@triton.jit
-def _k_pe_raw(lat_ptr, ro, valid, KV: tl.constexpr, DR: tl.constexpr, FMT: tl.constexpr):
-    r = tl.arange(0, DR)
-    off = KV if FMT < 2 else KV // 2 + KV // 16
-    if FMT == 2:
-        return tl.load(lat_ptr + ro[:, None] + off + r[None, :], mask=valid[:, None], other=0)
-    return tl.load(lat_ptr + ro[:, None] + off + r[None, :], mask=valid[:, None], other=0.0)
-
-
-@triton.jit
-def _k_pe(lat_ptr, ro, valid, KV: tl.constexpr, DR: tl.constexpr, FMT: tl.constexpr,
-          DOT_DT: tl.constexpr):
-    x = _k_pe_raw(lat_ptr, ro, valid, KV, DR, FMT)
-    if FMT == 0:
-        return x.to(DOT_DT)
-    else:
-        return _fp8_to(x, DOT_DT)
-
-
-@triton.jit
-def _q_sub(qa_ptr, th, hm, kb: tl.constexpr, KB: tl.constexpr, KV: tl.constexpr, DOT_DT: tl.constexpr):
-    """q~^T rows kb*KB .. (kb+1)*KB-1: [KB, BLOCK_H]."""
-    d = kb * KB + tl.arange(0, KB)
-    return tl.load(qa_ptr + th[None, :] * KV + d[:, None], mask=hm[None, :], other=0.0).to(DOT_DT)
-
-
-@triton.jit
-def _rows_at(idx_ptr, t, KSEL, j, end, tblrow, sb, sr, BLOCK_N: tl.constexpr, SPARSE: tl.constexpr,
-             PAGED: tl.constexpr, LOG_BS: tl.constexpr):
-    """(element offsets of the pool rows, valid) of context entries j .. j+BLOCK_N-1 (none valid when
-    j >= end): positions through the block table (`rows_of`), rows through the pool's strides
-    (`row_offsets`: a flat pool or a block view)."""
-    idx = _load_idx(idx_ptr, t, KSEL, j, end, BLOCK_N, SPARSE)
-    valid = idx >= 0
-    if PAGED:
-        rows = rows_of(tblrow, idx, valid, LOG_BS)
-    else:
-        rows = tl.where(valid, idx, 0).to(tl.int64)
-    return row_offsets(rows, LOG_BS, sb, sr), valid
-
-
-@triton.jit
-def _mla_sparse_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, pos_ptr, o_ptr, lse_ptr,
-                       H, KSEL, NSPLIT, CHUNK, sb, sr, qk_scale, v_scale, pe_scale,
-                       KV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                       FMT: tl.constexpr, SPARSE: tl.constexpr, DOT_DT: tl.constexpr,
-                       PREC: tl.constexpr, SUB: tl.constexpr, PAGED: tl.constexpr, LOG_BS: tl.constexpr,
-                       PREFETCH: tl.constexpr):
-    """FMT 0: float pool, 1: fp8 pool, 2: nvfp4 pool; qk_scale = softmax scale * log2(e);
-    logits = (q~.c) v_scale + (q_pe.k_pe) pe_scale, values c v_scale.
-    Orientation: context rows are the M dimension of both dots (wgmma-sized), the few heads are N,
-    so q~ sits in shared memory (an M = heads operand would be copied into every warp's registers).
-    SUB = 1: whole rows per step (Triton pipelines the loads; bf16 pools). SUB = 4: the row is taken
-    in four column blocks and read twice (logits pass, then a value pass that re-reads the bytes from
-    L1/L2): a dequantised tile never has to live in registers whole.
-    PREFETCH = 1: the next step's rows (selection entries, then block ids) are resolved one step ahead,
-    so a step's gathers never wait on an index or block-table read. (A PREFETCH 2 that held the next
-    step's bytes in registers ran 6x slower on the H200, 2026-11-29: spills; removed.)
-    PAGED: context entries are request positions, mapped to pool rows through the token's block-table
-    row; otherwise they are pool rows already (a selection of rows)."""
-    t = tl.program_id(0)  # tokens on grid axis 0 (up to 2**31 - 1; axes 1 and 2 stop at 65535)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    sp = tl.program_id(2)
-    hm = h < H
-    pos = tl.load(pos_ptr + t)
-    tblrow = tbl_ptr + tl.load(req_ptr + t) * MB
-    n_ctx = KSEL if SPARSE else pos + 1
-    start = sp * CHUNK
-    end = tl.minimum(start + CHUNK, n_ctx)
-    th = t.to(tl.int64) * H + h                                    # [BLOCK_H] row of q / o
-    r = tl.arange(0, DR)
-    qpT = tl.load(qp_ptr + th[None, :] * DR + r[:, None], mask=hm[None, :], other=0.0).to(DOT_DT)
-    KB: tl.constexpr = KV // SUB
-    acc0 = tl.zeros([KB, BLOCK_H], dtype=tl.float32)
-    if SUB == 1:
-        qaT = _q_sub(qa_ptr, th, hm, 0, KV, KV, DOT_DT)
-    else:
-        acc1 = tl.zeros([KB, BLOCK_H], dtype=tl.float32)
-        acc2 = tl.zeros([KB, BLOCK_H], dtype=tl.float32)
-        acc3 = tl.zeros([KB, BLOCK_H], dtype=tl.float32)
-    m_i = tl.full([BLOCK_H], -1e30, tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    if PREFETCH == 1:
-        nro, nvalid = _rows_at(idx_ptr, t, KSEL, start, end, tblrow, sb, sr, BLOCK_N, SPARSE, PAGED, LOG_BS)
-    for j in range(start, end, BLOCK_N):
-        if PREFETCH == 1:   # this step's rows were resolved a step ago; request the next step's now
-            ro, valid = nro, nvalid
-            nro, nvalid = _rows_at(idx_ptr, t, KSEL, j + BLOCK_N, end, tblrow, sb, sr, BLOCK_N, SPARSE, PAGED, LOG_BS)
-        else:
-            ro, valid = _rows_at(idx_ptr, t, KSEL, j, end, tblrow, sb, sr, BLOCK_N, SPARSE, PAGED, LOG_BS)
-        kp = _k_pe(lat_ptr, ro, valid, KV, DR, FMT, DOT_DT)
-        s = tl.dot(kp, qpT, input_precision=PREC) * pe_scale              # [BLOCK_N, BLOCK_H]
-        if SUB == 1:
-            c0 = _sub_tile(lat_ptr, ro, valid, 0, KV, KB, FMT, DOT_DT, "")
-            sc = tl.dot(c0, qaT, input_precision=PREC)
-        else:
-            sc = tl.dot(_sub_tile(lat_ptr, ro, valid, 0, KV, KB, FMT, DOT_DT, "evict_last"),
-                        _q_sub(qa_ptr, th, hm, 0, KB, KV, DOT_DT), input_precision=PREC)
-            sc += tl.dot(_sub_tile(lat_ptr, ro, valid, 1, KV, KB, FMT, DOT_DT, "evict_last"),
-                         _q_sub(qa_ptr, th, hm, 1, KB, KV, DOT_DT), input_precision=PREC)
-            sc += tl.dot(_sub_tile(lat_ptr, ro, valid, 2, KV, KB, FMT, DOT_DT, "evict_last"),
-                         _q_sub(qa_ptr, th, hm, 2, KB, KV, DOT_DT), input_precision=PREC)
-            sc += tl.dot(_sub_tile(lat_ptr, ro, valid, 3, KV, KB, FMT, DOT_DT, "evict_last"),
-                         _q_sub(qa_ptr, th, hm, 3, KB, KV, DOT_DT), input_precision=PREC)
-        s = tl.where(valid[:, None], (s + sc * v_scale) * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[None, :])
-        l_i = l_i * alpha + tl.sum(p, 0)
-        pd = p.to(DOT_DT)
-        if SUB == 1:
-            acc0 = acc0 * alpha[None, :] + tl.dot(tl.trans(c0), pd, input_precision=PREC)
-        else:
-            c = _sub_tile(lat_ptr, ro, valid, 0, KV, KB, FMT, DOT_DT, "evict_first")
-            acc0 = acc0 * alpha[None, :] + tl.dot(tl.trans(c), pd, input_precision=PREC)
-            c = _sub_tile(lat_ptr, ro, valid, 1, KV, KB, FMT, DOT_DT, "evict_first")
-            acc1 = acc1 * alpha[None, :] + tl.dot(tl.trans(c), pd, input_precision=PREC)
-            c = _sub_tile(lat_ptr, ro, valid, 2, KV, KB, FMT, DOT_DT, "evict_first")
-            acc2 = acc2 * alpha[None, :] + tl.dot(tl.trans(c), pd, input_precision=PREC)
-            c = _sub_tile(lat_ptr, ro, valid, 3, KV, KB, FMT, DOT_DT, "evict_first")
-            acc3 = acc3 * alpha[None, :] + tl.dot(tl.trans(c), pd, input_precision=PREC)
-        m_i = m_new
-    has = l_i > 0.0
-    inv = tl.where(has, v_scale / tl.where(has, l_i, 1.0), 0.0)
-    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * _LN2, float("-inf"))
-    ob = o_ptr + (th * NSPLIT + sp)[None, :] * KV
-    kk = tl.arange(0, KB)[:, None]
-    tl.store(ob + kk, acc0 * inv[None, :], mask=hm[None, :])
-    if SUB != 1:
-        tl.store(ob + KB + kk, acc1 * inv[None, :], mask=hm[None, :])
-        tl.store(ob + 2 * KB + kk, acc2 * inv[None, :], mask=hm[None, :])
-        tl.store(ob + 3 * KB + kk, acc3 * inv[None, :], mask=hm[None, :])
-    tl.store(lse_ptr + th * NSPLIT + sp, lse, mask=hm)
 
 
 @triton.jit
@@ -346,32 +132,6 @@ def _mla_heads_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, po
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * _LN2, float("-inf"))
     tl.store(o_ptr + (th * NSPLIT + sp)[:, None] * KV + k[None, :], acc * inv[:, None], mask=hm[:, None])
     tl.store(lse_ptr + th * NSPLIT + sp, lse, mask=hm)
-
-
-@triton.jit
-def _combine_kernel(po_ptr, plse_ptr, o_ptr, lse_ptr, NSPLIT, KV: tl.constexpr, CB: tl.constexpr, SB: tl.constexpr):
-    """o = sum_i e^(lse_i - lse) o_i, lse = log sum_i e^lse_i over one (token, head)'s chunks, for CB of its
-    kv columns (grid: token x head, kv / CB); o stored in o_ptr's dtype. The partials are read SB chunks at
-    a time as one [SB, CB] tile (all loads of a tile in flight together, not one chunk after another)."""
-    i = tl.program_id(0).to(tl.int64)
-    k = tl.program_id(1) * CB + tl.arange(0, CB)
-    sp = tl.arange(0, SB)
-    mx = tl.full([], float("-inf"), tl.float32)
-    for s0 in range(0, NSPLIT, SB):
-        ls = tl.load(plse_ptr + i * NSPLIT + s0 + sp, mask=s0 + sp < NSPLIT, other=float("-inf"))
-        mx = tl.maximum(mx, tl.max(ls, 0))
-    mx = tl.where(mx == float("-inf"), 0.0, mx)
-    acc = tl.zeros([CB], dtype=tl.float32)
-    den = tl.zeros([], dtype=tl.float32)
-    for s0 in range(0, NSPLIT, SB):
-        m = s0 + sp < NSPLIT
-        w = tl.exp(tl.load(plse_ptr + i * NSPLIT + s0 + sp, mask=m, other=float("-inf")) - mx)
-        part = tl.load(po_ptr + (i * NSPLIT + s0 + sp)[:, None] * KV + k[None, :], mask=m[:, None], other=0.0)
-        acc += tl.sum(w[:, None] * part, 0)
-        den += tl.sum(w, 0)
-    tl.store(o_ptr + i * KV + k, acc / tl.where(den > 0.0, den, 1.0))
-    if tl.program_id(1) == 0:
-        tl.store(lse_ptr + i, tl.where(den > 0.0, mx + tl.log(den), float("-inf")))
 
 
 @triton.jit

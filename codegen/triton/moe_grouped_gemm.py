@@ -26,23 +26,12 @@ does not depend on the batch. Tiles are computed transposed (weights x tokens, s
 _moe_tiles.py): a decode tile of 16 tokens has BN weight rows as the MMA's M side (wgmma from 64 rows
 per warpgroup; below that, e.g. BN=64 on 2 warps, Triton issues mma.sync).
 
-Weights (w1, w3 [E, I, l]; w2 [E, l, I]) are either float tensors (bf16/fp16/fp32, cast to z's
-dtype per tile) or `PackedMXFP4` (packed u8 [E, N, K/2], low nibble = even element; scales u8
-E8M0 [E, N, K/32]), read as stored and dequantised in registers (config DEQ):
-  - "asm16" (bf16 activations, sm_90): the packed bytes read as int16 elements of four codes
-    (_moe_tiles.E2M1_ASM16: one shift and mask per field and a bf16x2 multiply by 2^(s-1) give code c
-    of two elements); K columns come out as four tiles (4j + c), the activations split alike.
-  - "asm" (bf16, sm_90): two bytes per PTX instance (_moe_tiles.E2M1_ASM), even and odd K columns.
-    In both, Triton moves the layout conversion onto the packed tile (cp.async to shared memory, then
-    narrow loads in the MMA operand layout): the decoded tile never passes through shared memory.
-  - "bytes" / "bytes16" (any target, the interpreter): the same bit placements in Triton ops; fp32
-    activations: magnitude -> bits 11..9 of an fp16 (value * 2^-14, exact), then fp32 * 2^(s-113).
-  - "dot_scaled" (sm_100 on): Triton's own upcast, tl.dot_scaled(.., "e2m1", z, None, "bf16") (the
-    block-scaled kind::mxf4 MMA needs fp8/fp4 activations, which would change the numerics).
-  Exact for scale bytes 0..240 (fp32), 0..128 (bf16; 1..254 when some byte exceeds 128: WIDE, an extra
-  multiply by 2^126); the NaN byte 255 is not propagated. Scale bytes are below cp.async's 4 bytes, so
-  they are plain loads in the K loop: SL=1 issues both weights' at the top of the step (latencies
-  overlap), SL=0 each after its weight tile; PF=1 adds an L1 prefetch of the next step's (CUDA only).
+Weights (w1, w3 [E, I, l]; w2 [E, l, I]) are float tensors or `PackedMXFP4`, read as stored and
+dequantised in registers by the decode that config DEQ names (formats, decodes and their exactness:
+_moe_host.py, whose `_kernel_weight` gives the kernels' W_FMT and WIDE; device code: _moe_tiles.py).
+Scale bytes are below cp.async's 4 bytes, so they are plain loads in the K loop: SL=1 issues both
+weights' at the top of the step (latencies overlap), SL=0 each after its weight tile; PF=1 adds an L1
+prefetch of the next step's (CUDA only). Host-side operand, storage and target helpers: _moe_host.py.
 H200, bf16, E=112, top-16, l=3584, I=3072 (bench_moe.py, 2026-11-29 session 3): decode T=64 reads 1.9 GB
 of MXFP4 weights (108 live experts) in 1.14 ms (asm16, BN=64 on 2 warps: mma.sync; 37% of the 4.51 TB/s
 read ceiling; 128-row wgmma tiles 1.37 ms = 31%; bf16 weights 92%): with a register-operand wgmma
@@ -63,14 +52,11 @@ import triton
 import triton.language as tl
 
 from codegen.kernel import KernelTemplate, Tunable, pow2_bucket
-from codegen.triton._moe_tiles import (DENSE, MX_ASM, MX_ASM16, MX_BYTES, MX_BYTES16, MX_DOT_SCALED, _glu,
-                                      _k_range, _load_bt, _locate_tile, _mma_step_t,
-                                      _step_scales, _swizzle)
+from codegen.triton._moe_host import (DEQ_MODES, _BYTE_DECODE, _TL, _fit_bk, _int16_view,  # noqa: F401
+                                      _kernel_weight, _weight, max_tiles, storage, target_cc)
+from codegen.triton._moe_tiles import (_glu, _k_range, _load_bt, _locate_tile, _mma_step_t, _step_scales,
+                                      _swizzle)
 from codegen.triton.moe_router import ExpertSegments, permute_tokens
-from ir.packed import PackedMXFP4
-
-DEQ_MODES = {"bytes": MX_BYTES, "dot_scaled": MX_DOT_SCALED, "asm": MX_ASM, "bytes16": MX_BYTES16, "asm16": MX_ASM16}
-_BYTE_DECODE = {"asm16": "asm", "bytes16": "bytes"}      # what a 16-bit-word decode falls back to
 
 
 @triton.jit
@@ -196,72 +182,6 @@ def _combine_splits_kernel(o_ptr, w_ptr, ids_ptr, y_ptr, T, E, ELL, stride_os, s
 
 
 # ------------------------------------------------------------------------------------------ host
-_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
-def _weight(w, name: str, shape: tuple) -> tuple[str, torch.Tensor, torch.Tensor | None]:
-    """('mxfp4', packed, scales) | ('dense', tensor, None), checking the logical shape [E, N, K]."""
-    if isinstance(w, PackedMXFP4):
-        fmt, q, s = "mxfp4", w.packed, w.scales
-        if q.stride(-1) != 1 or s.stride(-1) != 1:
-            raise ValueError(f"{name}: MXFP4 packed/scales must be contiguous along K")
-    elif isinstance(w, torch.Tensor) and w.is_floating_point():
-        fmt, q, s = "dense", (w if w.stride(-1) == 1 else w.contiguous()), None
-    else:
-        raise TypeError(f"{name}: expected a float tensor or PackedMXFP4, found {type(w).__name__}"
-                        f"{'' if not isinstance(w, torch.Tensor) else ' of ' + str(w.dtype)}")
-    if tuple(w.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected logical shape {list(shape)}, found {list(w.shape)}")
-    return fmt, q, s
-
-
-_WIDE_CACHE: dict = {}
-
-
-def _wide_scales(s: torch.Tensor) -> bool:
-    """True when some E8M0 byte exceeds 128 (a block scale above 2): the single-multiply bf16 decode
-    (factor 2^(s-1)) would overflow there, so the kernel multiplies twice. Checked once per tensor
-    version; while a CUDA graph is being captured an unchecked tensor is taken as wide."""
-    key = (s.data_ptr(), tuple(s.shape), s._version)
-    hit = _WIDE_CACHE.get(key)
-    if hit is None:
-        if s.is_cuda and torch.cuda.is_current_stream_capturing():
-            return True
-        hit = _WIDE_CACHE[key] = bool((s > 128).any())
-    return hit
-
-
-def _kernel_weight(fmt: str, q: torch.Tensor, s: torch.Tensor | None, deq: str, act_dtype):
-    """(W_FMT code, weight arg, scale arg, (stride_e, stride_n, scale stride_e, scale stride_n), WIDE)."""
-    if fmt == "dense":
-        return DENSE, q, q, (q.stride(0), q.stride(1), 0, 0), False
-    if deq not in DEQ_MODES:
-        raise ValueError(f"DEQ must be one of {sorted(DEQ_MODES)}, found {deq!r}")
-    code = DEQ_MODES[deq]
-    if code in (MX_DOT_SCALED, MX_ASM, MX_ASM16) and act_dtype != torch.bfloat16:
-        raise ValueError(f"DEQ={deq} needs bf16 activations, found {act_dtype}")
-    q16 = _int16_view(q) if code in (MX_BYTES16, MX_ASM16) else q      # 16-bit words: 4 codes an element
-    code, q = (code, q16) if q16 is not None else (DEQ_MODES[_BYTE_DECODE[deq]], q)
-    wide = act_dtype == torch.bfloat16 and code != MX_DOT_SCALED and _wide_scales(s)
-    return code, q, s, (q.stride(0), q.stride(1), s.stride(0), s.stride(1)), wide
-
-
-def _int16_view(q: torch.Tensor) -> torch.Tensor | None:
-    """Packed MXFP4 bytes [E, N, K/2] as int16 [E, N, K/4], or None when the storage is not 2-byte aligned."""
-    try:
-        return None if q.shape[-1] % 2 or q.data_ptr() % 2 else q.view(torch.int16)
-    except RuntimeError:        # a stride or the storage offset is odd
-        return None
-
-
-
-
-def max_tiles(pairs: int, experts: int, bm: int) -> int:
-    """Upper bound on the BM-row tiles of `pairs` routed pairs over `experts` experts:
-    Σ_e ceil(c_e / BM) <= floor((P + live·(BM-1)) / BM), live <= min(E, P) experts with tokens."""
-    return (pairs + min(experts, pairs) * (bm - 1)) // bm
-
-
 def expert_pair_outputs(z: torch.Tensor, ids: torch.Tensor, w1, w2, w3, act: str, beta1: float | None = None,
                         beta2: float | None = None, config: dict | None = None,
                         segments: ExpertSegments | None = None) -> tuple[torch.Tensor, ExpertSegments]:
@@ -364,39 +284,6 @@ GPU_SLOTS = 528             # 4 decode programs on each of the H200's 132 SMs (2
 DECODE_MAXNREG = 168        # the cap that fits 6 when the programs fill several waves (T=64: 1.11 vs 1.16 ms)
 
 
-def target_cc(target) -> int | None:
-    """Compute capability as major·10 + minor: from a target name ("h200": its triton-nvidia:sm_XX
-    backend), a dict/object with `compute_capability`, or (target None) the live GPU; None for CPU."""
-    if isinstance(target, str):
-        try:
-            from k31c.targets import get_target
-            backends = get_target(target).backends
-        except (ValueError, OSError):
-            return None
-        sms = [int(b.split("sm_")[1].rstrip("a")) for b in backends if b.startswith("triton-nvidia:sm_")]
-        return sms[0] if sms else None
-    cc = target.get("compute_capability") if isinstance(target, dict) else getattr(target, "compute_capability", None)
-    if cc is None:
-        if target is None and torch.cuda.is_available():
-            major, minor = torch.cuda.get_device_capability()
-            return major * 10 + minor
-        return None
-    if isinstance(cc, (tuple, list)):
-        return int(cc[0]) * 10 + int(cc[1])
-    return int(round(float(cc) * 10)) if float(cc) < 20 else int(cc)
-
-
-def storage(x) -> str:
-    """'mxfp4' | 'bf16' | 'f32' | 'f16' | other dtype name, for a tensor, a PackedMXFP4, a meta tensor
-    standing for a packed param (uint8 of the logical shape, as the compiler binds them) or a TensorType."""
-    if isinstance(x, PackedMXFP4):
-        return "mxfp4"
-    if isinstance(x, torch.Tensor):
-        return "mxfp4" if x.dtype == torch.uint8 else {torch.bfloat16: "bf16", torch.float32: "f32",
-                                                          torch.float16: "f16"}.get(x.dtype, str(x.dtype))
-    return getattr(getattr(x, "dtype", None), "name", type(x).__name__)
-
-
 def _key(T, E, K, ell, inter, mx: bool, dtype, attrs) -> dict:
     return {"T": int(T), "E": int(E), "K": int(K), "L": int(ell), "I": int(inter), "MX": int(mx),
             "BF16": int(dtype == torch.bfloat16), "BI": int(bool(attrs.get("batch_invariant", False)))}
@@ -412,12 +299,6 @@ def key_dims(a, attrs) -> dict:
 def bucket(key: dict) -> dict:
     """T to a power of two; in batch-invariant mode T is dropped: one config serves every batch."""
     return {**key, "T": 0 if key.get("BI") else pow2_bucket(key["T"])}
-
-
-def _fit_bk(bk: int, K: int, mx: bool) -> int:
-    while bk > (32 if mx else 16) and bk > K:
-        bk //= 2
-    return bk
 
 
 def heuristic(key: dict, target=None) -> dict:

@@ -96,6 +96,14 @@ def measure(name, fns, nbytes, budget, **extra):
         _save()
 
 
+def _summarize(tag, prev, new, best):
+    """The summary row of a case: previous path, new default and best variant (µs), and the speedup."""
+    DOC.setdefault("summary", {})[tag] = {"previous_us": prev["median_us"], "new_default_us": new and new["median_us"],
+                                          "best_us": best["median_us"], "best_config": best["config"],
+                                          "best_frac_bw": best.get("frac_of_measured_bw"),
+                                          "speedup_best": prev["median_us"] / best["median_us"]}
+
+
 def check(name, fn):
     try:
         DOC["checks"].append({"name": name, **fn()})
@@ -210,10 +218,7 @@ def sec_mla(T, budget, warm=None):
     if best is not None:
         check(f"{tag}_best_vs_float64", lambda: _mla_check(sets[0], best["config"]))
         if prev:
-            DOC.setdefault("summary", {})[tag] = {"previous_us": prev["median_us"], "new_default_us": new and new["median_us"],
-                                                  "best_us": best["median_us"], "best_config": best["config"],
-                                                  "best_frac_bw": best.get("frac_of_measured_bw"),
-                                                  "speedup_best": prev["median_us"] / best["median_us"]}
+            _summarize(tag, prev, new, best)
     del sets
     if not SMOKE:
         torch.cuda.empty_cache()
@@ -291,10 +296,7 @@ def sec_idx(T, budget, warm=None):
             config=base)], nbytes, budget, config=base)
         DOC.setdefault("summary", {})["indexer_graph_capture_without_max_context"] = m is not None
     if prev and best:
-        DOC.setdefault("summary", {})[tag] = {"previous_us": prev["median_us"], "new_default_us": new and new["median_us"],
-                                              "best_us": best["median_us"], "best_config": best["config"],
-                                              "best_frac_bw": best.get("frac_of_measured_bw"),
-                                              "speedup_best": prev["median_us"] / best["median_us"]}
+        _summarize(tag, prev, new, best)
     del sets
     if not SMOKE:
         torch.cuda.empty_cache()

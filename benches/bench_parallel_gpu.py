@@ -56,7 +56,7 @@ import torch.distributed as dist  # noqa: E402
 
 from benches._parallel_tools import generic_merge, profile_step  # noqa: E402
 from benches._report import BenchReport  # noqa: E402
-from benches.bench_runtime_gpu import device_weights, fill_random, rel  # noqa: E402
+from benches.bench_runtime_gpu import device_weights, fill_random, graph_and_eager, rel  # noqa: E402
 from k31c.parallel.launch import add_launch_args, launch_main  # noqa: E402
 from k31c.parallel.serving import ParallelLayout  # noqa: E402
 
@@ -299,7 +299,7 @@ def decode(b: Bench):
                          "min_ms": ts[0], "graphs": graphs, "cache_blocks_per_request": len(rt.blocks_of("r0"))}
                     if graphs:
                         m["graph_stats"] = rt.stats()
-                        m["graph_vs_eager_rel_err"] = graph_vs_eager(rt, toks)
+                        m["graph_vs_eager_rel_err"] = rel(*graph_and_eager(rt, toks))
                         for r in rt.requests.values():
                             r.length = start
                     if b.args.profile:
@@ -309,19 +309,6 @@ def decode(b: Bench):
                     b.record(m)
             del rt
             b.free()
-
-
-def graph_vs_eager(rt, toks) -> float:
-    """One decode step eagerly, then the same step (states restored, lengths back) replayed from its graph:
-    relative error of the graph's logits against the eager ones (the capture check under collectives)."""
-    snap = {rid: rt.snapshot_state(rid) for rid in toks}
-    rt.use_graphs = False
-    eager = rt.decode(toks)
-    for rid, st in snap.items():
-        rt.restore_state(rid, st)
-        rt.requests[rid].length -= 1
-    rt.use_graphs = True
-    return rel(rt.decode(toks), eager)
 
 
 def merge(b: Bench):

@@ -140,6 +140,19 @@ def time_ms(fn, n: int, device) -> list[float]:
     return out
 
 
+def graph_and_eager(rt, toks, graphs: bool = True):
+    """(graph logits, eager logits) of one decode step: eagerly first, then the same step (KDA states
+    restored, lengths back) replayed from its CUDA graph (`graphs`; off the GPU both are eager)."""
+    snap = {rid: rt.snapshot_state(rid) for rid in toks}
+    rt.use_graphs = False
+    eager = rt.decode(toks)
+    for rid, st in snap.items():
+        rt.restore_state(rid, st)
+        rt.requests[rid].length -= 1
+    rt.use_graphs = graphs
+    return rt.decode(toks), eager
+
+
 def rel(a, b) -> float:
     a, b = a.double().cpu(), b.double().cpu()
     return float((a - b).norm() / b.norm()) if torch.isfinite(a).all() else float("nan")
@@ -255,14 +268,7 @@ def main():
         ctx, b = contexts[0], min(8, max(batches))
         rt = runtime(ctx, b)
         toks = {f"r{i}": (5 * i + 1) % cfg.vocab_size for i in range(b)}
-        snap = {rid: rt.snapshot_state(rid) for rid in rt.requests}
-        rt.use_graphs = False
-        eager = rt.decode(toks)
-        for rid, s in snap.items():
-            rt.restore_state(rid, s)
-            rt.requests[rid].length -= 1
-        rt.use_graphs = cuda
-        graph = rt.decode(toks)
+        graph, eager = graph_and_eager(rt, toks, graphs=cuda)
         doc["graph_check"] = {"context": ctx, "batch": b, "rel_err_graph_vs_eager": rel(graph, eager),
                               "bitwise_equal": bool(torch.equal(graph, eager)), "runtime_stats": rt.stats(),
                               "overlapped_nodes": rt.interp.stats()["overlapped_nodes"]}

@@ -32,42 +32,38 @@ from __future__ import annotations
 import json
 
 from ir.core import Module
+from k31c.model.build import METADATA_INPUTS
 from k31c.runtime.block_layout import POOL_SECTIONS, SLOT_POOLS, LayoutError, layout_for_pools
 
 from .base import PassContext, PassError
 
 NAME = "plan_cache_layout"
-METADATA = ("tokens", "token_pos", "token_req", "cu_seqlens", "block_table", "state_slot")
 # IR dtype name -> the layout's dtype name
 _LAYOUT_DTYPE = {"f8e4m3": "e4m3", "u8": "u8", "bf16": "bf16", "f16": "f16", "f32": "f32", "f64": "f64"}
 
 
-def pool_signature(module: Module) -> dict[str, str]:
-    """Pool name -> its type text, identical for every entry function that takes pools (PassError if not)."""
-    sig, first = None, None
-    for fn in module.functions.values():
-        names = [v.name for v in fn.inputs]
-        if tuple(names[:len(METADATA)]) != METADATA:
-            continue  # not a step function (no step metadata)
-        pools = {v.name: str(v.type) for v in fn.inputs[len(METADATA):]}
-        if sig is None:
-            sig, first = pools, fn.name
-        elif pools != sig:
-            diff = sorted(k for k in set(pools) | set(sig) if pools.get(k) != sig.get(k))
-            raise PassError(f"{NAME}: @{fn.name} and @{first} take different cache pools: "
-                            + ", ".join(f"%{k}: {pools.get(k, 'absent')} vs {sig.get(k, 'absent')}" for k in diff[:4]))
-    return sig or {}
+def step_functions(module: Module) -> list:
+    """The entry functions that take the step metadata (and then the cache pools)."""
+    n = len(METADATA_INPUTS)
+    return [f for f in module.functions.values() if tuple(v.name for v in f.inputs[:n]) == METADATA_INPUTS]
 
 
 def run(module: Module, ctx: PassContext) -> int:
-    pool_signature(module)  # the preconditions: one pool signature for every step function
-    fn = next((f for f in module.functions.values()
-               if tuple(v.name for v in f.inputs[:len(METADATA)]) == METADATA), None)
-    if fn is None:
+    steps = step_functions(module)
+    if not steps:
         return 0
+    n = len(METADATA_INPUTS)
+    fn, pools = steps[0], steps[0].inputs[n:]
+    sig = {v.name: str(v.type) for v in pools}
+    for other in steps[1:]:  # precondition: one pool signature for every step function
+        got = {v.name: str(v.type) for v in other.inputs[n:]}
+        if got != sig:
+            diff = sorted(k for k in set(got) | set(sig) if got.get(k) != sig.get(k))
+            raise PassError(f"{NAME}: @{other.name} and @{fn.name} take different cache pools: "
+                            + ", ".join(f"%{k}: {got.get(k, 'absent')} vs {sig.get(k, 'absent')}" for k in diff[:4]))
     bs = int(module.attrs.get("block_size", 1))
     block_pools, slot_pools, flat = [], [], []
-    for v in fn.inputs[len(METADATA):]:
+    for v in pools:
         shape, lead = v.type.shape, str(v.type.shape[0])
         dt = _LAYOUT_DTYPE.get(v.type.dtype.name)
         prefix = v.name.rpartition(".")[0]

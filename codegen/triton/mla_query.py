@@ -13,8 +13,8 @@ Math, per token t (fp32 in registers):
     latent    = [c ; kv_a[t, kv:]], rounded to kv_a's dtype (the body's concat is held in it), then
                 stored in the pool's dtype at row(token_req[t], token_pos[t]) =
                 block_table[req, pos // bs] * bs + pos % bs (`_paging`).
-FP8 pools (f8e4m3, the plan's per-layer scale 1): saturate to +-448, round to nearest even, encoded
-by hand on the fp32 bits so the byte is the same on a GPU and in the interpreter (the body's `cast`).
+FP8 pools (f8e4m3, the plan's per-layer scale 1): saturate to +-448, then `norm_quant.e4m3_code` (round to
+nearest even on the fp32 bits, the same byte on a GPU and in the interpreter; the body's `cast`).
 NVFP4 latent pools never reach this op (the pass only fuses a plain or cast latent; the NVFP4 graph
 quantises with `quantize_latent_nvfp4` and stays unfused); `supports` declines any other pool dtype.
 
@@ -35,6 +35,7 @@ import triton.language as tl
 from codegen.kernel import KernelTemplate, Tunable, pow2_bucket
 from codegen.triton._paging import paging_args, pool_strides, row_offsets, rows_of
 from codegen.triton.gemm import dot_numerics, gemm_tile, gemv_tile
+from codegen.triton.norm_quant import e4m3_code
 
 OPERANDS = ("c_q", "q_b", "kv_a", "kv_norm_w", "latent_pool", "token_req", "token_pos", "block_table")
 FLOAT_POOLS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16", torch.float64: "f64"}
@@ -43,21 +44,9 @@ PLAIN = ("f32", "bf16", "f16", "f64")
 
 
 @triton.jit
-def e4m3_code(v):
-    """int32 e4m3fn bit patterns (0..255) of fp32 v: clamp to +-448, round half to even (SPEC §7)."""
-    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-    a = tl.abs(v)
-    ex = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # subnormals share 2^-6's step
-    steps = a * ((3 - ex + 127) << 23).to(tl.float32, bitcast=True)  # a / 2^(ex-3), exact, < 16
-    r = (steps + 8388608.0) - 8388608.0  # round half to even at integer resolution
-    code = r.to(tl.int32) + (ex + 6) * 8  # r == 16 carries into the next exponent
-    return code | ((v.to(tl.int32, bitcast=True) >> 24) & 0x80)
-
-
-@triton.jit
 def _store_latent(dst, vals, mask, FP8: tl.constexpr):
     if FP8:
-        tl.store(dst, e4m3_code(vals).to(tl.uint8), mask=mask)
+        tl.store(dst, e4m3_code(tl.minimum(tl.maximum(vals, -448.0), 448.0)).to(tl.uint8), mask=mask)  # saturate
     else:
         tl.store(dst, vals.to(dst.dtype.element_ty), mask=mask)
 

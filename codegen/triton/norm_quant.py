@@ -53,6 +53,18 @@ def _pow2_from_exponent(e):
 
 
 @triton.jit
+def e4m3_code(v):
+    """int32 e4m3fn bit patterns (0..255) of fp32 v, |v| <= 448: round half to even, exact on the fp32 bits
+    (the same byte on a GPU and in the interpreter)."""
+    a = tl.abs(v)
+    ex = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # subnormals share 2^-6's step
+    steps = a * _pow2_from_exponent(3 - ex)  # a / 2^(ex-3), exact, < 16
+    r = (steps + 8388608.0) - 8388608.0  # round half to even at integer resolution
+    code = r.to(tl.int32) + (ex + 6) * 8  # r in 0..16; r == 16 carries into the next exponent
+    return code | ((v.to(tl.int32, bitcast=True) >> 24) & 0x80)  # sign bit
+
+
+@triton.jit
 def _quantize_rows(y, col_ok, AMAX_FLOOR: tl.constexpr):
     """(bytes int32 [BR, BD] in 0..255 (e4m3fn bit patterns), scale fp32 [BR]) per row of y."""
     y = tl.where(col_ok, y.to(tl.float32), 0.0)
@@ -61,14 +73,7 @@ def _quantize_rows(y, col_ok, AMAX_FLOOR: tl.constexpr):
     e = ((ab >> 23) & 0xFF) - 127 - 8 + ((ab & 0x7FFFFF) > 0x600000).to(tl.int32)
     scale = _pow2_from_exponent(e)
     v = y * _pow2_from_exponent(-e)[:, None]  # exact: multiplication by a power of two
-    vb = v.to(tl.int32, bitcast=True)
-    a = tl.abs(v)
-    ex = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # subnormals share 2^-6's step
-    steps = a * _pow2_from_exponent(3 - ex)  # a / 2^(ex-3), exact, < 16
-    r = (steps + 8388608.0) - 8388608.0  # round half to even at integer resolution
-    code = r.to(tl.int32) + (ex + 6) * 8  # r in 0..16; r == 16 carries into the next exponent
-    code = code | ((vb >> 24) & 0x80)  # sign bit
-    return code, scale
+    return e4m3_code(v), scale
 
 
 @triton.jit

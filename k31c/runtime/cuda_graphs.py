@@ -34,6 +34,7 @@ from typing import Mapping, Sequence
 import torch
 
 from ir.ref.paging import cache_rows, write_rows
+from k31c.parallel.dcp_graph import GRAPH_SAFE as DCP_GRAPH_SAFE
 
 from .reference import ReferenceRuntime
 from .step_metadata import StepMetadataBuilder, check_step
@@ -70,15 +71,9 @@ def _cache_write_no_sync(a, at):
     return write_rows(a.pool, rows, a.values, bs, a.values.dim() - 1)
 
 
-def _graph_safe_references() -> dict:
-    """cache_write, and the DCP references with static shapes (`k31c.parallel.dcp_graph`): a TP / DCP decode
-    step is captured with its collectives (NCCL) inside the graph."""
-    from k31c.parallel.dcp_graph import GRAPH_SAFE as DCP
-
-    return {"cache_write": _cache_write_no_sync, **DCP}
-
-
-GRAPH_SAFE_REFERENCE = _graph_safe_references()
+# cache_write, and the DCP references with static shapes: a TP / DCP decode step is captured with its
+# collectives (NCCL) inside the graph
+GRAPH_SAFE_REFERENCE = {"cache_write": _cache_write_no_sync, **DCP_GRAPH_SAFE}
 
 
 @dataclass

@@ -2,16 +2,17 @@
 document on stdout and in $OUT/attention_decode.json (rewritten after every measurement: a killed run keeps
 what it measured).
 
-    python benches/bench_attention_decode.py [--budget-s 150]
+    python benches/bench_attention_decode.py [--budget-s 130] [--sections idx_b32,long]   # 130: a 170-s call
     BENCH_SMOKE=1 python benches/bench_attention_decode.py     # CPU interpreter, tiny shapes: every path once
 
-Sections (bf16 activations, FP8 caches, paged pools of 64-row blocks in random order):
+Sections, in this order (bf16 activations, FP8 caches, paged pools of 64-row blocks in random order):
   hbm      copy (read + write) and streaming-read bandwidth; the larger is the floor's bandwidth
-  mla_b1   sparse MLA, 1 token, 12 heads, top-2048 rows of an 8K context (the runtime's form="latent" call:
-           selection as pool rows), 16 input sets rotated so rows come from HBM, not L2
+  idx_b32  indexer, 32 tokens, context 128K
   idx_b1   indexer (rows out), 1 token, context 8192, 32 x 128 heads, top-2048, 48 input sets rotated
   mla_b64  sparse MLA, 64 tokens, top-2048 of 8K contexts
-  idx_b32  indexer, 32 tokens, context 128K
+  mla_b1   sparse MLA, 1 token, 12 heads, top-2048 rows of an 8K context (the runtime's form="latent" call:
+           selection as pool rows), 16 input sets rotated so rows come from HBM, not L2
+  long     one token at 32K / 128K / 1M: indexer + sparse MLA vs dense MLA, measured time and byte ratios
 Each section times the previous path (the previous heuristic's config; for MLA also its einsum + fp32 +
 cast launcher) and the new kernels over a sweep of configs, all as CUDA-graph replays of the whole launcher
 (device time, as the runtime's graphs run them), and checks the new default's results: MLA o~ / lse vs
@@ -173,20 +174,14 @@ def _mla_check(d, cfg):
 
 
 def _mla_variants(T):
+    """The heuristic's config first, then the runner-up configs of the session-5/6 sweeps (ORIENT 1)."""
     from codegen.triton.mla_sparse import heuristic
     base = heuristic({"H": 12, "L": 2048, "KV": 512, "fmt": 1, "sparse": 1, "T": T, "bi": 0}, "cpu" if SMOKE else "h200")
     if SMOKE:
         return base, [base]
-    chunks = (32, 64, 128) if T == 1 else (128, 256, 1024)
-    out = [base]
-    for bn, w, st, pf in ((32, 4, 2, 1), (32, 4, 1, 1), (32, 4, 3, 1), (16, 4, 2, 1), (64, 4, 2, 1), (32, 8, 2, 1),
-                          (64, 8, 2, 1), (32, 4, 1, 2), (16, 4, 1, 2), (32, 8, 1, 2), (64, 8, 1, 2)):
-        for ch in chunks:
-            c = dict(base, BLOCK_N=bn, num_warps=w, num_stages=st, PREFETCH=pf, CHUNK=max(ch, bn))
-            if c not in out:
-                out.append(c)
-    out.append(dict(base, PREFETCH=0))
-    return base, out
+    alt = [dict(base, BLOCK_N=32, num_warps=4, num_stages=1, CHUNK=32)] if T == 1 else \
+        [dict(base, CHUNK=512), dict(base, CHUNK=128)]
+    return base, [base] + alt
 
 
 def sec_mla(T, budget, warm=None):
@@ -226,30 +221,37 @@ def sec_mla(T, budget, warm=None):
 
 # ------------------------------------------------------------------------------------------ indexer
 def _idx_prev(L, T):
-    """The previous heuristic: per-tile top-KT candidates (tl.topk), witnesses, rescore + second merge."""
-    from codegen.triton.indexer_topk import default_kt
+    """The session-5 heuristic (committed before session 6): DOT 0 (bf16 dots), no prefetch, no pre-selection."""
+    from codegen.triton.indexer_topk import default_kt_pairs
     nt = -(-L // 128)
-    return dict(BLOCK_N=128, KT=default_kt(128, 2048, L), SPLITS=max(1, min(max(1, nt // 4), round(8 * 132 / T))),
-                num_warps=4, num_stages=3, CAND=0, DOT=0, MERGE_TILE=2048)
+    if L <= 8 * 2048:
+        return dict(BLOCK_N=128, KT=128, SPLITS=max(1, min(nt, round(8 * 132 / T))), num_warps=4, num_stages=3,
+                    CAND=0, DOT=0, MERGE_TILE=2048)
+    return dict(BLOCK_N=128, KT=default_kt_pairs(128, 2048, L), SPLITS=max(1, min(max(1, nt // 4), round(8 * 132 / T))),
+                num_warps=4, num_stages=4, CAND=1, DOT=0, MERGE_TILE=2048)
 
 
 def _idx_variants(T, L, K):
-    from codegen.triton.indexer_topk import default_kt, default_kt_pairs, heuristic
+    """The heuristic's config first, then the session-6 variants, most informative first (a budget cut keeps
+    them): FILTER 1 (parallel 22-bit pre-selection: the serial merges run over its survivors), PREFETCH 1
+    (next tile in flight), DOT 3 (fp16 dots, e4m3 exact: one cvt per two codes) at num_stages 1 (fewer
+    registers), fewer candidates (KT 16), more programs."""
+    from codegen.triton.indexer_topk import default_kt_pairs, heuristic
     base = heuristic({"T": T, "L": L, "K": K, "HI": 32, "DI": 128}, "cpu" if SMOKE else "h200")
     if SMOKE:
-        return base, [base]
-    out = [base]
+        return base, [base, dict(base, DOT=3, PREFETCH=1, FILTER=1, FILTER_PARTS=4, MERGE_WARPS=4)]
+    f = dict(base, DOT=3, num_stages=1)
     if T == 1:
         nt = L // 128
-        out += [dict(base, MERGE_TILE=4096), dict(base, MERGE_TILE=8192), dict(base, num_warps=8),
-                dict(base, SPLITS=nt // 2), dict(base, num_stages=2),
-                dict(base, BLOCK_N=64, KT=64, SPLITS=2 * nt), dict(base, BLOCK_N=256, KT=256, SPLITS=nt // 2, num_warps=8)]
+        out = [dict(f, FILTER=1, FILTER_PARTS=8), dict(f, FILTER=1, FILTER_PARTS=16), dict(f, FILTER=1, FILTER_PARTS=32),
+               dict(f, FILTER=1, FILTER_PARTS=16, MERGE_TILE=4096), f, dict(f, BLOCK_N=64, KT=64, SPLITS=2 * nt)]
     else:
-        kp = base["KT"]
-        out += [dict(base, num_stages=3), dict(base, KT=2 * kp), dict(base, SPLITS=2 * base["SPLITS"]),
-                dict(base, num_warps=8), dict(base, CAND=0, KT=default_kt(128, K, L)),
-                dict(base, BLOCK_N=256, KT=default_kt_pairs(256, K, L), num_warps=8), dict(base, MERGE_TILE=4096)]
-    return base, out
+        sp, kp = base["SPLITS"], default_kt_pairs(64, K, L)
+        out = [dict(f, PREFETCH=1, FILTER=1), dict(f, FILTER=1), dict(f, PREFETCH=1), f,
+               dict(f, PREFETCH=1, FILTER=1, KT=16), dict(f, PREFETCH=1, FILTER=1, SPLITS=2 * sp),
+               dict(f, PREFETCH=1, FILTER=1, FILTER_PARTS=64), dict(f, PREFETCH=1, FILTER=1, BLOCK_N=64, KT=kp, SPLITS=2 * sp),
+               dict(base, num_stages=1, PREFETCH=1, FILTER=1)]
+    return base, [base] + [c for c in out if c != base]
 
 
 def sec_idx(T, budget, warm=None):
@@ -285,6 +287,9 @@ def sec_idx(T, budget, warm=None):
                 best = m
     if best is not None and best is not new:
         check(f"{tag}_best_vs_ir_reference", lambda: ba._indexer_check(sets[0], K, best["config"]))
+    for i, cfg in enumerate(variants[1:]):   # every variant's selection (exactness first)
+        if T == 1 or SMOKE or cfg.get("FILTER") or i < 3:
+            check(f"{tag}_sweep{i}_vs_ir_reference", lambda: ba._indexer_check(sets[0], K, cfg))
     if best is not None:
         measure(f"{tag}_best_score_pass_only", [call(d, best["config"], stop_after="score") for d in sets], nbytes, budget,
                 config=best["config"])
@@ -302,13 +307,54 @@ def sec_idx(T, budget, warm=None):
         torch.cuda.empty_cache()
 
 
-SECTIONS = (("mla", 1), ("idx", 1), ("mla", 64), ("idx", 32))
+# --------------------------------------------------------------------------------- long context
+def sec_long(budget):
+    """One decode token at context L = 32K, 128K, 1M: the K3.1 Pro step (indexer emitting rows + sparse MLA
+    over the top-2048 rows) vs K3's dense MLA over all L rows, default configs, measured times and the byte
+    ratio (DESIGN T2 claims ~23% of dense bytes at long context)."""
+    from codegen.triton.indexer_topk import indexer_topk
+    from codegen.triton.mla_sparse import mla_sparse_decode
+    K = 64 if SMOKE else 2048
+    for L in ((512,) if SMOKE else (32768, 131072, 1 << 20)):
+        if _left(budget) < 15:
+            DOC["skipped"].append(f"long_L{L}")
+            continue
+        n_sets = 1 if SMOKE or L > 131072 else (4 if L <= 32768 else 2)   # rotated past L2 where they fit
+        di = [ba._indexer_inputs(1, L, seed=300 + i) for i in range(n_sets)]
+        dm = [ba._mla_inputs(1, 12, K, L, "fp8", seed=400 + i, raw=True) for i in range(n_sets)]
+        for d in dm:
+            d["rows"] = ba._all_rows(d["tbl"], L).gather(1, d["sels"][0])
+
+        def idx(d):
+            return lambda: indexer_topk(d["q8"], d["qs"], d["w"], d["keys"], d["ks"], d["pos"], d["req"], d["tbl"], BS, K,
+                                        output="rows", max_context=L)
+
+        def mla(d, sparse):
+            return lambda: mla_sparse_decode(d["qn"], d["qp"], d["pool"], d["kvb"], d["pos"], d["req"], d["tbl"], BS,
+                                             SCALE, d["rows"] if sparse else None, latent_format="fp8",
+                                             latent_scale=d["ls"], selection_rows=sparse, latent_out=True,
+                                             max_context=None if sparse else L)
+        b_idx, b_sp, b_dn = ba._indexer_bytes(di[0], K), K * 584, L * 584
+        mi = measure(f"long_L{L}_indexer_rows", [idx(d) for d in di], b_idx, budget)
+        ms = measure(f"long_L{L}_sparse_mla_top{K}", [mla(d, True) for d in dm], b_sp, budget)
+        md = measure(f"long_L{L}_dense_mla", [mla(d, False) for d in dm], b_dn, budget)
+        if mi and ms and md:
+            DOC.setdefault("summary", {})[f"long_L{L}"] = {
+                "indexer_us": mi["median_us"], "sparse_mla_us": ms["median_us"], "dense_mla_us": md["median_us"],
+                "time_ratio_sparse_step_vs_dense": (mi["median_us"] + ms["median_us"]) / md["median_us"],
+                "byte_ratio_sparse_step_vs_dense": (b_idx + b_sp) / b_dn}
+        del di, dm
+        if not SMOKE:
+            torch.cuda.empty_cache()
+
+
+SECTIONS = (("idx", 32), ("idx", 1), ("mla", 64), ("mla", 1))
 WARM_N = 3          # compile processes per section
-WARM_CAP_S = 70     # measuring starts by then (anything not compiled yet compiles on first use)
+WARM_CAP_S = 55     # measuring starts by then (anything not compiled yet compiles on first use)
 
 
 def main():
-    budget = float(sys.argv[sys.argv.index("--budget-s") + 1]) if "--budget-s" in sys.argv else 150.0
+    budget = float(sys.argv[sys.argv.index("--budget-s") + 1]) if "--budget-s" in sys.argv else 130.0
     if "--warm" in sys.argv:   # compile-only helper: one section's variants on small inputs
         kind, T, k, n = sys.argv[sys.argv.index("--warm") + 1].split(":")
         (sec_mla if kind == "mla" else sec_idx)(int(T), budget, warm=(int(k), int(n)))
@@ -319,7 +365,8 @@ def main():
     # compile every variant first in parallel processes (Triton's disk cache), then measure on a quiet GPU
     warm = [] if SMOKE else [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm", f"{kind}:{T}:{k}:{WARM_N}"],
                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                             for kind, T in SECTIONS for k in range(WARM_N)]
+                             for kind, T in SECTIONS for k in range(WARM_N)
+                             if "--sections" not in sys.argv or f"{kind}_b{T}" in sys.argv[sys.argv.index("--sections") + 1]]
     for p in warm:
         try:
             p.wait(timeout=max(1.0, T0 + WARM_CAP_S - time.time()))
@@ -330,11 +377,19 @@ def main():
         sec_hbm()
     except Exception as e:  # noqa: BLE001
         DOC["errors"].append(f"hbm: {e!r}")
+    only = sys.argv[sys.argv.index("--sections") + 1].split(",") if "--sections" in sys.argv else None
     for kind, T in SECTIONS:
+        if only is not None and f"{kind}_b{T}" not in only:
+            continue
         try:
             (sec_mla if kind == "mla" else sec_idx)(T, budget)
         except Exception as e:  # noqa: BLE001
             DOC["errors"].append(f"{kind} T={T}: {e!r}\n{traceback.format_exc()[-1500:]}")
+    try:
+        if only is None or "long" in only:
+            sec_long(budget)
+    except Exception as e:  # noqa: BLE001
+        DOC["errors"].append(f"long: {e!r}\n{traceback.format_exc()[-1500:]}")
     DOC["seconds"] = time.time() - T0
     print(_save())
 

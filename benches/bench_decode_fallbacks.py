@@ -1,7 +1,10 @@
-"""H200 bench of the kernels that replace the decode step's reference fallbacks (issue 7): `fused.mla_query`
-(codegen/triton/mla_query.py), `situ_glu` (codegen/triton/glu.py), and the candidates `add` (glu.py) and
-`embedding` (codegen/triton/embedding.py), at the one-GPU rank preset's decode shapes (benches/
-bench_runtime_gpu.py `rank_config`), batch 1 and 8, bf16.
+"""H200 bench of the decode step's small kernels (issue 7): `fused.mla_query` (codegen/triton/mla_query.py),
+`situ_glu` (codegen/triton/glu.py), the candidates `add` (glu.py) and `embedding` (embedding.py), and the small
+fused kernels `fused.attn_res_mix_norm` (attn_res.py), `fused.latent_moe_tail` (moe_tail.py),
+`fused.indexer_front` and `rms_norm` (norm_quant.py), `fused.value_gate` (value_gate.py): old config/path vs
+the new decode paths, at the one-GPU rank preset's decode shapes (benches/bench_runtime_gpu.py
+`rank_config`), batch 1 and 8, bf16. Weight-streaming kernels rotate over copies of their weight (> 50 MB
+in all) so L2 does not serve a replay what the decode step reads from HBM.
 
 For every kernel: correctness against the reference it replaces (the fused node's unfused body run by the
 executor's reference path, graph-safe; the op's torch reference), then device time per launch inside a
@@ -11,7 +14,7 @@ way and torch.compile of the reference (when the time budget allows). Bytes = wh
 write once; floor = bytes / measured copy bandwidth.
 
 One JSON document to stdout and $OUT/decode_fallbacks.json (rewritten after every section).
-Usage: python benches/bench_decode_fallbacks.py [--budget SECONDS]; on a machine without CUDA it runs
+Usage: python benches/bench_decode_fallbacks.py [--budget SECONDS] [--sections a,b,..]; on a machine without CUDA it runs
 the same logic in the Triton interpreter at k31-tiny shapes (a logic check, times meaningless).
 """
 
@@ -37,6 +40,12 @@ from benches._report import BenchReport, copy_bandwidth_GBps, graph_ms  # noqa: 
 from codegen.triton import embedding as emb  # noqa: E402
 from codegen.triton import glu  # noqa: E402
 from codegen.triton import mla_query as mq  # noqa: E402
+from codegen.triton import attn_res as ar  # noqa: E402
+from codegen.triton import moe_tail as mt  # noqa: E402
+from codegen.triton import norm_quant as nq  # noqa: E402
+from codegen.triton import indexer_front as fr  # noqa: E402
+from codegen.triton import value_gate as vg  # noqa: E402
+from ir import formats  # noqa: E402
 from ir.core import Module  # noqa: E402
 from ir.ref.basic import situ_glu  # noqa: E402
 from k31c.model.build import BuildOptions, build_module  # noqa: E402
@@ -48,6 +57,7 @@ DEV = "cuda" if CUDA else "cpu"
 DT = torch.bfloat16 if CUDA else torch.float32
 TARGET = "h200" if CUDA else "cpu"
 BUDGET = float(sys.argv[sys.argv.index("--budget") + 1]) if "--budget" in sys.argv else 150.0
+SECTIONS = sys.argv[sys.argv.index("--sections") + 1].split(",") if "--sections" in sys.argv else None
 REPS = 20 if CUDA else 1
 CONTEXT = 8192 if CUDA else 128  # k31-tiny's blocks hold 64 rows
 BATCHES = (1, 8)
@@ -70,17 +80,48 @@ def rel(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
+_TIMING: list = []
+
+
 def graph_us(fn) -> float:
-    """Device µs per call of fn: REPS calls captured in one CUDA graph, median of 15 replays / REPS
-    (cpu: one timed call)."""
+    """Device µs per call of fn (or of each of a list of calls, rotated: one per weight copy): >= REPS calls
+    captured in one CUDA graph, median of 15 replays / calls (cpu: one timed call). Refuses to be nested
+    (a timing inside a captured call would capture a capture)."""
+    calls = list(fn) if isinstance(fn, (list, tuple)) else [fn]
+    if _TIMING:
+        raise RuntimeError("graph_us called inside a timed call: time the launch, not a timing")
+    _TIMING.append(True)
+    try:
+        if not CUDA:
+            calls[0]()
+            t = time.perf_counter()
+            calls[0]()
+            return (time.perf_counter() - t) * 1e6
+        for _ in range(2):
+            for c in calls:
+                c()
+        return graph_ms(calls * max(1, -(-REPS // len(calls))), reps=15) * 1e3
+    finally:
+        _TIMING.pop()
+
+
+def eager_us(calls) -> float:
+    """Median µs per call of the calls run eagerly (host launch overhead included), for references that
+    cannot be captured in a CUDA graph (cpu: graph_us)."""
     if not CUDA:
-        fn()
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e6
-    for _ in range(2):
-        fn()
-    return graph_ms([fn] * REPS, reps=15) * 1e3
+        return graph_us(calls)
+    for c in calls:
+        c()
+    ts = []
+    for _ in range(7):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for c in calls:
+            c()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3 / len(calls))
+    return sorted(ts)[3]
 
 
 def record(name: str, us: float, nbytes: int, peer_us: float | None = None, **extra) -> dict:
@@ -93,9 +134,10 @@ def record(name: str, us: float, nbytes: int, peer_us: float | None = None, **ex
     return m
 
 
-def sweep(name, configs, run_fn, check_fn, nbytes, peer_us, **extra) -> dict:
+def sweep(name, configs, run_fn, check_fn, nbytes, peer_us, rotate=None, **extra) -> dict:
     """Time each config (a failing or wrong one is reported and skipped; configs[0] is the declared
-    heuristic): {"best": fastest record, "heuristic": the heuristic's record}."""
+    heuristic): {"best": fastest record, "heuristic": the heuristic's record}. rotate(cfg): the list of
+    calls to rotate through (one per weight copy) instead of run_fn(cfg) alone."""
     best, heur = None, None
     for i, cfg in enumerate(configs):
         if over():
@@ -103,7 +145,7 @@ def sweep(name, configs, run_fn, check_fn, nbytes, peer_us, **extra) -> dict:
             break
         try:
             err = check_fn(cfg)
-            us = graph_us(lambda: run_fn(cfg))
+            us = graph_us(rotate(cfg) if rotate else (lambda: run_fn(cfg)))
             m = record(name, us, nbytes, peer_us, config=cfg, rel_err=err, heuristic=i == 0, **extra)
             heur = m if i == 0 else heur
             if best is None or m["median_us"] < best["median_us"]:
@@ -141,6 +183,8 @@ def build():
         st[latent] = next(n for n in fn.nodes if n.op == "fused.mla_query")
         st["glu_widths"] = sorted({int(n.inputs[0].type.shape[-1]) for n in fn.nodes if n.op == "situ_glu"})
         st["glu_attrs"] = next(dict(n.attrs) for n in fn.nodes if n.op == "situ_glu")
+        if latent == "f8e4m3":
+            st["nodes"] = fn.nodes
     doc["preset"] = {"name": cfg.name, "hidden": cfg.hidden_size, "glu_widths": st["glu_widths"],
                      "mla_query_attrs": {k: v for k, v in st["f8e4m3"].attrs.items() if k != "overlap"}}
 
@@ -280,8 +324,8 @@ def situ_glu_section():
                 return err
 
             heur = SITU.heuristic(SITU.key_dims(NS(a=a, u=u), attrs), TARGET)
-            cfgs = [heur] + ([{"BLOCK_R": 1, "BLOCK_C": bc, "num_warps": w} for bc in (512, 1024, 2048, 4096)
-                              for w in (1, 2, 4, 8)] if CUDA else [])
+            cfgs = [heur] + ([{"BLOCK_R": 1, "BLOCK_C": bc, "num_warps": w} for bc in (1024, 4096)
+                              for w in (4, 8)] if CUDA else [])
             sweep(f"situ_glu[C={width},b={b}]", [c for i, c in enumerate(cfgs) if c not in cfgs[:i]],
                   lambda cfg: SITU.launch(NS(a=a, u=u), attrs, cfg), check, nbytes, ref_us)
 
@@ -311,6 +355,189 @@ def add_and_embedding():
               lambda cfg: rel(EMB.launch(NS(table=table, ids=ids), {}, cfg), table[ids]), nbytes, ref_us)
 
 
+# ---- the small fused kernels (attn_res, latent tail, indexer front, value gate, rms_norm) -------------
+def operands(node, b: int, g, copies: int = 1, big: int = -1) -> list:
+    """Random operands for `node` at batch b (R = b); operand `big` (a weight) in `copies` copies: a list of
+    operand lists sharing everything else. Pools: CONTEXT-token requests in shuffled blocks."""
+    bs = node.attrs.get("block_size", 64)
+    mb = CONTEXT // bs
+    nb = b * mb + 4
+    out = []
+    for v in node.inputs:
+        shape = [{"R": b, "NB": nb, "MB": mb}.get(str(d), 1) if not d.is_number else int(d) for d in v.type.shape]
+        name = v.type.dtype.name
+        if name == "f8e4m3":
+            out.append((torch.randn(*shape, generator=g) * 8).to(torch.float8_e4m3fn))
+        elif name in ("i64", "i32"):
+            out.append(None)  # addressing: filled below
+        else:
+            scale = 1.0 if len(shape) < 2 or str(v.type.shape[0]) == "R" else shape[-1] ** -0.5
+            out.append((torch.randn(*shape, generator=g) * scale).to(torch.float32 if name == "f32" else DT))
+    if node.op == "fused.indexer_front":
+        out[8] = torch.arange(b, dtype=torch.int64)
+        out[9] = torch.tensor([CONTEXT - 1 - (37 * r) % (CONTEXT // 2) for r in range(b)], dtype=torch.int64)
+        out[10] = torch.randperm(nb, generator=g)[: b * mb].reshape(b, mb).to(torch.int32)
+    out = [o.to(DEV) for o in out]
+    sets = [out]
+    for _ in range(copies - 1):
+        sets.append([o.clone() if i == big else o for i, o in enumerate(out)])
+    return sets
+
+
+def nbytes_of(ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def fused_section(label, node, template, b, cfgs, check_tol, copies=1, big=-1, out_bytes=None, pools=()):
+    """Reference body (executor, graph-safe) vs the template's configs (cfgs[0]: the new heuristic,
+    cfgs[1]: the old path), every config checked against the body first."""
+    g = torch.Generator().manual_seed(b + len(label))
+    sets = operands(node, b, g, copies, big)
+    ex = reference_executor()
+    attrs = {**node.attrs, "batch_invariant": False}
+    fresh = lambda ops: [o.clone() if i in pools else o for i, o in enumerate(ops)]  # noqa: E731
+    want = ex._dispatch(node, fresh(sets[0]), {})
+    ref_calls = [lambda ops=ops: ex._dispatch(node, ops, {}) for ops in sets]
+    nb = nbytes_of([o for i, o in enumerate(sets[0]) if i not in pools]) + (out_bytes or nbytes_of(want))
+    try:
+        ref_us, kind = graph_us(ref_calls), "reference"
+    except Exception as e:  # a body op that syncs with the host cannot be captured: time it eagerly
+        doc["notes"].append(f"{label} b={b}: reference body not graph-capturable ({type(e).__name__}), timed eagerly")
+        ref_us, kind = eager_us(ref_calls), "reference (eager: not graph-capturable)"
+    record(f"{label}_reference_body[b={b}]", ref_us, nb, kind=kind)
+
+    def launch(cfg, ops):
+        a = NS(operands=ops)
+        return template.launch(a, attrs, cfg)
+
+    def check(cfg):
+        got = launch(cfg, fresh(sets[0]))
+        got = list(got) if isinstance(got, (tuple, list)) else [got]
+        errs = check_tol(got, want, sets[0])
+        if any(e > 5e-2 for e in errs.values()):
+            raise AssertionError(f"{label} differs from its unfused body: {errs}")
+        return errs
+
+    cfgs = [c for i, c in enumerate(cfgs) if c not in cfgs[:i]]
+    return sweep(f"{label}[b={b}]", cfgs, None, check, nb, ref_us,
+                 rotate=lambda cfg: [lambda ops=ops: launch(cfg, ops) for ops in sets])
+
+
+def plain_errs(got, want, ops):
+    return {f"out{i}": rel(a, b) for i, (a, b) in enumerate(zip(got, want))}
+
+
+def nodes(op):
+    return [n for n in st["nodes"] if n.op == op]
+
+
+@rep.section
+def attn_res_section():
+    seen = set()
+    for node in nodes("fused.attn_res_mix_norm"):
+        combo = (node.attrs["bank"], node.attrs["prefix_add"])
+        if combo in seen or combo[0] > 2 or not combo[1]:  # the rank preset's common forms: bank 1-2 + prefix add
+            continue
+        seen.add(combo)
+        n = combo[0] + 1
+        for b in BATCHES:
+            if over():
+                continue
+            key = {"T": b, "d": st["cfg"].hidden_size, "n": n, "bi": 0}
+            heur = ar.heuristic(key, TARGET)
+            old = {"BLOCK_R": heur["BLOCK_R"], "BLOCK_D": heur["BLOCK_D"], "num_warps": heur["num_warps"], "PREFETCH": 0}
+            extra = [{**heur, "num_warps": w} for w in (8, 32)] + [{**old, "num_warps": 8}] if CUDA and b == 1 else []
+            fused_section(f"attn_res_mix_norm[bank={combo[0]},add={int(combo[1])}]", node, ar.TEMPLATES[1], b,
+                          [heur, old, *extra], plain_errs)
+
+
+@rep.section
+def latent_tail_section():
+    node = nodes("fused.latent_moe_tail")[0]
+    for b in BATCHES:
+        if over():
+            continue
+        ops = operands(node, b, torch.Generator().manual_seed(5))[0]
+        key = mt.key_dims(NS(operands=ops), {**node.attrs, "batch_invariant": False})
+        heur = mt.heuristic(mt.bucket(key), TARGET)
+        old = {**heur, **mt.GEMV_OFF, **mt.heuristic(mt.bucket({**key, "T": 2}), TARGET), "U_BM": 16}
+        cfgs = [heur, old]
+        if CUDA and b == 1:
+            cfgs += [{**heur, "G_BN": bn, "G_BK": bk, "G_warps": w} for bn, bk, w in
+                     ((8, 512, 4), (16, 256, 4), (32, 256, 8), (8, 1024, 8))]
+        if CUDA and b > 1:
+            cfgs = [heur, {**heur, "U_BN": 64}]
+        fused_section("latent_moe_tail", node, mt.TEMPLATES[0], b, cfgs, plain_errs, copies=3, big=2)
+
+
+def front_errs(got, want, ops):
+    q8, qs, w, keys, kscale = got
+    rows = [int(ops[10][r, int(p) // 64]) for r, p in enumerate(ops[9].tolist())]
+    slot = [int(p) % 64 for p in ops[9].tolist()]
+    kk = lambda k, s: formats.dequantize_fp8(k[rows, slot].cpu(), s[rows, slot].cpu())  # noqa: E731
+    return {"q": rel(formats.dequantize_fp8(q8.cpu(), qs.cpu()), formats.dequantize_fp8(want[0].cpu(), want[1].cpu())),
+            "w": rel(w, want[2]), "keys": rel(kk(keys, kscale), kk(want[3], want[4]))}
+
+
+@rep.section
+def indexer_front_section():
+    node = nodes("fused.indexer_front")[0]
+    for b in BATCHES:
+        if over():
+            continue
+        key = {"T": b, "K": int(node.inputs[0].type.shape[1]), "HI": node.attrs["heads"],
+               "DI": node.attrs["head_dim"], "bi": 0}
+        heur = fr._front_heuristic(fr._front_bucket(key), TARGET)
+        old = fr._front_heuristic({**key, "T": 64}, TARGET)
+        cfgs = [heur, old]
+        if CUDA and b == 1:
+            cfgs += [{**heur, "SPLIT": sp, "BLOCK_K": bk, "num_warps": w} for sp, bk, w in
+                     ((4, 512, 8), (16, 256, 4), (8, 256, 4))]
+        if CUDA and b > 1:
+            cfgs += [{**heur, "SPLIT": 8}]
+        fused_section("indexer_front", node, fr.TEMPLATES[0], b, cfgs, front_errs, copies=8, big=1,
+                      pools=(6, 7), out_bytes=b * key["HI"] * (key["DI"] + 6) + b * (key["DI"] + 4))
+
+
+@rep.section
+def value_gate_section():
+    node = nodes("fused.value_gate")[0]
+    for b in BATCHES:
+        if over():
+            continue
+        ops = operands(node, b, torch.Generator().manual_seed(6))[0]
+        key = vg._bucket(vg._key(ops[0], ops[1], {**node.attrs, "batch_invariant": False}))
+        heur = vg.heuristic(key, TARGET)
+        old = vg.heuristic({**key, "T": 16}, TARGET)
+        cfgs = [heur, old]
+        if CUDA and b == 1:
+            cfgs += [{**heur, "BLOCK_V": bv, "BLOCK_K": bk, "num_warps": w} for bv, bk, w in
+                     ((8, 512, 4), (32, 512, 8), (16, 256, 4))]
+        fused_section("value_gate", node, vg.TEMPLATES[1], b, cfgs, plain_errs, copies=32, big=1)
+
+
+@rep.section
+def rms_norm_section():
+    t = next(x for x in nq.TEMPLATES if x.family == "rms_norm")
+    for node in nodes("rms_norm"):
+        for b in BATCHES:
+            if over():
+                continue
+            x, w = operands(node, b, torch.Generator().manual_seed(7))[0]
+            attrs = {**node.attrs, "batch_invariant": False}
+            heur = t.heuristic(t.key_dims(NS(x=x, weight=w), attrs), TARGET)
+            cfgs = [heur] + ([{**heur, "BLOCK_R": 1, "num_warps": nw} for nw in (2, 4, 8, 16)] if CUDA and b == 1
+                             else [])
+            want = nq.norm_rot_quant(x.double(), heur, norm="rms", weight=w.double(), eps=attrs["eps"])[0] \
+                if not CUDA else (x.double() / (x.double().pow(2).mean(-1, keepdim=True) + attrs["eps"]).sqrt()
+                                  * w.double())
+            ref_us = graph_us(lambda: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, attrs["eps"]))
+            nb = 2 * nbytes_of([x]) + nbytes_of([w])
+            sweep(f"rms_norm[D={x.shape[-1]},b={b}]", [c for i, c in enumerate(cfgs) if c not in cfgs[:i]],
+                  lambda cfg: t.launch(NS(x=x, weight=w), attrs, cfg),
+                  lambda cfg: rel(t.launch(NS(x=x, weight=w), attrs, cfg), want), nb, ref_us)
+
+
 @rep.section
 def torch_compile_peer():
     """torch.compile of the situ_glu reference at the widest decode row (last: compiling takes seconds)."""
@@ -327,8 +554,12 @@ def torch_compile_peer():
 
 
 if __name__ == "__main__":
-    for section in (machine, build, mla_query, situ_glu_section, add_and_embedding, torch_compile_peer):
-        section()
+    every = (machine, build, attn_res_section, latent_tail_section, indexer_front_section, value_gate_section,
+             rms_norm_section, mla_query, situ_glu_section, add_and_embedding, torch_compile_peer)
+    for section, name in zip(every, ("machine", "build", "attn_res", "latent_tail", "indexer_front", "value_gate",
+                                     "rms_norm", "mla_query", "situ_glu", "add_embedding", "torch_compile")):
+        if SECTIONS is None or name in SECTIONS or name in ("machine", "build"):
+            section()
     print("\n-- summary (µs per launch in a CUDA graph; x_peer = kernel / reference)")
     for name, v in doc.get("best", {}).items():
         bst, h = v["best"], v["heuristic"]

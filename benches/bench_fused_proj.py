@@ -23,7 +23,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from codegen.triton import attn_res, gemm, norm_quant, sampling, value_gate  # noqa: E402
+from codegen.triton import attn_res, gemm, indexer_front, norm_quant, sampling, value_gate  # noqa: E402
 from ir import formats  # noqa: E402
 from ir.ref import basic as ref  # noqa: E402
 
@@ -42,7 +42,7 @@ BUDGET = float(sys.argv[sys.argv.index("--budget") + 1]) if "--budget" in sys.ar
 OUT = {"bench": "fused_proj", "command": " ".join([sys.executable, *sys.argv]), "machine": {}, "ceilings": {},
        "correctness": [], "batch_invariance": [], "timings": [], "errors": [], "skipped": []}
 LINEAR, PACKED = gemm.TEMPLATES
-FRONT = next(t for t in norm_quant.TEMPLATES if t.family == "indexer_front")
+FRONT = indexer_front.TEMPLATES[0]
 TARGET = "cpu" if DRY else "h200"
 
 

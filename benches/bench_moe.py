@@ -2,10 +2,13 @@
 
 Emits one JSON document (stdout and $OUT/moe.json, rewritten after every section so a timeout keeps
 what was measured). Sections: ceilings measured in the same run (HBM read, copy, bf16 and fp8 matmul
-8192³); decode (ℓ=3584, I=3072, MXFP4, 112 experts; T=1 top-2, the rank preset's step, and T=64 top-16):
-the whole moe_experts op under CUDA-graph replay (several distinct routings per graph, so T=1's 35 MB
-of routed experts do not stay in L2), the previous path (three-kernel permutation, session-3 config)
-vs the heuristic's vs variants, as the routed experts' weight bytes over the measured copy bandwidth
+8192³); router (112 experts, T=1 top-2, T=8 top-2, T=64 top-16, graph replay: session 5's config vs the
+heuristic's); decode (ℓ=3584, I=3072, MXFP4, 112 experts; T=1 top-2, the rank preset's step, T=8 top-2,
+its batch 8, and T=64 top-16): the whole moe_experts op under CUDA-graph replay (several distinct
+routings per graph, so T=1's 35 MB of routed experts do not stay in L2), the previous paths (session 3:
+three-kernel permutation, unsplit K; session 5: split-K 4) vs the heuristic's (the dot-free path at
+T=1 and 8) vs a sweep of the dot-free path's tiles and grouped variants, one empty launch (the graph's
+per-launch floor), as the routed experts' weight bytes over the measured copy bandwidth
 (floor) and over the read bandwidth, plus the permutation alone both ways and a torch._grouped_mm
 peer on bf16 weights (eager); prefill (T=8192) as TFLOP/s over the measured bf16 and fp8 ceilings; the whole
 MoE layer (d=7168, 2 shared experts) vs the reference layer written inline here, in torch eager and
@@ -13,11 +16,12 @@ torch.compile, plus a torch._grouped_mm peer. Every kernel variant is checked ag
 reference on bf16-exact weights before it is timed.
 
     python benches/bench_moe.py            # on a CUDA machine: ~6 min on the H200, 3 of them inductor
-    MOE_BENCH_SECTIONS=decode python benches/bench_moe.py      # ~110 s
+    MOE_BENCH_SECTIONS=router,decode python benches/bench_moe.py      # ~150 s
     MOE_BENCH_SECTIONS=decode,prefill MOE_BENCH_SWEEP=wide python benches/bench_moe.py   # variant sweep
     MOE_BENCH_SECTIONS=prefill,layer,decode MOE_BENCH_LAYER_T=8192 python benches/bench_moe.py   # a subset
 
-Knobs: MOE_BENCH_SECTIONS (order kept), MOE_BENCH_LAYER_T (the layer's token counts), and
+Knobs: MOE_BENCH_SECTIONS (order kept), MOE_BENCH_LAYER_T (the layer's token counts),
+MOE_BENCH_DECODE_SHAPES ("1x2,8x2,64x16": decode (T, top-k) in that order), and
 MOE_BENCH_{DECODE,COMPILE,PREFILL}_DEADLINE: seconds into the run after which no further decode variant,
 torch.compile peer (the reference layer's took 76 s at T=64) or prefill variant is started.
 """
@@ -52,7 +56,7 @@ T_DECODE, T_PREFILL = (8, 64) if TINY else (64, 8192)
 ACT = torch.float32 if TINY else torch.bfloat16   # the interpreter computes bf16 wrongly (TOOLCHAIN.md)
 B1, B2, EPS = 4.0, 25.0, 1e-5
 # sections run in the order given (ceilings and weights always first); the layer at the token counts given
-SECTIONS = os.environ.get("MOE_BENCH_SECTIONS", "decode,prefill,layer").split(",")
+SECTIONS = os.environ.get("MOE_BENCH_SECTIONS", "router,decode,prefill,layer").split(",")
 LAYER_T = [int(t) for t in os.environ.get("MOE_BENCH_LAYER_T", "").split(",") if t]
 WIDE_SWEEP = os.environ.get("MOE_BENCH_SWEEP") == "wide"
 COMPILE_DEADLINE, PREFILL_DEADLINE, DECODE_DEADLINE = (600, 400, 300) if WIDE_SWEEP else (260, 190, 110)
@@ -216,40 +220,64 @@ def prefill_floor(t, wbytes):
             "ratio_vs_fp8_matmul": round(tf / c.get("fp8_matmul_TFLOPs", float("nan")), 3)}
 
 
-def wide_check(z, w, ids, cfg):
+def wide_check(z, w, ids, cfg, tag=""):
     """Scale bytes above 128 switch the bf16 decodes to an extra multiply (WIDE): check it once."""
     sc = [x.scales.clone() for x in (W["w1"], W["w2"], W["w3"])]
     for s in sc:
         s[:, ::7, ::3] += 9                               # some block scales 2^1 .. 2^3
     w1, w2, w3 = (PackedMXFP4(x.packed, s) for x, s in zip((W["w1"], W["w2"], W["w3"]), sc))
     exp = ref_experts(z, w, ids, *(to_bf16(x) for x in (w1, w2, w3)))
-    for deq in ("asm", "asm16", "bytes16") if DEV == "cuda" else ("bytes", "bytes16"):
+    deqs = ("asm", "asm16", "bytes16") if DEV == "cuda" else ("bytes", "bytes16")
+    for deq in deqs if cfg.get("PATH") != "gemv" else deqs[:1]:     # the dot-free path has one decode
         try:
             err = rel_err(gg.moe_experts(z, w, ids, w1, w2, w3, "situ", B1, B2, {**cfg, "DEQ": deq}), exp)
-            DOC["measurements"].append({"name": f"decode_wide_scales_check_{deq}", "rel_err": err, "ok": err < 2e-2})
+            DOC["measurements"].append({"name": f"decode_{tag}wide_scales_check_{deq}", "rel_err": err,
+                                        "ok": err < 2e-2, "path": cfg.get("PATH")})
         except Exception as e:
             DOC["errors"].append({"section": f"wide_check_{deq}", "error": f"{type(e).__name__}: {str(e)[:300]}"})
 
 
-# decode, (T, top-k): the rank preset's step (1 token, top-2) and issue 5's (64 tokens, top-16)
-DECODE_SHAPES = ((1, 2), (8, 2)) if TINY else ((1, 2), (T_DECODE, K))
-# the session-3 decode config (1.14 ms at T=64): one program per (tile, column block), K unsplit
-PREVIOUS = {**_cfg(16, 64, 128, 2, 3, sl=1), "DEQ": "asm16", "GROUP_M": 8, "SPLIT": 1}
-DECODE_VARIANTS = {      # (T, k) -> named overrides of the heuristic's config, timed after both shapes' bases
-    # H200 2026-11-29 (session 5, one helper run, bf16, graph replay): T=1 previous 74.6 us, split-K
-    # with the partials summed inside the down kernel's loop 98-187 us (2·SPLIT fp32 tiles a pipeline stage
-    # in shared memory: 1 program per SM; now a separate pass); T=64 MAXNREG 168 1.109 ms vs 1.161, 128 1.365,
-    # BK 64 4 stages 1.142, 4-warp wgmma 1.456, PF 1.196, 2 stages 1.169
-    (1, 2): {"split4": {"SPLIT": 4}, "split2": {"SPLIT": 2}, "split8": {"SPLIT": 8}, "pf1": {"PF": 1},
-             "split4_pf1": {"SPLIT": 4, "PF": 1}, "split4_down1": {"SPLIT": 4, "SPLIT2": 1},
-             "split8_bk64": {"SPLIT": 8, "BK": 64, "BK2": 64}, "bk256_s2": {"BK": 256, "BK2": 256, "num_stages": 2},
-             "maxnreg168": {"MAXNREG": 168}},
-    (64, 16): {"no_maxnreg": {"MAXNREG": 0}, "maxnreg192": {"MAXNREG": 192},
-               "bk64_s4": {"BK": 64, "BK2": 64, "num_stages": 4}, "pf1": {"PF": 1}},
+# decode, (T, top-k): the rank preset's step (1 token, top-2; batch 8) and issue 5's (64 tokens, top-16)
+DECODE_SHAPES = ((1, 2), (8, 2)) if TINY else ((1, 2), (8, 2), (T_DECODE, K))
+if os.environ.get("MOE_BENCH_DECODE_SHAPES"):     # e.g. "1x2,8x2": a subset, in that order
+    DECODE_SHAPES = tuple(tuple(int(v) for v in sk.split("x")) for sk in os.environ["MOE_BENCH_DECODE_SHAPES"].split(","))
+# the session-3 decode config (1.14 ms at T=64): one program per (tile, column block), K unsplit, grouped
+PREVIOUS = {**_cfg(16, 64, 128, 2, 3, sl=1), "DEQ": "asm16", "GROUP_M": 8, "SPLIT": 1, "PATH": "grouped"}
+# session 5's heuristic at T=1 (44.7 us): the grouped path with K split 4 ways
+PREVIOUS_S5 = {(1, 2): {**PREVIOUS, "SPLIT": 4}, (8, 2): {**PREVIOUS, "SPLIT": 4}}
+DECODE_VARIANTS = {      # (T, k) -> named overrides of the heuristic's config, timed after every shape's base
+    # H200 2026-11-29 (session 5, graph replay): T=64 MAXNREG 168 1.109 ms vs 1.161, 128 1.365, BK 64 4 stages
+    # 1.142, 4-warp wgmma 1.456, PF 1.196, 2 stages 1.169. Session 6: the dot-free path at T=1 and 8 (GEMV_SWEEP)
+    (1, 2): {},
+    (64, 16): {"no_maxnreg": {"MAXNREG": 0}, "bk64_s4": {"BK": 64, "BK2": 64, "num_stages": 4}},
+}
+def _gemv(gn, gk, warps, stages=1, mma=0, gasm=1, **more):
+    return {"PATH": "gemv", "GN": gn, "GK": gk, "GN2": more.pop("GN2", gn), "GK2": gk, "num_warps": warps,
+            "num_stages": stages, "GMMA": mma, "GASM": gasm, **more}
+
+
+GEMV_SWEEP = {           # per-pair path tiles: rows GN (GN2 down's), K columns a step GK, warps (GW2: down's), stages
+    # H200 session 6 (T=1 / T=8 top-2, us): ffma_gn16_gk512 51.6 / 298, ffma_triton_decode 50.5 / 288,
+    # ffma_gn8_gk1024 39.0 / 220, ffma_gn16_gk1024_w8 74.8 / 507, ffma_gn8_gk2048_w8 42.3 / 277, ffma_gn32_gk256
+    # 60.0 / 226, mma_gn16_w1_gk128_s4 51.3 / 185, mma_gn16_w1_gk256_s3 52.0 / 198, mma_gn32_w2_gk128_s4
+    # 55.8 / 201, mma_gn64_w4_gk128_s4_down16 67.5 / 229, mma_gn16_w1_gk128_s6 51.0 / 217
+    # FFMA inner product (registers hold the bytes in flight: GN·GK <= 2048·warps keeps <= 128 registers)
+    "ffma_gn16_gk512": _gemv(16, 512, 4), "ffma_triton_decode": _gemv(16, 512, 4, gasm=0),
+    "ffma_gn8_gk1024": _gemv(8, 1024, 4), "ffma_gn8_gk1024_triton_decode": _gemv(8, 1024, 4, gasm=0),
+    "ffma_gn16_gk1024_w8": _gemv(16, 1024, 8), "ffma_gn8_gk2048_w8": _gemv(8, 2048, 8),
+    "ffma_gn32_gk256": _gemv(32, 256, 4), "ffma_gn4_gk2048": _gemv(4, 2048, 4),
+    # (not measured yet) GPROG programs striding over the tiles: one balanced wave at the register limit
+    "ffma_gn8_gk1024_p528": _gemv(8, 1024, 4, GPROG=528), "ffma_gn4_gk1024_p1056": _gemv(4, 1024, 4, GPROG=1056),
+    # MMA inner product (cp.async stages hold the bytes in flight)
+    "mma_gn16_w1_gk128_s4": _gemv(16, 128, 1, 4, 1), "mma_gn16_w1_gk256_s3": _gemv(16, 256, 1, 3, 1),
+    "mma_gn32_w2_gk128_s4": _gemv(32, 128, 2, 4, 1), "mma_gn16_w1_gk128_s6": _gemv(16, 128, 1, 6, 1),
+    "mma_gn64_w4_gk128_s4_down16": _gemv(64, 128, 4, 4, 1, GN2=16, GW2=1),
 }
 if DEV != "cuda":
     PREVIOUS = {**PREVIOUS, "DEQ": "bytes16", "BK": 64, "BK2": 64}
-    DECODE_VARIANTS = {(1, 2): {"split2": {"SPLIT": 2}}, (8, 2): {"split2_bytes16": {"SPLIT": 2, "DEQ": "bytes16"}}}
+    PREVIOUS_S5 = {sk: {**PREVIOUS, "SPLIT": 2} for sk in PREVIOUS_S5}
+    DECODE_VARIANTS = {(8, 2): {"split2_bytes16": {"SPLIT": 2, "DEQ": "bytes16", "PATH": "grouped"}}}
+    GEMV_SWEEP = {"ffma_gk32": _gemv(16, 32, 4, gasm=0), "mma_gk64": _gemv(16, 64, 4, mma=1, gasm=0)}
 
 
 def graph_ms(calls, reps=30):
@@ -316,9 +344,13 @@ def decode_variant(T, k, name, cfg, case, fused_max=None):
     m = record(tag, t, config=cfg, rel_err=err, ok=err < 2e-2, live_experts=live, weight_bytes=int(wbytes),
                floor_ms=round(floor_ms, 5), ratio_vs_floor=round(t / floor_ms, 2), TBps=round(bw, 3),
                ratio_vs_read_bw=round(bw / DOC["ceilings"]["read_TBps"], 3),
-               speedup_vs_previous=round(prev / t, 2) if prev else None, timing="cuda graph, distinct routings")
+               speedup_vs_previous=round(prev / t, 2) if prev else None,
+               speedup_vs_s5=round(DOC.get("decode_previous_s5_ms", {}).get(f"T{T}_k{k}", float("nan")) / t, 2),
+               timing="cuda graph, distinct routings")
     if name == "previous":
         DOC["decode_previous_ms"][f"T{T}_k{k}"] = t
+    elif name == "previous_s5_split":
+        DOC.setdefault("decode_previous_s5_ms", {})[f"T{T}_k{k}"] = t
     elif m["ok"]:
         best = DOC.setdefault("decode_best", {}).get(f"T{T}_k{k}")
         if best is None or t < best["ms"]:
@@ -359,25 +391,80 @@ def decode_side_measurements(T, k, case):
 
 @section
 def decode():
-    """Per shape: the whole moe_experts op (permutation, gate-up, down, combine) under CUDA-graph replay,
-    checked against the fp32 reference first. Both shapes' previous path (3-kernel permutation, unsplit
-    K) and heuristic config first, then the permutation and the peer, then the variants."""
+    """Per shape: the whole moe_experts op (gemv: 2 launches; grouped: permutation, gate-up, down, combine)
+    under CUDA-graph replay, checked against the fp32 reference first. Every shape's previous paths
+    (session 3: 3-kernel permutation, unsplit K; session 5: split 4) and the heuristic's first, then the
+    launch floor, the permutation and the peer, then the dot-free tile sweep and the variants."""
     cases = {sk: decode_case(*sk) for sk in DECODE_SHAPES}
     heur = {}
     for (T, k), case in cases.items():
         heur[T, k] = gg.heuristic(gg.bucket(gg._key(T, E, k, ELL, INTER, True, ACT, {})),
                                   "h200" if DEV == "cuda" else None)
         decode_variant(T, k, "previous", PREVIOUS, case, fused_max=0)
+        if (T, k) in PREVIOUS_S5:
+            decode_variant(T, k, "previous_s5_split", PREVIOUS_S5[T, k], case)
         decode_variant(T, k, "heuristic", heur[T, k], case)
-        decode_side_measurements(T, k, case)
+        if heur[T, k]["PATH"] != "gemv" and T * k <= 16:
+            decode_variant(T, k, "gemv", {**heur[T, k], **gg.GEMV_FFMA, "PATH": "gemv"}, case)
+    launch_floor()
     for (T, k), case in cases.items():
+        if T * k <= 16:
+            for name, over in GEMV_SWEEP.items():
+                decode_variant(T, k, "gemv_" + name, {**heur[T, k], **over}, case)
         for name, over in DECODE_VARIANTS.get((T, k), {}).items():
             decode_variant(T, k, name, {**heur[T, k], **over}, case)
+    for (T, k), case in cases.items():
+        decode_side_measurements(T, k, case)
     best = DOC.get("decode_best", {}).get(f"T{T_DECODE}_k{K}")
     if best:
         DOC["decode_best_config"] = best["config"]
         calls = cases[T_DECODE, K][0]
         wide_check(*calls[0], best["config"])
+    best1 = DOC.get("decode_best", {}).get("T1_k2")
+    if best1:
+        z, w, ids = cases[1, 2][0][0]
+        wide_check(z, w, ids, best1["config"], "T1_")
+
+
+@triton.jit
+def _noop_kernel(x_ptr):
+    tl.store(x_ptr + tl.program_id(0), 1.0)
+
+
+def launch_floor():
+    """One empty-ish Triton launch per call under graph replay: the per-launch cost inside a graph."""
+    x = torch.zeros(1, device=DEV)
+    try:
+        record("graph_launch_floor_one_kernel", graph_ms([lambda: _noop_kernel[(1,)](x)] * 8))
+    except Exception as e:
+        DOC["errors"].append({"section": "launch_floor", "error": f"{type(e).__name__}: {str(e)[:300]}"})
+
+
+ROUTER_SHAPES = ((1, 2), (8, 2)) if TINY else ((1, 2), (64, 16), (8, 2))
+
+
+@section
+def router():
+    """moe_router alone under graph replay (112 experts, sigmoid + bias, renormalised): session 5's
+    config (BLOCK_T 32, 4 warps) vs the heuristic's (one row on one warp at T=1), ids checked exactly."""
+    from ir.ref.moe import moe_router as ref_router
+    g = torch.Generator(device=DEV).manual_seed(3)
+    for T, k in ROUTER_SHAPES:
+        inputs = [(torch.randn(T, E, generator=g, device=DEV), torch.randn(E, generator=g, device=DEV) * 0.1)
+                  for _ in range(8)]
+        rw, rids = ref_router(*inputs[0], k, "sigmoid", True, 1.0)
+        heur = mr._heuristic(mr._bucket({"T": T, "E": E, "K": k, "G": 1}))
+        for name, cfg in (("previous_cfg", {"BLOCK_T": 32, "num_warps": 4}), ("heuristic", heur),
+                          ("bt1_w2", {"BLOCK_T": 1, "num_warps": 2})):
+            try:
+                run = lambda lg, b: mr.router(lg, b, k, "sigmoid", True, 1.0, block_t=cfg["BLOCK_T"],  # noqa: E731
+                                                num_warps=cfg["num_warps"])
+                w, ids = run(*inputs[0])
+                ok = bool(torch.equal(ids, rids)) and rel_err(w, rw) < 1e-5
+                record(f"router_T{T}_k{k}_{name}", graph_ms([lambda a=a: run(*a) for a in inputs]), config=cfg,
+                       ok=ok, goal_ms=0.0025 if T == 1 else None, timing="cuda graph, 8 distinct inputs")
+            except Exception as e:
+                DOC["errors"].append({"section": f"router_T{T}_{name}", "error": f"{type(e).__name__}: {str(e)[:300]}"})
 
 
 @section
@@ -489,17 +576,20 @@ def main():
                               mem_GiB=round(p.total_memory / 2 ** 30, 1))
     DOC["shapes"] = {"E": E, "topk": K, "latent": ELL, "inter": INTER, "d": D, "decode_T": T_DECODE,
                      "prefill_T": T_PREFILL, "shared_inter": SHARED_I}
-    for step in [ceilings, make_weights] + [{"decode": decode, "layer": layer, "prefill": prefill}[n] for n in SECTIONS]:
+    for step in [ceilings, make_weights] + [{"decode": decode, "layer": layer, "prefill": prefill, "router": router}[n]
+                                             for n in SECTIONS]:
         step()
     DOC["total_s"] = round(time.time() - REPORT.t0, 1)
     print(save())
     for m in DOC["measurements"]:   # a short table on stderr, after the JSON document
-        keys = ("TBps", "ratio_vs_read_bw", "TFLOPs", "ratio_vs_bf16_matmul", "ratio_vs_fp8_matmul", "rel_err", "ok",
+        keys = ("ratio_vs_floor", "TBps", "ratio_vs_read_bw", "speedup_vs_s5", "TFLOPs", "ratio_vs_bf16_matmul", "ratio_vs_fp8_matmul", "rel_err", "ok",
                 "speedup_vs", "rel_err_vs_ours")
         cfg = m.get("config") or {}
-        tag = "/".join(str(cfg[k]) for k in ("DEQ", "BM", "BN", "BK", "BN2", "BK2", "num_warps", "num_stages", "PF")
-                       if k in cfg)
-        print(f"{m['name']:<44} {m.get('median_ms', '')!s:>10} ms  {tag:<28} "
+        keys = (("PATH", "GMMA", "GASM", "GN", "GK", "GN2", "GK2", "num_warps", "GW2", "num_stages", "GPROG")
+                if cfg.get("PATH") == "gemv" else ("DEQ", "BM", "BN", "BK", "BN2", "BK2", "num_warps", "num_stages",
+                                                   "SPLIT", "PF"))
+        tag = "/".join(f"{k}={cfg[k]}" for k in keys if k in cfg)
+        print(f"{m['name']:<44} {m.get('median_ms', '')!s:>10} ms  {tag:<60} "
               + " ".join(f"{k}={m[k]:.3g}" if isinstance(m.get(k), float) else f"{k}={m[k]}" for k in keys if k in m),
               file=sys.stderr)
     print("ceilings", json.dumps(DOC["ceilings"]), "errors", len(DOC["errors"]), file=sys.stderr)

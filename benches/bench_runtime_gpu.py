@@ -165,6 +165,7 @@ def main():
     ap.add_argument("--contexts", default="8192,32768")
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--engine-steps", type=int, default=24, help="timed steps of the engine_decode section")
     ap.add_argument("--budget-s", type=float, default=400, help="skip the remaining sections past this")
     ap.add_argument("--compile-timeout-s", type=int, default=90)
     ap.add_argument("--compile-modes", default="suppress",
@@ -282,9 +283,15 @@ def main():
                 continue
             rt = runtime(ctx, max(batches))
             for b in batches:
-                for g in (True, False):
+                for name, g, in_graph in (("graphs", True, True), ("graphs_metadata_outside", True, False),
+                                          ("eager", False, True)):
+                    if not cuda and name == "graphs_metadata_outside":
+                        continue
+                    if rt.metadata_in_graph != in_graph:  # the other prologue: recapture
+                        rt.metadata_in_graph = in_graph
+                        rt.drop_graphs()
                     rt.use_graphs = g and cuda
-                    measure("decode_compiled" + ("_graphs" if g else "_eager"), rt, ctx, b, {"graphs": g and cuda})
+                    measure(f"decode_compiled_{name}", rt, ctx, b, {"graphs": g and cuda, "metadata_in_graph": in_graph})
             doc.setdefault("graph_stats", {})[str(ctx)] = rt.stats()
             doc.setdefault("kernel_stats", {})[str(ctx)] = rt.interp.stats()
             del rt
@@ -328,6 +335,115 @@ def main():
                 **summarize(rows, doc["ceilings"]["bandwidth_GBps"])}
         del rt, eng
         torch.cuda.empty_cache()
+
+    @rep.section
+    def host():
+        """Where a graphed decode step's wall time goes at the first context, batch 1 and 8 (µs, medians of
+        50): validating the step (`check_step`), writing the graph's pinned metadata buffer, the host cost of
+        launching the replay and of the logits copy, the whole step between synchronisations, and the
+        replay's device time; host overhead = step - device (the step: 30 decodes after a length reset)."""
+        if not cuda:
+            return doc["notes"].append("host: needs a cuda device")
+        from k31c.runtime.cuda_graphs import bucket_for, width_bucket
+        from k31c.runtime.step_metadata import check_step
+
+        ctx = contexts[0]
+        rt = runtime(ctx, 8)
+
+        def med(fn, n=50, sync=False):
+            ts = []
+            for _ in range(n):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                fn()
+                if sync:
+                    torch.cuda.synchronize()
+                ts.append((time.perf_counter() - t) * 1e6)
+            return sorted(ts)[n // 2]
+
+        for b in (1, 8):
+            toks = {f"r{i}": (7 * i + 3) % cfg.vocab_size for i in range(b)}
+            chunks = {rid: [t] for rid, t in toks.items()}
+            rt.decode(toks)
+            rows = check_step(rt, "decode", chunks)
+            g = rt.graphs[(bucket_for(len(rows), rt.buckets), width_bucket(max(len(r[2]) for r in rows)))]
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+
+            def device_us():
+                ev[0].record()
+                g.graph.replay()
+                ev[1].record()
+                ev[1].synchronize()
+                return ev[0].elapsed_time(ev[1]) * 1e3
+
+            row = {"context": ctx, "batch": b,
+                   "check_step_us": med(lambda: check_step(rt, "decode", chunks)),
+                   "metadata_write_us": med(lambda: g.metadata.write(rows)) if g.metadata else None,
+                   "replay_launch_us": med(g.graph.replay), "logits_clone_us": med(lambda: g.logits[:b].clone()),
+                   "step_us": (reset(rt, ctx), med(lambda: rt.decode(toks), n=30, sync=True))[1],
+                   "device_us": sorted(device_us() for _ in range(50))[25]}
+            row["host_overhead_us"] = row["step_us"] - row["device_us"]
+            reset(rt, ctx)
+            doc.setdefault("host", []).append(row)
+            print(json.dumps(row), flush=True)
+        del rt
+        torch.cuda.empty_cache()
+
+    @rep.section
+    def engine_decode():
+        """What a caller of the serving engine gets: real prompts of the first context length prefilled
+        through the engine, then the wall time per decode step (ms; sampling on the device, ids read by the
+        host, stop checks) over --engine-steps steps, synchronous vs asynchronous decode (step N+1 launched on step N's
+        device-side ids before the host reads them); both must produce the same greedy tokens."""
+        from k31c.runtime.engine import Engine
+        from k31c.runtime.sampling import SamplingParams
+
+        ctx, steps = contexts[0], args.engine_steps
+        g = torch.Generator().manual_seed(3)
+        for b in [x for x in (1, 8) if x in batches] or batches[:1]:
+            if over():
+                doc["notes"].append(f"engine_decode batch {b} skipped: over the time budget")
+                continue
+            art, w = st["art"], st["weights"]
+            eng_x = Executor(art.module, w, art.choices, target="h200", compute_dtype=dtype, device=args.device,
+                             configs=art.configs if "tuning" not in st else {}, cuda_graphs=cuda,
+                             tuning=st.get("tuning"))
+            rt = GraphedRuntime(art.module, w, max_rows=b * ctx, max_requests=b, engine=eng_x)
+            prompts = [torch.randint(0, cfg.vocab_size, (ctx - 2 * steps - 8,), generator=g).tolist() for _ in range(b)]
+            tokens = {}
+            for mode in ("sync", "async", "sync_again"):
+                eng = Engine(rt, max_batched_tokens=ctx, prefill_chunk=ctx, async_decode=mode == "async")
+                for i, p_ in enumerate(prompts):
+                    eng.add_request(f"q{i}", p_, SamplingParams(max_new_tokens=steps + 8))
+                done = {}
+
+                def step():
+                    done.update({o.rid: o.tokens for o in eng.step() if o.finished})
+
+                while any(not s.output for s in eng.seqs.values()) or eng.waiting:
+                    step()  # prefill and the first token of every request
+                for _ in range(2):
+                    step()  # warm-up: graph capture of this bucket
+                if cuda:
+                    torch.cuda.synchronize()
+                t = time.perf_counter()
+                for _ in range(steps):
+                    step()
+                ms = (time.perf_counter() - t) * 1e3 / steps
+                while eng.has_unfinished():
+                    step()
+                tokens[mode] = done
+                m = {"name": f"engine_decode_{mode}", "context": ctx, "batch": b, "ms_per_step": ms,
+                     "tokens_per_s": b * 1e3 / ms, "counters": dict(eng.counters)}
+                doc["measurements"].append(m)
+                print(json.dumps(m), flush=True)
+            doc.setdefault("engine_decode_same_tokens", {})[str(b)] = {
+                "sync_vs_async": tokens["sync"] == tokens["async"], "sync_vs_sync_again": tokens["sync"] == tokens["sync_again"],
+                "first_difference": {rid: next((i for i, (x, y) in enumerate(zip(t, tokens["async"].get(rid, []))) if x != y),
+                                               None) for rid, t in tokens["sync"].items()}}
+            del rt, eng_x
+            if cuda:
+                torch.cuda.empty_cache()
 
     @rep.section
     def reference_peer():
@@ -426,7 +542,9 @@ def main():
     bandwidth()
     build()
     if "art" in st:
-        sections = {"graph_check": graph_check, "decode": decode, "nodes": nodes, "reference_peer": reference_peer,
+        sections = {"graph_check": graph_check, "decode": decode, "nodes": nodes, "host": host,
+                    "engine_decode": engine_decode,
+                    "reference_peer": reference_peer,
                     "prefill": prefill, "torch_compile_peer": torch_compile_peer}
         for name in args.sections.split(","):
             sections[name]()
@@ -439,7 +557,8 @@ def summary(doc):
     by = {(m["name"], m.get("context"), m.get("batch")): m for m in doc["measurements"] if "median_ms" in m}
     doc["summary"] = [{"context": c, "batch": b, "graphs_ms": m["median_ms"], "graphs_x_floor": m["x_floor"],
                        **{f"{p}_over_graphs": by[(p, c, b)]["median_ms"] / m["median_ms"] for p in
-                          ("decode_compiled_eager", "decode_reference_eager", "decode_torch_compile") if (p, c, b) in by}}
+                          ("decode_compiled_eager", "decode_compiled_graphs_metadata_outside", "decode_reference_eager",
+                           "decode_torch_compile") if (p, c, b) in by}}
                       for (name, c, b), m in by.items() if name == "decode_compiled_graphs"]
     doc["goal"] = "batch-1 decode <= 1.25x byte floor and >= 1.5x faster than torch.compile"
 

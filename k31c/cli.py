@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on a GPU, JIT-compile kernels the artifact has no stored binary for (else refuse)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="on a GPU, replay decode steps as CUDA graphs per batch-size bucket (artifacts only)")
+    p.add_argument("--async-decode", action="store_true",
+                   help="launch decode step N+1 on step N's device-side token ids before the host reads them "
+                        "(overlaps host and device; same tokens)")
     _add_tuning_args(p)
     add_launch_args(p)
     p.set_defaults(func=cmd_run)

@@ -228,7 +228,7 @@ def cmd_run(args) -> int:
     seqs = min(len(prompts), args.max_num_seqs or len(prompts))
     rt = src.make_runtime(longest * seqs, seqs)
     eng = Engine(rt, max_num_seqs=seqs, max_batched_tokens=args.max_batched_tokens, prefill_chunk=args.prefill_chunk,
-                 prefix_caching=args.prefix_caching, tokenizer=tok)
+                 prefix_caching=args.prefix_caching, tokenizer=tok, async_decode=args.async_decode)
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         eng.add_request(f"p{i}", p, SamplingParams(temperature=args.temperature, top_p=args.top_p,

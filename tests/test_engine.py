@@ -225,3 +225,54 @@ def test_verify_then_accept_rolls_back_to_the_accepted_prefix():
     with pytest.raises(RequestError, match="keep 1..5"):
         a.verify({"x": drafts})
         a.accept("x", 6)
+
+
+def test_batched_device_sampler_path_gives_the_greedy_tokens_and_seeded_draws():
+    """The engine's one-kernel sampling path (what it takes on a GPU; forced here, the kernel runs in the
+    interpreter): greedy tokens equal the per-request host Sampler's; seeded temperature/top-p draws repeat
+    exactly for the same seeds, stay inside the vocabulary, and a NaN row is refused by name."""
+    want, _ = _baseline()
+    got, _ = _run(_engine(device_sampling=True), _prompts(3))
+    assert got == want
+    seeded = []
+    for _ in range(2):
+        eng = _engine(device_sampling=True)
+        for i, p in enumerate(_prompts(2)):
+            eng.add_request(f"s{i}", p, SamplingParams(temperature=0.9, top_p=0.8, seed=10 + i, max_new_tokens=3))
+        seeded.append({rid: o.tokens for rid, o in eng.run_to_completion().items()})
+    vocab = eng.rt.vocab_size
+    assert seeded[0] == seeded[1] and all(0 <= t < vocab for ts in seeded[0].values() for t in ts)
+    eng = _engine(device_sampling=True)
+    eng.add_request("nan", _prompts(1)[0], SamplingParams(max_new_tokens=1))
+    with pytest.raises(FloatingPointError, match="nan"):
+        eng._sample([(eng.seqs["nan"], 0)], torch.full((1, vocab), float("nan")))
+
+
+@pytest.mark.parametrize("variant", ["plain", "prefix_cache", "preemption"])
+def test_async_decode_serves_the_synchronous_tokens(variant):
+    """Asynchronous decode (step N+1 launched on the ids step N's sampler left in the token feed, before
+    the host reads them) returns the synchronous engine's tokens, with stop tokens ending requests mid-
+    flight (their extra row discarded), prefix caching, a pool small enough to preempt, and cancellation;
+    every block is free at the end and chained steps really ran."""
+    kw = {} if variant == "plain" else VARIANTS[variant]
+    want, _ = _baseline()
+    stop = want["r1"][2]  # r1 stops on its third token: later requests keep running past it
+    runs = []
+    for async_decode in (False, True):
+        eng = _engine(async_decode=async_decode, **kw)
+        for i, p in enumerate(_prompts(3)):
+            eng.add_request(f"r{i}", p, SamplingParams(max_new_tokens=4 + 2 * i, stop_token_ids=(stop,) * (i == 1)))
+        eng.add_request("gone", _prompts(1, seed=3)[0], SamplingParams(max_new_tokens=6))
+        final, n = {}, 0
+        for out in eng.stream():
+            n += 1
+            if n == 5 and "gone" in eng.seqs:
+                eng.cancel("gone")
+            if out.finished:
+                final[out.rid] = (out.tokens, out.finish_reason)
+        held = eng.cache.held_blocks if eng.cache else 0
+        assert eng.rt.blocks.num_free + held == eng.rt.blocks.num_blocks
+        runs.append((final, dict(eng.counters)))
+    assert runs[1][0] == runs[0][0]
+    assert runs[0][0]["r1"][1] == "stop" and runs[0][0]["gone"][1] == "cancelled"
+    assert runs[1][1]["chained_decode_steps"] > 0 and runs[0][1]["chained_decode_steps"] == 0

@@ -229,21 +229,28 @@ def test_decode_packed_linear_and_f64():
 
 def test_decode_heuristic_configs_and_buckets():
     shapes = [(20480, 7168, "f32"), (112, 7168, "f32"), (3808, 7168, "bf16"), (6284, 7168, "bf16"),
-              (7168, 1536, "bf16"), (7168, 4224, "bf16")]
+              (7168, 1536, "bf16"), (7168, 3072, "bf16"), (7168, 4224, "bf16"), (112, 16384, "f32")]
     for n, k, xd in shapes:
-        for m in (1, 2, 3, 8, 16):
+        for m in (1, 2, 3, 8, 16, 64):
             key = dict(M=m, N=n, K=k, x=xd, w="bf16", gk=0, bi=0)
             cfg = gemm.heuristic(key, "h200")
             assert gemm.constraints(cfg, key, "h200") == [], (key, cfg)
             assert cfg["BLOCK_M"] >= gemm._bucket(key)["M"], "one M tile covers the whole bucket"
-            if m == 1 and (k <= 2048 or k >= 6144):
+            assert cfg["COMBINE"] == 1, "split-K partials are added in the launch"
+            if m == 1:
                 assert cfg["GEMV"] == 1 and cfg["BLOCK_M"] == 1, (key, cfg)
-            elif m > 1:
+            else:
                 assert cfg["GEMV"] == 0, "measured: the [M, BLOCK_N, BLOCK_K] GEMV loses to tensor-core tiles at M=8"
+            chunks = gemm.k_chunk(k, cfg["BLOCK_K"], cfg["SPLIT_K"])[1]
+            tiles = -(-m // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"]) * chunks
+            assert tiles >= 66, f"{key}: {tiles} programs cannot stream the weights at the HBM bandwidth"
     router = gemm.heuristic(dict(M=1, N=112, K=7168, x="f32", w="bf16", gk=0, bi=0), "h200")
-    assert router["SPLIT_K"] > 1, "the router GEMV must split K to fill the GPU"
+    assert (router["BLOCK_N"], router["BLOCK_K"], router["SPLIT_K"]) == (1, 8192, 1), "router: a row per program"
+    long_router = gemm.heuristic(dict(M=1, N=112, K=16384, x="f32", w="bf16", gk=0, bi=0), "h200")
+    assert long_router["SPLIT_K"] > 1 and long_router["COMBINE"] == 1, "K beyond one tile: split, one launch"
     head = gemm.heuristic(dict(M=1, N=20480, K=7168, x="f32", w="bf16", gk=0, bi=0), "h200")
     assert head["SPLIT_K"] == 1 and head["GEMV"] == 1
+    assert gemm.heuristic(dict(M=8, N=112, K=7168, x="f32", w="bf16", gk=0, bi=0), "h200")["SPLIT_K"] > 1
     assert len({gemm._bucket(dict(M=m, N=1, K=1, x="f32", w="bf16", gk=0, bi=0))["M"] for m in (1, 2, 8, 16)}) == 4
 
 
@@ -256,3 +263,45 @@ def test_batch_invariant_mode_declines_decode_paths():
     with pytest.raises(ValueError, match="batch-invariant"):
         LINEAR.launch(SimpleNamespace(x=torch.randn(1, 64), w=torch.randn(8, 64)), {"batch_invariant": True},
                       _decode_cfg(1, 1, 2))
+
+
+# ---- split-K combined in the same launch (COMBINE=1), pipelined GEMV loops, whole-K tiles -----------
+@pytest.mark.parametrize("gemv,m,wkind", [(1, 1, "bf16"), (1, 2, "fp8-block"), (0, 3, "f32"), (0, 1, "fp8")])
+def test_in_launch_combine_matches_two_launches_bitwise(gemv, m, wkind):
+    """COMBINE=1 (the last split of a tile adds the partials) == COMBINE=0 (a second launch) bit for bit, both
+    close to float64, and every tile counter is back at 0 afterwards (ready for the next launch / replay)."""
+    from codegen.triton import _gemv
+
+    g = torch.Generator().manual_seed(300 + 10 * gemv + m)
+    w, w64 = _weight(wkind, 37, 200, g)
+    x = torch.randn(m, 200, generator=g)
+    cfg = dict(_decode_cfg(m, gemv, 3), COMBINE=1)
+    y = gemm.gemm(x, w, cfg)
+    assert torch.equal(y, gemm.gemm(x, w, dict(cfg, COMBINE=0))), "in-launch combine changed the bits"
+    assert torch.equal(y, gemm.gemm(x, w, cfg)), "in-launch combine changed between two runs"
+    assert all(int(c.abs().sum()) == 0 for c in _gemv._COUNTERS.values()), "a tile counter was left non-zero"
+    tol = 1e-5 if not wkind.startswith("fp8") else 2e-5
+    assert_close_rel(y, x.double() @ w64.t(), tol, f"COMBINE=1 GEMV={gemv} M={m} w {wkind}")
+
+
+@pytest.mark.parametrize("bn,bk,stages,split", [(8, 32, 3, 1), (1, 256, 1, 1), (4, 64, 2, 2), (2, 128, 1, 2)])
+def test_gemv_pipelined_and_whole_k_tiles(bn, bk, stages, split):
+    """K=200: pipelined loops (num_stages > 1 on the GEMV loop), one masked tile wider than K (BLOCK_K=256),
+    and splits whose last chunk is partial; f32 x against bf16 weights keeps fp32 accuracy."""
+    g = torch.Generator().manual_seed(bn + bk + stages)
+    w, w64 = _weight("bf16", 21, 200, g)
+    x = torch.randn(1, 200, generator=g)
+    cfg = dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, SPLIT_K=split, GEMV=1, COMBINE=int(split > 1),
+               num_warps=4, num_stages=stages)
+    assert_close_rel(gemm.gemm(x, w, cfg), x.double() @ w64.t(), 1e-5, f"GEMV {cfg}")
+
+
+def test_tile_counters_per_stream_and_kept_when_outgrown():
+    from codegen.triton import _gemv
+
+    dev = torch.device("cpu")
+    first = _gemv.tile_counters(dev, 10)
+    assert first.dtype == torch.int32 and int(first.abs().sum()) == 0 and _gemv.tile_counters(dev, 10) is first
+    bigger = _gemv.tile_counters(dev, first.numel() + 1)
+    assert bigger.numel() > first.numel() and any(t is first for t in _gemv._RETIRED), \
+        "an outgrown counter set must stay alive (a captured graph may still use it)"

@@ -394,6 +394,38 @@ def test_decode_gate_gemm_and_rank_blocks(gate_mm, rank_block, split):
     assert_close_rel(state, want[12], 1e-5, f"states gate_mm={gate_mm} RB={rank_block}")
 
 
+@pytest.mark.parametrize("H,D,rank,rank_block,split,bias", [
+    (2, 16, 40, 16, 2, False),    # rank 40 in 3 masked blocks of 16, split 2, Kimi-Linear softplus gate
+    (1, 64, 64, 128, 4, True),    # split 4, the whole rank in one block, K3 gate
+])
+def test_decode_dot_free_gate_gemv(H, D, rank, rank_block, split, bias):
+    """GEMV (one token per request): f_c = sum_j f_b[c, j] f_a[j] as a multiply-and-sum instead of 16-row
+    dots; the same outputs and states as the unfused sequence. Several tokens per request fall back to the dots."""
+    g = _gen(12)
+    lb = -5.0 if bias else None
+    for lengths in ([1, 1, 1], [1, 3]):
+        ops = decode_operands(g, H, D, lengths, rank, 5, bias=bias)
+        want = [x.clone() if isinstance(x, torch.Tensor) else x for x in ops]
+        out, _, state = kda_decode(*[x.clone() if isinstance(x, torch.Tensor) else x for x in ops], scale=D ** -0.5,
+                                   lower_bound=lb, norm_eps=1e-5, block_v=8, rank_block=rank_block, split=split,
+                                   gemv=True)
+        y_ref, _ = _unfused(want, D ** -0.5, lb, 1e-5)
+        assert_close_rel(out, y_ref, 1e-5, f"GEMV gate output, lengths {lengths}")
+        assert_close_rel(state, want[12], 1e-5, f"GEMV gate states, lengths {lengths}")
+
+
+def test_prefill_state_kernel_smem_matches_the_h200():
+    """Kernel 2's shared-memory model equals what Triton 3.6 allocated on the H200 (benches/bench_kda.py,
+    session 6), so the constraints reject the one variant that failed there (BV 128 x 3 stages) and keep the rest."""
+    from codegen.triton.kda_prefill import constraints, state_kernel_smem
+    key = {"H": 32, "D": 128, "Dv": 128, "T": 32768, "R": 4}
+    kib = {(32, 3): 188, (64, 3): 208, (64, 2): 144, (128, 2): 176, (128, 3): 248}
+    for (bv, stages), want in kib.items():
+        cfg = {"BK": 64, "BV_INTRA": 64, "BV": bv, "STAGES": stages}
+        assert state_kernel_smem(cfg, key) == want * 1024, (bv, stages)
+        assert bool(constraints(cfg, key, "cuda")) == (bv == 128 and stages == 3), (bv, stages)
+
+
 def test_gpu_heuristics_are_the_measured_configs():
     """The H200 heuristics pick what benches/bench_kda.py measured fastest (session 5), and satisfy the
     templates' constraints: prefill bf16 products with BK 64; decode split until ~one program per SM."""

@@ -92,6 +92,22 @@ def test_router_matches_reference(case):
     assert_close_rel(w, rw, 1e-6, "router weights")
 
 
+def test_router_decode_row_negative_scores_and_ties():
+    """T=1 (the decode step: one row, one warp) and T=3, 112 experts, top-2 and top-16: biased scores of
+    both signs (the packed selection key flips a negative float's bits) and exact ties (lower id first)."""
+    g = _gen(31)
+    for T, k in ((1, 2), (3, 16)):
+        logits = torch.randn(T, 112, generator=g) * 3
+        logits[:, 40:60] = logits[:, 60:80]
+        bias = torch.randn(112, generator=g) - 0.7                          # many c = s + bias < 0
+        bias[40:60] = bias[60:80]
+        w, ids = mr.router(logits, bias, k, "sigmoid", True, 1.0)
+        rw, rids = ref.moe_router(logits, bias, k, "sigmoid", True, 1.0)
+        assert torch.equal(ids, rids), (T, k, ids, rids)
+        assert_close_rel(w, rw, 1e-6, f"router weights T={T} k={k}")
+    assert mr._heuristic({"T": 1, "E": 112, "K": 2, "G": 1}) == {"BLOCK_T": 1, "num_warps": 1}
+
+
 def test_router_template_drop_in():
     (t,) = templates_for("moe_router")
     op = OPS["moe_router"]
@@ -443,11 +459,13 @@ def test_heuristics_satisfy_constraints_at_model_shapes():
             cpu = te.heuristic(te.bucket(key), {"compute_capability": None})
             assert cpu["DEQ"] == "bytes" and te.constraints(cpu, key, None) == []
     assert te.constraints({**cfg, "DEQ": "dot_scaled"}, {**key, "BF16": 0}, h200)
-    # measured on the H200: T=1 top-2 splits K 4 ways (idle SMs); T=64 top-16 fills the GPU for many waves:
-    # no split, register cap
+    # measured on the H200: T=1 top-2 runs the dot-free path (test_moe_gemv.py); the grouped path there
+    # would split K 4 ways (2 tiles x 48 column blocks leave SMs idle); T=64 top-16 fills the GPU for many
+    # waves: no split, register cap
     key1 = {"T": 1, "E": 112, "K": 2, "L": 3584, "I": 3072, "MX": 1, "BF16": 1, "BI": 0}
     c1, c64 = te.heuristic(te.bucket(key1), h200), te.heuristic(te.bucket({**key1, "T": 64, "K": 16}), h200)
-    assert c1["SPLIT"] == 4 and c64["SPLIT"] == 1 and "MAXNREG" not in c1 and c64["MAXNREG"] == gg.DECODE_MAXNREG
+    assert c1["PATH"] == "gemv" and c64["PATH"] == "grouped" and gg.decode_split(2 * 48, 28) == 4
+    assert c64["SPLIT"] == 1 and "MAXNREG" not in c1 and c64["MAXNREG"] == gg.DECODE_MAXNREG
     assert te.heuristic(te.bucket(key1), {"compute_capability": None})["SPLIT"] == 1  # the interpreter: no split
     assert te.constraints({**c1, "SPLIT": 4}, key1, h200) == []
     bi = {**key1, "BI": 1}

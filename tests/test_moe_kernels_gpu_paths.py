@@ -48,13 +48,23 @@ def _run_ptx(asm: str, operands: dict) -> dict:
         pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
         return sum(pool[(int(sel) >> (4 * i)) & 0x7] << np.uint32(8 * i) for i in range(4)).astype(np.uint32)
 
-    ops = {"mov.b32": lambda a: a, "shl.b32": lambda a, n: (a << n).astype(np.uint32), "shr.b32": lambda a, n: a >> n,
+    def f16_to_f32(h):
+        f = torch.from_numpy(h.astype(np.int32).astype(np.int16)).view(torch.float16).float()
+        return f.view(torch.int32).numpy().astype(np.uint32)
+
+    ops = {"mov.b32": lambda a: a, "cvt.f32.f16": f16_to_f32, "shl.b32": lambda a, n: (a << n).astype(np.uint32), "shr.b32": lambda a, n: a >> n,
            "or.b32": lambda a, b: a | b, "and.b32": lambda a, b: a & b, "prmt.b32": prmt, "mul.rn.bf16x2": bf16x2_mul}
     for line in asm.splitlines():
         line = line.strip().rstrip(";")
         if not line or line in "{}" or line.startswith(".reg"):
             continue
         op, args = line.split(None, 1)
+        if op == "mov.b32" and args.startswith("{"):        # unpack a register into its 16-bit halves
+            halves, src_reg = args[1:].split("}")
+            lo, hi = (h.strip() for h in halves.split(","))
+            v = val(src_reg.strip(" ,"))
+            regs[lo], regs[hi] = v & np.uint32(0xFFFF), v >> np.uint32(16)
+            continue
         dst, *src = [a.strip() for a in args.split(",")]
         if op not in ops:
             raise AssertionError(f"PTX emulator: unexpected instruction {op!r}")
@@ -112,6 +122,25 @@ def test_e2m1_ptx_16bit_word_decode_is_exact(wide):
             assert torch.equal(mine, ref), f"scale byte {s}, element {name}"
 
 
+def test_gemv_code_pair_ptx_is_exact_for_every_half_word():
+    """_moe_gemv.CODE_PAIR_PTX[c]: codes c and c+4 of a word as fp32 E2M1 · 2^-14, every 16-bit pattern in
+    both halves, emulated instruction by instruction against the float64 dequantisation."""
+    import numpy as np
+
+    from codegen.triton import _moe_gemv as gv
+    lo = np.arange(1 << 16, dtype=np.uint32)
+    words = lo | (lo[::-1] << np.uint32(16))
+    got = {}
+    for c in range(4):
+        out = _run_ptx(gv.CODE_PAIR_PTX[c].value, {"$2": words})
+        for j, reg in ((c, "$0"), (c + 4, "$1")):
+            got[j] = torch.from_numpy(out[reg].astype(np.uint32).view(np.int32)).view(torch.float32).double()
+    packed = torch.from_numpy(words.view(np.uint8).copy()).view(-1, 32)      # 8 words: a row of two blocks
+    ref = PackedMXFP4(packed, torch.full((packed.shape[0], 2), 127, dtype=torch.uint8)).dequantize(torch.float64)
+    mine = torch.stack([got[j] for j in range(8)], 1).reshape(-1, 64) * 2.0 ** 14    # columns 8q + j
+    assert torch.equal(mine, ref)
+
+
 _AOT = textwrap.dedent("""
     import os, re, sys, json
     os.environ["TRITON_INTERPRET"] = "0"
@@ -166,8 +195,8 @@ _AOT = textwrap.dedent("""
              dict(SPLIT=4, ACT=0, HAS_BETA2=True, BR=2, BI=1024)),
             (gg._combine_splits_kernel, {"o_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": "*i64", "y_ptr": "*fp32"},
              dict(TOPK=2, SPLIT=4, BT=1, BL=1024)),
-            (mt._moe_combine_kernel, {"o_ptr": "*bf16", "w_ptr": "*fp32", "ids_ptr": "*i64", "y_ptr": "*fp32"},
-             dict(TOPK=16, BT=4, BL=1024)),
+            (gg._combine_splits_kernel, {"o_ptr": "*bf16", "w_ptr": "*fp32", "ids_ptr": "*i64", "y_ptr": "*fp32"},
+             dict(TOPK=16, SPLIT=1, BT=4, BL=1024)),   # moe_tail.combine: bf16 per-pair rows, one "split"
             (mt._latent_norm_kernel, {"y_ptr": "*fp32", "g_ptr": "*bf16", "out_ptr": "*bf16"}, dict(BT=1, BL=4096)),
             (mt._up_proj_add_kernel, {"y_ptr": "*bf16", "w_ptr": "*bf16", "sh_ptr": "*bf16", "out_ptr": "*bf16"},
              dict(IEEE=False, DT=tl.bfloat16, BM=64, BN=32, BK=128, GROUP_M=8))]:
@@ -175,6 +204,27 @@ _AOT = textwrap.dedent("""
                for a in fn.arg_names}
         triton.compile(ASTSource(fn, sig, ce), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
         res[fn.__name__ + "_sm90"] = ["ok"]
+    from codegen.triton import _moe_gemv as gv
+    for mma, stages in ((0, 1), (1, 3)):       # the FFMA path with its PTX decode; the MMA step (asm16)
+        wt = "*i16" if mma else "*i32"
+        com = dict(TOPK=2, MX=True, GN=16, BQ=64, STEP=512 if not mma else 256, ASM=not mma, MMA=bool(mma),
+                   W_FMT=5 if mma else 0, DT=tl.bfloat16, IEEE=False, WIDE=False)
+        for fn, ptrs, ce in [
+                (gv._gemv_gate_up_kernel, {"z_ptr": "*bf16", "ids_ptr": "*i64", "w1_ptr": wt, "w3_ptr": wt,
+                                           "s1_ptr": "*u8", "s3_ptr": "*u8", "h_ptr": "*bf16"},
+                 dict(ACT=0, HAS_BETA2=True, **com)),
+                (gv._gemv_down_combine_kernel, {"h_ptr": "*bf16", "wt_ptr": "*fp32", "ids_ptr": "*i64", "w2_ptr": wt,
+                                                "s2_ptr": "*u8", "y_ptr": "*fp32"}, com)]:
+            sig = {a: "constexpr" if a in ce else ptrs.get(a, "fp32" if a.startswith("beta") else "i32")
+                   for a in fn.arg_names}
+            div = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)   # as the launcher specialises
+                   if sig[a] != "constexpr" and not sig[a].startswith("fp") and a not in ("E", "NP", "NT")}
+            k = triton.compile(ASTSource(fn, sig, ce, div), target=GPUTarget("cuda", 90, 32),
+                               options={"num_warps": 1 if mma else 4, "num_stages": stages})
+            key = f"{fn.__name__}_mma{mma}_sm90"
+            res[key] = sorted(set(re.findall(r"(mma\\.sync[.\\w]*|wgmma\\.mma_async|cvt\\.f32\\.f16|cp\\.async)",
+                                             k.asm["ptx"])))
+            res[key + "_smem_operand"] = len(re.findall(r"local_load[^\\n]*dot_op<\\{opIdx = 0", k.asm["ttgir"]))
     print(json.dumps(res))
 """)
 
@@ -202,3 +252,9 @@ def test_gpu_paths_compile_for_sm100_and_sm90():
         assert res[k + "_smem_operand"] == 0, (k, res)
     assert res["_moe_router_kernel_sm90"] and res["_up_proj_add_kernel_sm90"], res
     assert res["_permute_one_program_kernel_sm90"] and res["_glu_splits_kernel_sm90"], res
+    # the per-pair path: FFMA with the PTX decode (no MMA); the MMA variant reaches mma.sync, its packed
+    # tiles through cp.async stages, the decoded weights straight from registers
+    for kern in ("_gemv_gate_up_kernel", "_gemv_down_combine_kernel"):
+        assert res[kern + "_mma0_sm90"] == ["cvt.f32.f16"], res
+        assert {"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "cp.async"} <= set(res[kern + "_mma1_sm90"]), res
+        assert res[kern + "_mma1_sm90_smem_operand"] == 0, res

@@ -1,5 +1,5 @@
 """Pool-reading / pool-writing kernels on block views of a packed pool (DESIGN §5 T1): the MLA prefill
-kernel (codegen/triton/mla_prefill.py) and the fused indexer front's key write (norm_quant.py) take a
+kernel (codegen/triton/mla_prefill.py) and the fused indexer front's key write (indexer_front.py) take a
 pool either flat [N, *row] or as a block view [NB, bs, *row] whose block stride exceeds bs * row (a
 page of a wider byte row, other pages around it). Results must equal the flat-pool run exactly, agree
 with the reference, and a write must land only in its page. Interpreter, fp32, tiny shapes."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from codegen.triton import mla_prefill as mp
-from codegen.triton import norm_quant as nq
+from codegen.triton import indexer_front as fr
 from ir import formats
 from ir.ref import mla as ref
 
@@ -94,13 +94,13 @@ def test_indexer_front_writes_keys_and_scales_into_block_views():
     T, N = 5, 48
     node, ops = _front_case(T, N, 9)
     flat = [x.clone() if x is not None else None for x in ops]
-    want = nq.indexer_front(flat, dict(node.attrs), nq._front_heuristic({}, "cpu"))
+    want = fr.indexer_front(flat, dict(node.attrs), fr._front_heuristic({}, "cpu"))
     bs = node.attrs["block_size"]
     kbuf, kview = _page(ops[6].clone(), bs)
     sbuf, sview = _page(ops[7].clone(), bs, before=20, after=4)
     mine = list(ops)
     mine[6], mine[7] = kview, sview
-    got = nq.indexer_front(mine, dict(node.attrs), nq._front_heuristic({}, "cpu"))
+    got = fr.indexer_front(mine, dict(node.attrs), fr._front_heuristic({}, "cpu"))
     assert got[3] is kview and got[4] is sview, "pools must be updated in place and returned"
     for a, b_ in zip(got[:3], want[:3]):
         assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,

@@ -102,3 +102,32 @@ def test_check_step_rejects_like_the_runtime(tiny):
     with pytest.raises(RequestError) as ours:
         check_step(rt, "decode", bad)
     assert str(ours.value) == str(ref.value)
+
+
+@pytest.mark.parametrize("seed,n_req,pad_to", [(5, 3, 4), (6, 4, 4), (8, 1, 8)])
+def test_graph_metadata_strided_layout_equals_the_builder(tiny, seed, n_req, pad_to):
+    """The CUDA-graph prologue (pinned buffer in the strided layout, expanded by the same kernel) builds
+    what the packed builder builds for the same padded bucket; rewriting it for a second step with fewer
+    requests and shorter tables leaves nothing of the first step behind."""
+    from k31c.runtime.step_metadata import GraphMetadata
+
+    rng = random.Random(seed)
+    rt = _runtime(tiny)
+    chunks = _random_step(rt, rng, "decode", n_req)
+    rows = check_step(rt, "decode", chunks)
+    scratch = (rt.blocks.allocate(1)[0], rt.free_slots.pop())
+    width = max(len(b) for _, _, b, _ in rows) + 3
+    gm = GraphMetadata(pad_to, width, scratch, "cpu")
+    static = {k: torch.full_like(v, 99) for k, v in StepMetadataBuilder("cpu").build(
+        rows, width=width, pad_to=pad_to, scratch=scratch).items()}
+    for step_rows in (rows, rows[:1]):
+        want = StepMetadataBuilder("cpu").build(step_rows, width=width, pad_to=pad_to, scratch=scratch)
+        gm.write(step_rows)
+        gm.upload()
+        got = gm.expand(static)
+        for k in KEYS:
+            assert got[k] is static[k] and torch.equal(got[k], want[k]), f"{k} ({len(step_rows)} rows) differs"
+    with pytest.raises(ValueError, match="batch bucket"):
+        gm.write(rows * (pad_to // len(rows) + 1))
+    with pytest.raises(ValueError, match="at most"):
+        GraphMetadata(pad_to, 1, scratch, "cpu").write([(0, 0, [1, 2], [3])])  # two blocks, width 1

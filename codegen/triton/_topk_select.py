@@ -161,10 +161,10 @@ def _collect(ptr, n, prefix, pmask, dst, cnt, tblrow, LIMIT, TILE: tl.constexpr,
 
 @triton.jit
 def _merge_kernel(cand_ptr, tmin_ptr, hist_ptr, ext_ptr, ovf_ptr, novf_ptr, work_ptr, th_ptr, out_ptr, tbl_ptr, req_ptr,
-                  MB, pos_ptr,
+                  MB, pos_ptr, ncomp_ptr,
                   NT, TOPK, MAX_OVF, BLOCK_N: tl.constexpr, KT: tl.constexpr, KP: tl.constexpr, KW: tl.constexpr,
                   PHASE: tl.constexpr, ROWS_OUT: tl.constexpr, TILE: tl.constexpr, LOG_BS: tl.constexpr,
-                  RESIDENT: tl.constexpr):
+                  RESIDENT: tl.constexpr, COMPACT: tl.constexpr):
     """PHASE 1 radix-selects theta over a row's candidates, flags overflowed tiles and, without overflow,
     writes the output; PHASE 2 redoes the selection over candidates + rescored tiles (8-bit digits).
     PHASE 1 takes its first digit (the top 11 bits) from the histogram the score kernel counted, copies
@@ -175,7 +175,9 @@ def _merge_kernel(cand_ptr, tmin_ptr, hist_ptr, ext_ptr, ovf_ptr, novf_ptr, work
     1's), so PHASE 2 gathers the candidates and rescored keys at or above it into the work row (KW keys:
     top-k plus the rescored tiles' survivors) and selects there, in registers; only when they do not fit
     does it radix-select over every candidate and rescored key (8 passes).
-    The work rows are KW keys apart; PHASE 1 uses the first KP of its row."""
+    The work rows are KW keys apart; PHASE 1 uses the first KP of its row.
+    COMPACT: cand_ptr holds `_filter_kernel`'s compacted rows (ncomp_ptr[row] keys, position order), which
+    keep every candidate that can reach the selection: the passes above run over those instead."""
     row = tl.program_id(0)
     ctx = tl.load(pos_ptr + row) + 1
     tblrow = tbl_ptr + tl.load(req_ptr + row) * MB
@@ -192,7 +194,10 @@ def _merge_kernel(cand_ptr, tmin_ptr, hist_ptr, ext_ptr, ovf_ptr, novf_ptr, work
         n_ovf = tl.load(novf_ptr + row)
         active = (ctx > TOPK) & (n_ovf > 0)
     if active:
-        n_c = tl.cdiv(ctx, BLOCK_N) * KT
+        if COMPACT:
+            n_c = tl.load(ncomp_ptr + row)
+        else:
+            n_c = tl.cdiv(ctx, BLOCK_N) * KT
         crow = cand_ptr + row.to(tl.int64) * NT * KT
         erow = ext_ptr + row.to(tl.int64) * MAX_OVF * BLOCK_N
         n_e = n_ovf * BLOCK_N
@@ -301,4 +306,56 @@ def _merge_kernel(cand_ptr, tmin_ptr, hist_ptr, ext_ptr, ovf_ptr, novf_ptr, work
             _select_sorted(tl.load(wrow + j, mask=j < cnt, other=0), j < cnt, orow, tblrow, TOPK, KP, ROWS_OUT, LOG_BS)
 
 
-# ------------------------------------------------------------------------------------ host API
+@triton.jit
+def _filter_kernel(cand_ptr, hist_ptr, hist2_ptr, cnt_ptr, comp_ptr, ncomp_ptr, pos_ptr, NT, TOPK,
+                   BLOCK_N: tl.constexpr, KT: tl.constexpr, PARTS: tl.constexpr, TILE: tl.constexpr,
+                   STEP: tl.constexpr):
+    """Parallel pre-selection of a row's candidates (grid: rows x PARTS; the serial merge then runs over the
+    survivors). Program (row, part) owns candidates [part*per, (part+1)*per), per = ceil(n_c / PARTS).
+    Every program first re-derives the boundary digit b0 (top 11 key bits) of the topk-th largest
+    candidate from the score pass's histogram (`_radix_step`), then
+      STEP 0: counts the next 11 bits (b1, bits 42..52) of its keys in bucket b0 into the row's second
+              histogram (global atomics);
+      STEP 1: takes b1 from that histogram and counts its keys whose top 22 bits are >= (b0, b1);
+      STEP 2: writes those keys to the compact row at the exclusive prefix of the parts' counts (position
+              order kept: parts are in order and each writes in order); part 0 stores the row's total.
+    Exactness: a dropped key ranks below the topk-th largest candidate, and the true top-k's threshold is
+    at least that (rescored keys are only added), so it can never be selected."""
+    row = tl.program_id(0)
+    part = tl.program_id(1)
+    ctx = tl.load(pos_ptr + row) + 1
+    if ctx > TOPK:
+        n_c = tl.cdiv(ctx, BLOCK_N) * KT
+        per = tl.cdiv(n_c, PARTS)
+        lo = part * per
+        n = tl.maximum(0, tl.minimum(per, n_c - lo))
+        src = cand_ptr + row.to(tl.int64) * NT * KT + lo
+        i11 = tl.arange(0, 2048)
+        need, prefix, pmask, done = _radix_step(tl.load(hist_ptr + row * 2048 + i11), i11, TOPK + tl.zeros([], tl.int32),
+                                                tl.zeros([], tl.int64), tl.zeros([], tl.int64), 53, 11, 1024)
+        if STEP == 0:
+            if done == 0:
+                for off in range(0, n, TILE):
+                    o = off + tl.arange(0, TILE)
+                    k = tl.load(src + o, mask=o < n, other=INVALID)
+                    hit = (o < n) & (k != INVALID) & ((k & pmask) == prefix)
+                    tl.atomic_add(hist2_ptr + row * 2048 + ((k >> 42) & 2047).to(tl.int32), 1, mask=hit, sem="relaxed")
+        else:
+            if done == 0:
+                need, prefix, pmask, done = _radix_step(tl.load(hist2_ptr + row * 2048 + i11), i11, need, prefix,
+                                                        pmask, 42, 11, 0)
+            if STEP == 1:
+                cnt = tl.zeros([], tl.int32)
+                for off in range(0, n, TILE):
+                    o = off + tl.arange(0, TILE)
+                    k = tl.load(src + o, mask=o < n, other=INVALID)
+                    cnt += tl.sum(((o < n) & (k != INVALID) & ((k & pmask) >= prefix)).to(tl.int32), 0)
+                tl.store(cnt_ptr + row * PARTS + part, cnt)
+            else:
+                pp = tl.arange(0, PARTS)
+                cnts = tl.load(cnt_ptr + row * PARTS + pp)
+                base = tl.sum(tl.where(pp < part, cnts, 0), 0)
+                _gather_ge(src, n, prefix, pmask, comp_ptr + row.to(tl.int64) * NT * KT, base, NT * KT, TILE)
+                if part == 0:
+                    tl.store(ncomp_ptr + row, tl.sum(cnts, 0))
+

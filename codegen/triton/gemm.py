@@ -15,11 +15,12 @@ operand is fp64): the interpreter's bf16 arithmetic is wrong, see shared/TOOLCHA
 
 Tiling: one program per (BLOCK_M x BLOCK_N) output tile (GROUP_M launch order for L2 reuse) and per K
 split. GEMV=0: `gemm_tile`, tensor-core dots over BLOCK_K steps pipelined `num_stages` deep; GEMV=1
-(decode, BLOCK_M <= 16): `gemv_tile`, elementwise fp32 products summed once per tile, any BLOCK_N >= 1
-(`_gemv.py` has its math). SPLIT_K=1: each output element is reduced over K in one fixed order (k = 0,
-BLOCK_K, 2 BLOCK_K, ...). SPLIT_K > 1 (decode GEMMs too narrow to fill the GPU, e.g. the routers' N=112):
-split s reduces its K chunk into an fp32 partial and a second launch adds the partials in split order
-(`_gemv.py`: deterministic, no atomics).
+(decode, BLOCK_M <= 16): `gemv_tile`, elementwise fp32 products summed once per tile, any BLOCK_N >= 1,
+its K loop software-pipelined `num_stages` deep (`_gemv.py` has its math). SPLIT_K=1: each output element is
+reduced over K in one fixed order (k = 0, BLOCK_K, 2 BLOCK_K, ...). SPLIT_K > 1 (decode GEMMs too narrow to
+fill the GPU, e.g. the routers at M >= 8): split s reduces its K chunk into an fp32 partial and the partials
+are added in split order, by the last split of the tile to finish (COMBINE=1, one launch: an atomic counter
+only elects the adder) or by a second launch (COMBINE=0); the same bits either way (`_gemv.py`).
 
 Batch invariance (`attrs["batch_invariant"]`): the key drops M (`bi=1`), so `heuristic` returns one
 config for every batch size, GEMV=0 and SPLIT_K=1 (`constraints` refuses others, the launch too), and the
@@ -42,8 +43,8 @@ import triton.language as tl
 
 from codegen.kernel import KernelTemplate, Tunable, pow2_bucket
 # gemm_tile, dot_numerics, interpreting: re-exported (kernels that fuse an epilogue onto a GEMM tile)
-from codegen.triton._gemv import (dot_numerics, gemm_tile, gemv_tile, interpreting, k_chunk,  # noqa: F401
-                                  reduce_partials)
+from codegen.triton._gemv import (combine_in_launch, decode_dot_config, decode_gemv_config, dot_numerics,  # noqa: F401
+                                  gemm_tile, gemv_tile, interpreting, k_chunk, reduce_partials, tile_counters)
 
 # Shared memory a program may use, per target (bytes). Unknown GPU targets get the conservative value.
 SMEM_BYTES = {"h100": 232448, "h200": 232448, "b200": 232448, "b300": 232448, "gb300": 232448, "rubin": 232448,
@@ -105,11 +106,12 @@ class FP8Weight:
 
 # ---- the kernel ---------------------------------------------------------------------------------
 @triton.jit
-def _gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, M, N, K, K_CHUNK,
+def _gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, K_CHUNK,
                  stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn, stride_sn, stride_sk,
                  SCALE_MODE: tl.constexpr, SCALE_GN: tl.constexpr, SCALE_GK: tl.constexpr,
                  DOT_DTYPE: tl.constexpr, ACC_DTYPE: tl.constexpr, X_SPLITS: tl.constexpr,
                  PRECISION: tl.constexpr, EVEN_K: tl.constexpr, GEMV: tl.constexpr, SPLIT_K: tl.constexpr,
+                 COMBINE: tl.constexpr, LOOP_STAGES: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -133,12 +135,15 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, M, N, K, K_CHUNK,
     if GEMV:
         acc = gemv_tile(x_ptr, w_ptr, s_ptr, offs_m, offs_n, m_ok, n_ok, K, stride_xm, stride_xk, stride_wn,
                         stride_wk, stride_sn, stride_sk, SCALE_MODE, SCALE_GN, SCALE_GK, ACC_DTYPE, EVEN_K,
-                        BLOCK_M, BLOCK_N, BLOCK_K)
+                        BLOCK_M, BLOCK_N, BLOCK_K, LOOP_STAGES)
     else:
         acc = gemm_tile(x_ptr, w_ptr, s_ptr, offs_m, offs_n, m_ok, n_ok, K, stride_xm, stride_xk, stride_wn,
                         stride_wk, stride_sn, stride_sk, SCALE_MODE, SCALE_GN, SCALE_GK, DOT_DTYPE, ACC_DTYPE,
                         X_SPLITS, PRECISION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
-    if SPLIT_K > 1:  # fp32 partial of split program_id(1), reduced in fixed order by `reduce_partials`
+    if SPLIT_K > 1 and COMBINE:  # the last split of this tile to finish adds the partials in split order
+        combine_in_launch(p_ptr, cnt_ptr, y_ptr, acc, pid, tl.program_id(1), M, N, offs_m, offs_n, m_ok, n_ok,
+                          stride_ym, stride_yn, SPLIT_K)
+    elif SPLIT_K > 1:  # fp32 partial of split program_id(1), reduced in fixed order by `reduce_partials`
         p_ptrs = p_ptr + (tl.program_id(1) * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
         tl.store(p_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
     else:
@@ -174,13 +179,16 @@ def gemm(x: torch.Tensor, w, config: dict, out: torch.Tensor | None = None) -> t
     p_dtype = torch.float64 if numerics["ACC_DTYPE"] == tl.float64 else torch.float32
     partials = torch.empty(n_split, M, N, dtype=p_dtype, device=x.device) if n_split > 1 else out
     grid = (triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"]), n_split)
+    combine = int(config.get("COMBINE", 1)) if n_split > 1 else 0
+    counters = tile_counters(x.device, grid[0]) if combine else partials
     _gemm_kernel[grid](
-        x, wq, s, out, partials, M, N, K, chunk, x.stride(0), x.stride(1), wq.stride(0), wq.stride(1),
+        x, wq, s, out, partials, counters, M, N, K, chunk, x.stride(0), x.stride(1), wq.stride(0), wq.stride(1),
         out.stride(0), out.stride(1), *s_strides, SCALE_MODE=scale_mode, SCALE_GN=gn, SCALE_GK=gk, **numerics,
-        EVEN_K=K % config["BLOCK_K"] == 0, GEMV=int(config.get("GEMV", 0)), SPLIT_K=n_split,
+        EVEN_K=K % config["BLOCK_K"] == 0, GEMV=int(config.get("GEMV", 0)), SPLIT_K=n_split, COMBINE=combine,
+        LOOP_STAGES=max(1, int(config["num_stages"])),
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
         num_warps=config["num_warps"], num_stages=config["num_stages"])
-    if n_split > 1:
+    if n_split > 1 and not combine:
         reduce_partials(partials, out)
     return out
 
@@ -251,58 +259,39 @@ def _bucket(key: dict) -> dict:
 TUNABLES = (
     Tunable("BLOCK_M", (1, 2, 4, 8, 16, 32, 64, 128)),
     Tunable("BLOCK_N", (1, 2, 4, 8, 16, 32, 64, 128, 256)),
-    Tunable("BLOCK_K", (32, 64, 128, 256, 512, 1024)),
+    Tunable("BLOCK_K", (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)),
     Tunable("GROUP_M", (1, 8)),
     Tunable("SPLIT_K", (1, 2, 4, 8, 16, 32)),
     Tunable("GEMV", (0, 1)),
-    Tunable("num_warps", (4, 8)),
+    Tunable("num_warps", (2, 4, 8)),
     Tunable("num_stages", (1, 2, 3, 4, 5)),
 )
 SMS = {"h100": 132, "h200": 132, "b200": 148, "b300": 148, "gb300": 152, "mi355x": 256}  # multiprocessors
 GEMV_MAX_M = 1  # the [M, BLOCK_N, BLOCK_K] GEMV was 3-5x slower than 16-row dots at M=8 (H200)
 
 
-def _fill(cfg: dict, key: dict, want: int, min_n: int) -> dict:
-    """Halve BLOCK_N (to min_n), then double SPLIT_K (to 32, no empty split) until >= `want` programs: a decode
-    GEMM is one pass over the weights, and only enough programs in flight reach the HBM bandwidth."""
-    tiles = lambda: -(-key["M"] // cfg["BLOCK_M"]) * -(-key["N"] // cfg["BLOCK_N"]) * cfg["SPLIT_K"]  # noqa: E731
-    while tiles() < want and cfg["BLOCK_N"] > min_n:
-        cfg["BLOCK_N"] //= 2
-    while tiles() < want and cfg["SPLIT_K"] < 32 and 2 * cfg["SPLIT_K"] * cfg["BLOCK_K"] <= key["K"]:
-        cfg["SPLIT_K"] *= 2
-    return cfg
-
-
 def heuristic(key: dict, target: str) -> dict:
-    """Measured on the H200 (benches/bench_gemm_decode.py, 2026-11-29). cpu (interpreter): big tiles, few
-    programs. M = 1, K <= 2048 or >= 6144: the GEMV (lm head 68 us vs 158, floor 70; K=7168 packed 1.06-1.18x
-    floor), BLOCK_N 8 (4 for N >= 16384), BLOCK_K 256 for K <= 2048 else 512, BLOCK_N halved then K split to
-    >= 4 programs per SM (routers N=112: 1 row, 8 splits, 68 -> 5.1 us). Other M <= 64 (and M=1 with K=3072 /
-    4224, where they measured faster): 16..64-row tensor-core tiles, BLOCK_N 64 (N >= 12800) or 32, BLOCK_K
-    128, 4 stages, split 2 for f32 x at N >= 12800 (M=8 lm head 156 -> 126 us); < SMs/2 tiles are refilled
-    (routers at M=8: 66 -> 10.5 us). Prefill 128 x 256 x 64, 3 stages. Batch-invariant: one config for every
-    M, no split, no GEMV. Wide operands shed stages, then BLOCK_N, until shared memory fits."""
-    mb, sms = pow2_bucket(key["M"]), SMS.get(target, 132)
+    """cpu (interpreter): big tiles, few programs. GPU decode batches: `decode_gemv_config` (M = 1) and
+    `decode_dot_config` (M <= 64) in _gemv.py, whose docstrings carry the H200 measurements; split-K is always
+    combined in the launch (COMBINE=1: one launch fewer, the same bits). Prefill 128 x 256 x 64, 3 stages.
+    Batch-invariant: one config for every M, no split, no GEMV. Wide operands shed stages, then BLOCK_N, until
+    shared memory fits."""
+    sms = SMS.get(target, 132)
     if target == "cpu":
         bm = 64 if key["bi"] else min(64, pow2_bucket(key["M"], 16))
         cfg = dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=1)
     elif key["bi"]:
         cfg = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
-    elif mb <= GEMV_MAX_M and not 2048 < key["K"] < 6144:
-        bk = min(256 if key["K"] <= 2048 else 512, max(32, pow2_bucket(key["K"])))
-        cfg = _fill(dict(BLOCK_M=1, BLOCK_N=4 if key["N"] >= 16384 else 8, BLOCK_K=bk, GROUP_M=1, SPLIT_K=1, GEMV=1,
-                         num_warps=4, num_stages=1), key, 4 * sms, 1)
+    elif pow2_bucket(key["M"]) <= GEMV_MAX_M:
+        cfg = decode_gemv_config(key, sms)
     elif key["M"] <= 64:
-        wide = key["N"] >= 200 * 64
-        cfg = dict(BLOCK_M=max(16, mb), BLOCK_N=64 if wide else 32, BLOCK_K=128, GROUP_M=1,
-                   SPLIT_K=2 if wide and key["x"] == "f32" and mb <= 16 else 1, GEMV=0, num_warps=4, num_stages=4)
-        if mb <= 16:
-            cfg = _fill(cfg, key, sms // 2, 16)
+        cfg = decode_dot_config(key, sms)
     else:
         cfg = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
         if key["x"] == "f32":  # 3-term split / tf32x3: 128 x 128 keeps ptxas free of spills
             cfg.update(BLOCK_N=128, BLOCK_K=32 if key["w"] == "f32" else 64)
     cfg = {"SPLIT_K": 1, "GEMV": 0, **cfg}
+    cfg["COMBINE"] = 1  # split-K partials added in the launch (0: a second launch; not searched, same bits)
     if key.get("gk"):
         cfg["BLOCK_K"] = min(cfg["BLOCK_K"], key["gk"])
     while constraints(cfg, key, target):

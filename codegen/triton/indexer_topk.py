@@ -24,19 +24,24 @@ whose order is exactly the selection order; four kernels:
              candidates ARE the exact top-k (an unsent element ranks at most its tile's witness < theta,
              with topk elements above theta); they are in position order, so compaction writes the
              ascending output directly.
- 3. rescore  grid (rows, <= 16): overflowed tiles are rescored whole into `ext`, their candidates dropped.
+ 3. rescore  grid (rows, <= 16): overflowed tiles are rescored into `ext` minus their candidates (disjoint sets).
  4. merge 2  rows that overflowed: the keys of candidates + ext at or above merge 1's threshold (a superset
              of the true top-k: adding keys only raises the topk-th largest) are gathered into a work row of
              2 pow2(topk) keys and selected there in registers, then one tl.sort (when they do not fit: radix
              select over all candidates + ext).
 With KT = BLOCK_N (short contexts, see `heuristic`) every key is a candidate: no witness, steps 3-4 never run.
+FILTER 1 inserts between 1 and 2 a parallel pre-selection (`_filter_kernel`, grid rows x FILTER_PARTS, three
+launches): the boundary's next 11 key bits are counted, and only candidates whose top 22 bits reach the
+topk-th largest candidate's are compacted (in position order) for the merges, which then stream a few
+thousand keys instead of every candidate (exact: the dropped keys rank below a key the selection beats).
 Workspace per row 8 B x (NT*(KT+1) + (topk/KT)*BLOCK_N + 2 pow2(topk) + 2); prefill runs in row chunks.
 Pools: flat [N, ...] or block views [NB, block_size, ...] of a packed pool (`_paging.pool_strides`), read
 in place through `row_offsets`.
 
 API: `indexer_topk(...)` (positions: the IR op), `output="rows"` (the positions' pool rows, -1
 padded: what attention kernels read), `key_format="mxfp4"`. Tunables: BLOCK_N, KT, SPLITS (programs
-per row), CAND, DOT, num_warps / num_stages (score kernel), MERGE_TILE. Batch invariant (each row
+per row), CAND, DOT, PREFETCH (score kernel: next tile in flight), num_warps / num_stages (score kernel),
+MERGE_TILE, MERGE_WARPS, FILTER / FILTER_PARTS. Batch invariant (each row
 on its own).
 """
 
@@ -47,154 +52,16 @@ import os
 from types import SimpleNamespace
 
 import torch
-import triton
 import triton.language as tl
 
 from ..kernel import KernelTemplate, Tunable, pow2_bucket
-from ._paging import context_bound, paging_args, pool_strides, row_offsets, rows_of
-from ._topk_select import INVALID, _digit0, _low32, _merge_kernel, _rot32, _score_keys
-from .mla_sparse import e2m1_to_f32, e8m0_to_f32
+from ._paging import context_bound, paging_args, pool_strides
+from ._indexer_tiles import _rescore_kernel, _score_kernel
+from ._topk_select import _filter_kernel, _merge_kernel
 
 WORKSPACE_BYTES = 1 << 28
 RESCORE_PROGRAMS = 16   # programs per row rescoring overflowed tiles
 WORK_ROW_FACTOR = 2     # second merge: survivors of the first merge's threshold held in a work row of 2 pow2(topk) keys
-
-
-@triton.jit
-def _load_q(q_ptr, w_ptr, qs_ptr, row, HI: tl.constexpr, DI: tl.constexpr, HP: tl.constexpr,
-            KEY_FMT: tl.constexpr, DOT_DT: tl.constexpr):
-    """q^T operands ([DI, HP], or even/odd halves [DI/2, HP] for MXFP4) and per-head weights w*qs (fp32,
-    formed here: no separate launch). DOT_DT fp8 (FP8 keys only): the e4m3 codes as they are (an fp8 x fp8
-    tensor-core dot)."""
-    h = tl.arange(0, HP)
-    hm = h < HI
-    wq = tl.load(w_ptr + row * HI + h, mask=hm, other=0.0).to(tl.float32) * \
-        tl.load(qs_ptr + row * HI + h, mask=hm, other=0.0).to(tl.float32)
-    qrow = q_ptr + row * HI * DI
-    if KEY_FMT == 0:
-        d = tl.arange(0, DI)
-        qa = _fp8_as(tl.load(qrow + h[None, :] * DI + d[:, None], mask=hm[None, :], other=0.0), DOT_DT)
-        qb = qa
-    else:
-        d = tl.arange(0, DI // 2)
-        qa = _fp8_as(tl.load(qrow + h[None, :] * DI + 2 * d[:, None], mask=hm[None, :], other=0.0), DOT_DT)
-        qb = _fp8_as(tl.load(qrow + h[None, :] * DI + 2 * d[:, None] + 1, mask=hm[None, :], other=0.0), DOT_DT)
-    return qa, qb, wq
-
-
-@triton.jit
-def _fp8_as(x, DT: tl.constexpr):
-    """e4m3 codes (an fp8 load, or raw uint8 bytes in the interpreter) as DT (fp8 itself: no conversion)."""
-    if x.dtype == tl.uint8:
-        x = x.to(tl.float8e4nv, bitcast=True)
-    if DT != tl.float8e4nv:
-        x = x.to(DT)
-    return x
-
-
-@triton.jit
-def _tile_keys(qa, qb, wq, k_ptr, ks_ptr, k_sb, k_sr, s_sb, s_sr, tblrow, ctx, start, DI: tl.constexpr,
-               BLOCK_N: tl.constexpr, KEY_FMT: tl.constexpr, DOT_DT: tl.constexpr, LOG_BS: tl.constexpr,
-               IMPRECISE: tl.constexpr):
-    """Keys (`_score_keys`) of positions start .. start+BLOCK_N-1 (>= ctx are INVALID, read nothing).
-    Pool rows through the block table (`rows_of`), element offsets through the pools' strides
-    (`row_offsets`: flat pools or block views). FP8: codes [BLOCK_N, DI] (one contiguous DI-byte read per
-    row) and fp32 scales; MXFP4: E2M1 pairs [BLOCK_N, DI/2] and E8M0 scale bytes broadcast to [BLOCK_N, DI/2].
-    The loads stay in the loop body with nothing held across iterations: the compiler's software
-    pipeliner (num_stages) streams them into shared memory ahead of the dot."""
-    p = start + tl.arange(0, BLOCK_N)
-    valid = p < ctx
-    rows = rows_of(tblrow, p, valid, LOG_BS)
-    ko = row_offsets(rows, LOG_BS, k_sb, k_sr)
-    so = row_offsets(rows, LOG_BS, s_sb, s_sr)
-    if KEY_FMT == 0:
-        d = tl.arange(0, DI)
-        kt = tl.load(k_ptr + ko[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        ks = tl.load(ks_ptr + so, mask=valid, other=0.0)
-        if DOT_DT == tl.float8e4nv:   # FP8 tensor cores; IMPRECISE: K-steps summed before an exact fp32 add
-            acc = tl.dot(_fp8_as(kt, DOT_DT), qa, max_num_imprecise_acc=IMPRECISE)          # [BLOCK_N, HP]
-        else:
-            acc = tl.dot(_fp8_as(kt, DOT_DT), qa)
-        s = tl.sum(tl.maximum(acc, 0.0) * wq[None, :], 1) * ks
-    else:
-        d = tl.arange(0, DI // 2)
-        kt = tl.load(k_ptr + ko[:, None] + d[None, :], mask=valid[:, None], other=0)
-        ks = tl.load(ks_ptr + so[:, None] + (d // 16)[None, :], mask=valid[:, None], other=127)
-        sc = e8m0_to_f32(ks)
-        lo = (e2m1_to_f32(kt & 15) * sc).to(DOT_DT)
-        hi = (e2m1_to_f32(kt >> 4) * sc).to(DOT_DT)
-        acc = tl.dot(lo, qa) + tl.dot(hi, qb)
-        s = tl.sum(tl.maximum(acc, 0.0) * wq[None, :], 1)
-    return _score_keys(s, p, valid)
-
-
-@triton.jit
-def _candidates(key, BLOCK_N: tl.constexpr, KT: tl.constexpr, CAND: tl.constexpr):
-    """(KT candidates of a tile in position order, overflow witness). CAND 0: the tile's KT best
-    (tl.topk, a bitonic sort), witness = the KT-th best. CAND 1: the best two of each group of
-    BLOCK_N/(KT/2) consecutive positions (three max reductions), witness = the best unsent key (the
-    largest third-best): no unsent key can be selected unless the witness is."""
-    if CAND == 0:
-        top = tl.topk(key, KT)
-        witness = tl.min(top, 0)
-        cand = _rot32(tl.sort(_rot32(top), descending=True))
-    else:
-        NG: tl.constexpr = KT // 2
-        k2 = tl.reshape(key, [NG, BLOCK_N // NG])
-        m1 = tl.max(k2, 1)
-        k2 = tl.where(k2 == m1[:, None], INVALID, k2)
-        m2 = tl.max(k2, 1)
-        witness = tl.max(tl.max(tl.where(k2 == m2[:, None], INVALID, k2), 1), 0)   # best unsent key
-        m1_first = (m1 & _low32()) >= (m2 & _low32())        # larger low half = lower position
-        cand = tl.reshape(tl.join(tl.where(m1_first, m1, m2), tl.where(m1_first, m2, m1)), [KT])
-    return cand, witness
-
-
-@triton.jit
-def _score_kernel(q_ptr, w_ptr, qs_ptr, k_ptr, ks_ptr, k_sb, k_sr, s_sb, s_sr, tbl_ptr, req_ptr, MB, pos_ptr, cand_ptr,
-                  tmin_ptr, hist_ptr, NT, TOPK, SPLITS, HI: tl.constexpr, DI: tl.constexpr, HP: tl.constexpr,
-                  BLOCK_N: tl.constexpr, KT: tl.constexpr, KEY_FMT: tl.constexpr, DOT_DT: tl.constexpr,
-                  LOG_BS: tl.constexpr, CAND: tl.constexpr, IMPRECISE: tl.constexpr):
-    """Program (row, split) scores tiles split, split + SPLITS, ... of its row's context, and counts its
-    candidates by their top 11 key bits into the row's histogram (the merge's first radix digit)."""
-    row = tl.program_id(0)
-    split = tl.program_id(1)
-    ctx = tl.load(pos_ptr + row) + 1
-    if ctx > TOPK:
-        tblrow = tbl_ptr + tl.load(req_ptr + row) * MB
-        qa, qb, wq = _load_q(q_ptr, w_ptr, qs_ptr, row, HI, DI, HP, KEY_FMT, DOT_DT)
-        n_tiles = tl.cdiv(ctx, BLOCK_N)
-        crow = cand_ptr + row.to(tl.int64) * NT * KT
-        for tile in range(split, n_tiles, SPLITS):
-            key = _tile_keys(qa, qb, wq, k_ptr, ks_ptr, k_sb, k_sr, s_sb, s_sr, tblrow, ctx, tile * BLOCK_N, DI,
-                             BLOCK_N, KEY_FMT, DOT_DT, LOG_BS, IMPRECISE)
-            if KT < BLOCK_N:
-                key, witness = _candidates(key, BLOCK_N, KT, CAND)
-                tl.store(tmin_ptr + row.to(tl.int64) * NT + tile, witness)
-            tl.store(crow + tile * KT + tl.arange(0, KT), key)
-            tl.atomic_add(hist_ptr + row * 2048 + _digit0(key), 1, mask=key != INVALID, sem="relaxed")
-
-
-@triton.jit
-def _rescore_kernel(q_ptr, w_ptr, qs_ptr, k_ptr, ks_ptr, k_sb, k_sr, s_sb, s_sr, tbl_ptr, req_ptr, MB, pos_ptr, cand_ptr,
-                    ovf_ptr, novf_ptr, ext_ptr,
-                    NT, MAX_OVF, HI: tl.constexpr, DI: tl.constexpr, HP: tl.constexpr,
-                    BLOCK_N: tl.constexpr, KT: tl.constexpr, KEY_FMT: tl.constexpr, DOT_DT: tl.constexpr,
-                    LOG_BS: tl.constexpr, IMPRECISE: tl.constexpr):
-    """Program (row, i) rescores overflowed tiles i, i + P, ... of the row (P = programs per row)."""
-    row = tl.program_id(0)
-    n_ovf = tl.load(novf_ptr + row)
-    if tl.program_id(1) < n_ovf:
-        ctx = tl.load(pos_ptr + row) + 1
-        tblrow = tbl_ptr + tl.load(req_ptr + row) * MB
-        qa, qb, wq = _load_q(q_ptr, w_ptr, qs_ptr, row, HI, DI, HP, KEY_FMT, DOT_DT)
-        for i in range(tl.program_id(1), n_ovf, tl.num_programs(1)):
-            tile = tl.load(ovf_ptr + row * MAX_OVF + i)
-            key = _tile_keys(qa, qb, wq, k_ptr, ks_ptr, k_sb, k_sr, s_sb, s_sr, tblrow, ctx, tile * BLOCK_N, DI,
-                             BLOCK_N, KEY_FMT, DOT_DT, LOG_BS, IMPRECISE)
-            tl.store(ext_ptr + (row.to(tl.int64) * MAX_OVF + i) * BLOCK_N + tl.arange(0, BLOCK_N), key)
-            tl.store(cand_ptr + row.to(tl.int64) * NT * KT + tile * KT + tl.arange(0, KT),
-                     tl.full([KT], INVALID, tl.int64))
 
 
 def _pow2(n: int) -> int:
@@ -230,8 +97,15 @@ def heuristic(key: dict, target: str) -> dict:
     previous KT 64 candidates + rescore path 43.8; the score kernel alone 6.8); batch 32 at 128K: 646 us
     (CAND 1, KT 32, num_stages 4; 30 of 32 rows rescore a few tiles; the score pass alone 417 us) vs 670 us
     for CAND 0 KT 16 (tl.topk per tile); every selection exact.
-    DOT is numerics, not a tunable: SPEC §5.6 asks fp32 accumulation, which DOT 0 (e4m3 codes widened
-    exactly to bf16, fp32-accumulating tensor-core dots) gives. DOT 1 (FP8 tensor-core dots, reduced-precision
+    H200 2026-11-29 session 6 (same bench): batch 1 at 8K: DOT 3 (fp16 dots) at num_stages 1 25.3 us vs 25.8 for
+    DOT 0 / num_stages 3 (the score pass alone 6.1 us: the merge is ~19 of the 25 us); MERGE_WARPS 16 or 4
+    27-30 us (worse); BLOCK_N 64 x 128 programs 25.0. ptxas (sm_90a) for the score kernel at BLOCK_N 128 / 4
+    warps: 209 registers at num_stages 4 and 168 at 1 (bf16), 176 / 154 with fp16 dots: num_stages > 1 buys no
+    shared-memory pipelining here (the block-table gather defeats it), only registers; PREFETCH 1 (189 regs,
+    two tiles in flight) and FILTER 1 (`_filter_kernel`: the merges run over a 22-bit pre-selection) are
+    not yet measured at batch 32 / 128K: the long-context default stays the session-5 best.
+    DOT is numerics, not a tunable: SPEC §5.6 asks fp32 accumulation, which DOT 0 and DOT 3 (e4m3 codes widened
+    exactly to bf16 / fp16, fp32-accumulating tensor-core dots) give. DOT 1 (FP8 tensor-core dots, reduced-precision
     sums promoted to fp32 every 32-deep step) differs from the reference at near-ties within 1e-4; DOT 2 (no
     promotion) fails the check: both kept for an explicit config only."""
     L, K, T = max(1, key["L"]), key["K"], max(1, key["T"])
@@ -242,8 +116,8 @@ def heuristic(key: dict, target: str) -> dict:
     bn = 128
     nt = -(-L // bn)
     if default_kt(bn, K, L) * 4 >= bn:
-        return dict(BLOCK_N=bn, KT=bn, SPLITS=max(1, min(nt, round(8 * 132 / T))), num_warps=4, num_stages=3,
-                    CAND=0, DOT=0, MERGE_TILE=2048)
+        return dict(BLOCK_N=bn, KT=bn, SPLITS=max(1, min(nt, round(8 * 132 / T))), num_warps=4, num_stages=1,
+                    CAND=0, DOT=3, MERGE_TILE=2048)
     splits = max(1, min(max(1, nt // 4), round(8 * 132 / T)))
     return dict(BLOCK_N=bn, KT=default_kt_pairs(bn, K, L), SPLITS=splits, num_warps=4, num_stages=4, CAND=1, DOT=0,
                 MERGE_TILE=2048)
@@ -303,30 +177,40 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_tab
     tbl, req, MB, log_bs = paging_args(block_table, token_req, block_size, dev)
     NT = -(-L // bn)
     cand_mode, dot = int(cfg.get("CAND", 0)), int(cfg.get("DOT", 0))
-    if cand_mode not in (0, 1) or dot not in (0, 1, 2) or (cand_mode == 1 and kt < 2):
-        raise ValueError(f"indexer_topk: config {cfg} needs CAND in (0, 1), DOT in (0, 1, 2), KT >= 2 for CAND 1")
+    if cand_mode not in (0, 1) or dot not in (0, 1, 2, 3) or (cand_mode == 1 and kt < 2) or \
+            int(cfg.get("PREFETCH", 0)) not in (0, 1):
+        raise ValueError(f"indexer_topk: config {cfg} needs CAND in (0, 1), DOT in (0, 1, 2, 3), PREFETCH in (0, 1), "
+                         f"KT >= 2 for CAND 1")
     max_ovf = max(1, topk // (kt if cand_mode == 0 else 2))   # an overflowed tile holds >= KT (CAND 1: 2) winners
     KP = _pow2(topk)
     KW = WORK_ROW_FACTOR * KP    # work row: top-k plus the survivors of rescored tiles (second merge)
-    per_row = 8 * (NT * kt + NT + max_ovf * bn + KW + 2) + 4 * (max_ovf + 1 + 2048)
+    per_row = 8 * (2 * NT * kt + NT + max_ovf * bn + KW + 2) + 4 * (max_ovf + 1 + 2 * 2048 + 1024 + 1)
     chunk = max(1, min(T, WORKSPACE_BYTES // per_row))
-    # DOT 0: both sides exact in bf16, fp32 accumulation (SPEC §5.6). DOT 1 / 2: FP8 keys x FP8 queries on
+    # DOT 0 / 3: both sides exact in bf16 / fp16, fp32 accumulation (SPEC §5.6). DOT 1 / 2: FP8 keys x FP8 queries on
     # the tensor cores, which sum the products of one 32-deep MMA step with ~14-bit alignment (not exact
     # fp32): DOT 1 adds each step's partial into the fp32 accumulator exactly, DOT 2 lets the
     # imprecise sum run over all DI (the compiler's sm_90 default).
-    fp8_dot = dot > 0 and fmt == 0 and not interp
-    dot_dt = tl.float32 if interp else (tl.float8e4nv if fp8_dot else tl.bfloat16)
+    fp8_dot = dot in (1, 2) and fmt == 0 and not interp
+    f16_dot = dot == 3 and fmt == 0   # e4m3 codes are exact in fp16 too: DOT 0's numerics, one cvt per 2 codes
+    dot_dt = tl.float32 if interp else (tl.float8e4nv if fp8_dot else tl.float16 if f16_dot else tl.bfloat16)
     imprecise = (32 if dot == 1 else DI) if fp8_dot else 0
     HP = max(16, _pow2(HI))
     mt = int(cfg.get("MERGE_TILE", 1024))
+    filt, parts = bool(cfg.get("FILTER", 0)) and L > topk, int(cfg.get("FILTER_PARTS", 16))
+    if parts & (parts - 1) or not 1 <= parts <= 1024:
+        raise ValueError(f"indexer_topk: config {cfg}: FILTER_PARTS must be a power of two in 1..1024")
     for r0 in range(0, T, chunk):
         r1 = min(T, r0 + chunk)
         n = r1 - r0
         cand, tmin, ext, work, th = (torch.empty(n, m, dtype=torch.int64, device=dev)
                                      for m in (NT * kt, NT, max_ovf * bn, KW, 2))
         ovf = torch.empty(n, max_ovf, dtype=torch.int32, device=dev)
-        zeroed = torch.zeros(n * 2049, dtype=torch.int32, device=dev)   # one memset: histograms + overflow counts
-        hist, novf = zeroed[:n * 2048].view(n, 2048), zeroed[n * 2048:]   # hist: first radix digit, counted while scoring
+        # one memset: first-digit histograms (counted while scoring), overflow counts, second-digit histograms
+        zeroed = torch.zeros(n * (2049 + 2048 * filt), dtype=torch.int32, device=dev)
+        hist, novf = zeroed[:n * 2048].view(n, 2048), zeroed[n * 2048:n * 2049]
+        hist2 = zeroed[n * 2049:].view(n, 2048) if filt else hist
+        cnt, ncomp = (torch.empty(n, parts, dtype=torch.int32, device=dev),
+                      torch.empty(n, dtype=torch.int32, device=dev)) if filt else (novf, novf)
         qc, wc, sc, rc, pc, oc = q8[r0:r1], w[r0:r1], q_scale[r0:r1], req[r0:r1], pos[r0:r1], out[r0:r1]
         common = dict(HI=HI, DI=DI, HP=HP, BLOCK_N=bn, KT=kt, KEY_FMT=fmt, DOT_DT=dot_dt, LOG_BS=log_bs,
                       IMPRECISE=imprecise)
@@ -334,21 +218,33 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_tab
         splits = max(1, min(int(cfg["SPLITS"]), NT))
         _score_kernel[(n, splits)](qc, wc, sc, *pools, tbl, rc, MB, pc, cand, tmin, hist, NT, topk, splits,
                                    num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
-                                   CAND=cand_mode, **common)
+                                   CAND=cand_mode, PREFETCH=int(cfg.get("PREFETCH", 0)), **common)
         if stop_after == "score":
             continue
         merge = dict(BLOCK_N=bn, KT=kt, KP=KP, KW=KW, ROWS_OUT=output == "rows", TILE=mt, LOG_BS=log_bs,
-                     num_warps=8 if mt >= 1024 else 4)
-        _merge_kernel[(n,)](cand, tmin, hist, ext, ovf, novf, work, th, oc, tbl, rc, MB, pc, NT, topk, max_ovf, PHASE=1,
-                            RESIDENT=NT * kt <= mt, **merge)
+                     COMPACT=filt, num_warps=int(cfg.get("MERGE_WARPS", 8 if mt >= 1024 else 4)))
+        src = cand
+        if filt:   # parallel pre-selection: the merges then run over the survivors only
+            src = torch.empty_like(cand)
+            for step in range(3):
+                _filter_kernel[(n, parts)](cand, hist, hist2, cnt, src, ncomp, pc, NT, topk, BLOCK_N=bn, KT=kt,
+                                           PARTS=parts, TILE=mt, STEP=step, num_warps=4)
+        _merge_kernel[(n,)](src, tmin, hist, ext, ovf, novf, work, th, oc, tbl, rc, MB, pc, ncomp, NT, topk, max_ovf,
+                            PHASE=1, RESIDENT=NT * kt <= mt, **merge)
         if kt < bn and L > topk:
-            _rescore_kernel[(n, min(max_ovf, RESCORE_PROGRAMS))](qc, wc, sc, *pools, tbl, rc, MB, pc, cand, ovf, novf, ext,
-                                                                  NT, max_ovf, num_warps=int(cfg["num_warps"]), **common)
-            _merge_kernel[(n,)](cand, tmin, hist, ext, ovf, novf, work, th, oc, tbl, rc, MB, pc, NT, topk, max_ovf, PHASE=2,
-                                RESIDENT=False, **merge)
+            _rescore_kernel[(n, min(max_ovf, RESCORE_PROGRAMS))](qc, wc, sc, *pools, tbl, rc, MB, pc, ovf, novf, ext,
+                                                                  max_ovf, num_warps=int(cfg["num_warps"]),
+                                                                  CAND=cand_mode, **common)
+            _merge_kernel[(n,)](src, tmin, hist, ext, ovf, novf, work, th, oc, tbl, rc, MB, pc, ncomp, NT, topk, max_ovf,
+                                PHASE=2, RESIDENT=False, **merge)
         if stats is not None:
             stats["overflowed_rows"] = stats.get("overflowed_rows", 0) + int((novf > 0).sum())
             stats["overflowed_tiles"] = stats.get("overflowed_tiles", 0) + int(novf.sum())
+            if filt:   # candidates kept by the pre-selection, of those written (rows with context > topk)
+                big = pc + 1 > topk
+                stats["filter_kept"] = stats.get("filter_kept", 0) + int(ncomp[big].sum())
+                stats["filter_candidates"] = stats.get("filter_candidates", 0) + \
+                    int(((torch.div(pc[big], bn, rounding_mode="floor") + 1) * kt).sum())
     return out
 
 
@@ -397,7 +293,10 @@ def _supports(a, attrs, target) -> str | None:
 TUNABLES = (Tunable("BLOCK_N", (64, 128, 256)), Tunable("KT", (4, 8, 16, 32, 64)),
             Tunable("SPLITS", (1, 2, 4, 8, 16, 24, 32, 48, 64, 128)), Tunable("num_warps", (4, 8)),
             Tunable("num_stages", (1, 2, 3, 4)), Tunable("MERGE_TILE", (512, 1024, 2048, 4096, 8192)),
-            Tunable("CAND", (0, 1)))  # DOT fixes the numerics (see `heuristic`): never searched
+            Tunable("CAND", (0, 1)), Tunable("PREFETCH", (0, 1)), Tunable("FILTER", (0, 1)),
+            Tunable("FILTER_PARTS", (16, 32)))
+# DOT fixes the numerics (see `heuristic`): never searched; MERGE_WARPS (measured worse off its default, session 6)
+# only by an explicit config
 
 TEMPLATES = [
     KernelTemplate(family="indexer_topk", backend="triton", ops=("indexer_topk",), launch=_launch, key_dims=_key,

@@ -24,15 +24,15 @@ out = rmsnorm(o) * o_norm_w * sigmoid(gate).
 
 Programs: (request, head, column split). Each computes its tokens' front (conv, L2, gate, beta) for
 groups of MAXT tokens at once as [MAXT, D] tiles (MAXT = min(8, pow2(T/R)): 1 in decode, 8 in 8-token
-verification; f_a f_b^T as 16-row tensor-core dots over RB rank columns at a time, or with GATE_MM one
-GEMM before the kernel), then walks its D/SPLIT state columns in [D, BV] blocks (independent; with
-PREFETCH the next block's load is issued before the current block's update), so the state is read and
-written once per step. Every other load (the v conv inputs, the output gate, o_norm_w, the new conv
-tails) is issued before the recurrence, so no load waits at the end. SPLIT > 1 (small batches) shares a
-head's columns among SPLIT programs: each stores its slice of o (fp32 workspace) and counts itself on a
-per-(request, head) atomic counter (acq_rel); the last to arrive applies the gated RMSNorm over the
-head's D outputs, writes the q/k conv tails (all programs have read them by then) and resets the
-counter. Per-token states: every program. MAXNREG caps the registers (more programs per SM).
+verification; f_a f_b^T as 16-row tensor-core dots over RB rank columns at a time, with GEMV (one token) as
+f_c = sum_j f_b[c, j] f_a[j] over [D, RB] tiles, or with GATE_MM one GEMM before the kernel), then walks
+its D/SPLIT state columns in [D, BV] blocks (independent; with PREFETCH the next block's load is issued
+before the current block's update), so the state is read and written once per step. Every other load (the
+v conv inputs, the output gate, o_norm_w, the new conv tails) is issued before the recurrence, so no load
+waits at the end. SPLIT > 1 (small batches) shares a head's columns among SPLIT programs: each stores its
+slice of o (fp32 workspace) and counts itself on a per-(request, head) atomic counter (acq_rel); the last
+to arrive applies the gated RMSNorm over the head's D outputs, writes the q/k conv tails (all programs have
+read them by then) and resets the counter. Per-token states: every program. MAXNREG caps the registers.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def _kda_decode_kernel(q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, fa, s_fa, fb,
                        H: tl.constexpr, D: tl.constexpr, KW: tl.constexpr, KWP: tl.constexpr, RL: tl.constexpr,
                        RB: tl.constexpr, BV: tl.constexpr, SPLIT: tl.constexpr, GATE: tl.constexpr,
                        HAS_BIAS: tl.constexpr, HAS_NW: tl.constexpr, KEEP: tl.constexpr, LOWRANK: tl.constexpr,
-                       MAXT: tl.constexpr, PREFETCH: tl.constexpr, PREC: tl.constexpr):
+                       MAXT: tl.constexpr, PREFETCH: tl.constexpr, PREC: tl.constexpr, GEMV: tl.constexpr):
     r, h, vs = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(cu + r).to(tl.int64)
     n = tl.load(cu + r + 1).to(tl.int64) - bos
@@ -141,7 +141,16 @@ def _kda_decode_kernel(q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, fa, s_fa, fb,
         xk = _conv_silu(k, s_k, cst + P, C3, kw, bos, t0, nt, ch, KW, MAXT)
         qn = xq / tl.sqrt(tl.sum(xq * xq, axis=1) + l2_eps)[:, None] * scale
         kn = xk / tl.sqrt(tl.sum(xk * xk, axis=1) + l2_eps)[:, None]
-        if LOWRANK:
+        if LOWRANK and GEMV and MAXT == 1:  # one token: f = f_b f_a, dot-free (no staging through shared memory)
+            f1 = tl.zeros([D], dtype=tl.float32)
+            for jb in tl.static_range(0, RL, RB):
+                jj = jb + tl.arange(0, RB)
+                fa_v = tl.load(fa + (bos + t0) * s_fa + jj, mask=jj < RL, other=0.0).to(tl.float32)
+                fb_t = tl.load(fb + ch[:, None] * RL + jj[None, :], mask=(jj < RL)[None, :], other=0.0,
+                               eviction_policy="evict_last")
+                f1 += tl.sum(fb_t.to(tl.float32) * fa_v[None, :], axis=1)
+            fx = f1[None, :]
+        elif LOWRANK:
             fx = tl.zeros([16, D], dtype=tl.float32)  # f_a f_b^T on tensor cores (16 rows, >= MAXT used)
             for jb in tl.static_range(0, RL, RB):
                 jj = jb + tl.arange(0, RB)
@@ -232,7 +241,7 @@ def kda_decode(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_
                state_slot, cu_seqlens, *, scale: float, lower_bound, norm_eps: float, l2_eps: float = 1e-6,
                keep_states: bool = False, block_v: int = 64, num_warps: int = 4, split: int = 1,
                prefetch: bool = True, group: int | None = None, gate_mm: bool = False, rank_block: int = 32,
-               max_regs: int = 0):
+               max_regs: int = 0, gemv: bool = False):
     """The fused op `fused.kda_decode` (operands and results: see the module docstring).
 
     `f_b=None` takes `f_a` as the whole gate input f [T, P] (already up-projected). `split` programs share
@@ -240,8 +249,9 @@ def kda_decode(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_
     `group` (tokens per front tile, a power of two <= 16) defaults to min(8, pow2(T/R)); fix it (8) for
     batch-invariant results, since the tile shape sets the order of the L2 / RMS reductions. `gate_mm` computes
     f = f_a f_b^T (fp32 out) as one GEMM before the kernel instead of per program (large batches); else
-    each program does it in steps of `rank_block` rank columns. `max_regs` (CUDA, 0: none) caps the registers
-    per thread so that more programs share an SM (large batches: the state stream needs many in flight)."""
+    each program does it in steps of `rank_block` rank columns: as 16-row tensor-core dots, or with `gemv` (one
+    token per request) as a dot-free multiply-and-sum over [D, rank_block] tiles. `max_regs` (CUDA, 0: none)
+    caps the registers per thread so that more programs share an SM (large batches: more state in flight)."""
     if gate_mm and f_b is not None:
         f_a, f_b = _gate_gemm(f_a, f_b), None
     T, P = q.shape
@@ -289,7 +299,7 @@ def kda_decode(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_
                 RB=max(16, min(rank_block, triton.next_power_of_2(RL))), GATE=1 if lower_bound is not None else 2,
                 HAS_BIAS=dt_bias is not None, HAS_NW=o_norm_w is not None, KEEP=bool(keep_states),
                 LOWRANK=f_b is not None, MAXT=group, PREFETCH=bool(prefetch),
-                PREC=precision.fast_fp32() if low else "ieee", num_warps=num_warps, **cap)
+                PREC=precision.fast_fp32() if low else "ieee", GEMV=bool(gemv), num_warps=num_warps, **cap)
         except BaseException:
             if split > 1:  # an interrupted launch (time-out, error) must not leave arrivals counted
                 ctr.zero_()
@@ -320,7 +330,7 @@ def _launch(a, attrs, config):
                       keep_states=attrs.get("keep_states", False), block_v=config["BV"], num_warps=config["WARPS"],
                       split=config.get("SPLIT", 1), prefetch=bool(config.get("PREFETCH", 1)), group=group,
                       gate_mm=bool(config.get("GATE_MM", 0)), rank_block=config.get("RB", 32),
-                      max_regs=config.get("MAXNREG", 0))
+                      max_regs=config.get("MAXNREG", 0), gemv=bool(config.get("GEMV", 0)))
 
 
 def key_dims(a, attrs):
@@ -336,25 +346,25 @@ def heuristic(key, target):
     """GPU: the head's D state columns split over SPLIT programs until the grid has ~one program per SM
     (R*H*SPLIT >= 128; each keeps >= 16 columns), BV = min(64, D/SPLIT), 4 warps, one block loaded ahead;
     one program per (request, head) from 128 (request, head) pairs on, with f = f_a f_b^T then one GEMM
-    before the kernel for single-token steps; RB 128 (the rank in one tensor-core step) when split.
-    H200, benches/bench_kda.py 2026-11-29 session 5, device time per launch in a CUDA graph of launches on
-    distinct (L2-cold) pools, D=128, bf16 (launch gap 0.67 us):
-      B=64 H=32: split 1 BV 64 GEMM 87.4 us (1.39x the state byte floor; fla 91.3); no GEMM 100.2; BV 32 /
-        2 warps 97.5; split 2 129.4; split 4 x BV 32 133.2.
-      B=1 H=32: split 4 BV 32 RB 128 9.40 us (RB 32 11.1); split 2 BV 64 9.55; split 8 BV 16 10.3; one
-        program per head (BV 128, 8 warps) 10.9; fla (recurrence only, f given) 6.14.
-      B=1 H=12 (the rank preset): split 8 BV 16 RB 128 8.68 us; split 2 9.00; split 4 9.02 (RB 32: 10.4).
-      B=64 x 8 tokens (states kept, no GEMM): 868 us.
-    The register cap MAXNREG (3-4 programs per SM at B=64) is a tunable not yet measured: none. CPU: one block."""
+    before the kernel for single-token steps; RB 128 (the rank in one tensor-core step) when split. CPU: one block.
+    H200, benches/bench_kda.py 2026-11-29, device time per launch in a CUDA graph of launches on distinct
+    (L2-cold) pools, D=128, bf16; session 5 (s5) and session 6 (s6: copy 4.20 TB/s, launch gap 0.95 us):
+      B=64 H=32: split 1 BV 64 GEMM s5 87.4 / s6 88.2 us (1.38x the state byte floor; f given 84.5; fla 89.2,
+        + its f GEMM 90.9); BV 32 97.8 (3 programs/SM), + MAXNREG 128 98.1; BV 16 136; 8-16 warps 122-189;
+        in-kernel gate: GEMV 93.9, dots 100.2; split 2 129.4.
+      B=1 H=32: split 4 BV 32 RB 128 s5 9.40 / s6 9.53 us (RB 32 11.1; split 2 9.55; split 8 10.3, GEMV 10.2;
+        one program per head, 8 / 16 warps, 10.8 / 13.7); f given 8.22; fla (f given) 6.07, + GEMM 8.95.
+      B=1 H=12 (the rank preset): split 8 BV 16 RB 128 s5 8.68 / s6 8.57 us (GEMV 8.65; split 4 8.95; one
+        program per head 10.1-12.9); f given 6.51; fla (f given) 5.71, + GEMM 8.69. B=64 x 8 tokens: 868 us (s5)."""
     D = key["D"]
     if str(target).startswith("cpu"):
-        return {"BV": D, "WARPS": 4, "SPLIT": 1, "PREFETCH": 1, "GATE_MM": 0, "RB": 32, "MAXNREG": 0}
+        return {"BV": D, "WARPS": 4, "SPLIT": 1, "PREFETCH": 1, "GATE_MM": 0, "RB": 32, "MAXNREG": 0, "GEMV": 0}
     split = 1
     while key["R"] * key["H"] * split < _MIN_PROGRAMS and D // (2 * split) >= 16:
         split *= 2
     one_token = key.get("T", key["R"]) <= key["R"]  # verification (8 tokens): per-program 8-row dots win
     return {"BV": min(64, D // split), "WARPS": 4, "SPLIT": split, "PREFETCH": 1, "RB": 128 if split > 1 else 32,
-            "GATE_MM": int(split == 1 and one_token), "MAXNREG": 0}
+            "GATE_MM": int(split == 1 and one_token), "MAXNREG": 0, "GEMV": 0}
 
 
 def constraints(config, key, target):
@@ -384,6 +394,6 @@ TEMPLATES = [
         constraints=constraints, supports=supports, batch_invariant=True,
         tunables=(Tunable("BV", (16, 32, 64)), Tunable("WARPS", (2, 4, 8)), Tunable("SPLIT", (1, 2, 4, 8)),
                   Tunable("PREFETCH", (0, 1)), Tunable("GATE_MM", (0, 1)), Tunable("RB", (32, 64, 128)),
-                  Tunable("MAXNREG", (0, 128, 168))),
+                  Tunable("MAXNREG", (0, 128, 168)), Tunable("GEMV", (0, 1))),
         doc="fused KDA decode/verify: conv + SiLU + L2 + gate + recurrence + gated RMSNorm, per-token states"),
 ]

@@ -316,7 +316,11 @@ def heuristic(key, target):
     BV 32 / 4 warps / 3 stages ~0.20 ms (session 3: BV 64 0.33-0.43, BV 16 0.41, 8 warps 0.37). Whole prefill
     0.876 ms (session-3 config 1.004; fla chunk_kda 1.0-1.27 ms); T=32K 3.42 ms (fla 3.89), B=4 x 8192
     3.75 ms (fla 3.87). bf16 rounding of the products moves the error vs the fp32 reference from 4.6e-3 to
-    5.3e-3 (fla: 4.8e-3); fp32 inputs never round (LOWP applies to bf16/fp16 inputs only)."""
+    5.3e-3 (fla: 4.8e-3); fp32 inputs never round (LOWP applies to bf16/fp16 inputs only).
+    Session 6 (same bench): kernel 1 with 8 warps / BK 128 / 3 stages and kernel 2 with BV 64 (4 warps x 3
+    stages, 8 x 2) and BV 128 (8 x 2, 4 x 2) are correct at B=1 T=8192 in bf16 (5.3e-3 / 3.9e-3, the same as
+    this config) but were not timed (the run's time went to compiles); kernel 2 at B=4 with BV 128 (128
+    programs, one wave of one program per SM, instead of 512 programs in four) is the candidate for B=4."""
     D, Dv = key["D"], key["Dv"]
     if str(target).startswith("cpu"):
         return {"BK": D, "BV_INTRA": Dv, "WARPS_INTRA": 4, "STAGES_INTRA": 1, "BV": Dv, "WARPS": 4, "STAGES": 2,
@@ -329,8 +333,11 @@ _SMEM_BYTES = 232448  # per block on the H200 (sm_90)
 
 
 def state_kernel_smem(config, key, itemsize: int = 2) -> int:
-    """Kernel 2's pipeline: per stage W, QG, KG [64, D], U [64, BV], Aqk [64, 64] + 8 KiB (192.5 KiB at BV 32 x 3)."""
-    return config["STAGES"] * (3 * 64 * key["D"] + 64 * config["BV"] + 64 * 64) * itemsize + 8192
+    """Kernel 2's shared memory: per stage W, QG, KG [64, D], U [64, BV], Aqk [64, 64], + 8 KiB, + 256 B per
+    state column above 32 (the state's operand copy). Triton 3.6 on the H200 (session 6) allocated exactly this:
+    BV 32 x 3 stages 188 KiB, BV 64 x 3 208 KiB, BV 64 x 2 144 KiB, BV 128 x 2 176 KiB, BV 128 x 3 248 KiB (fails)."""
+    stages = config["STAGES"] * (3 * 64 * key["D"] + 64 * config["BV"] + 64 * 64) * itemsize
+    return stages + 8192 + max(0, config["BV"] - 32) * 256
 
 
 def constraints(config, key, target):
@@ -376,7 +383,7 @@ TEMPLATES = [
         family="kda_prefill", backend="triton", ops=("kda",), launch=_launch_kda, key_dims=key_dims,
         heuristic=heuristic, bucket=bucket, constraints=constraints, supports=supports, batch_invariant=True,
         tunables=(Tunable("BK", (16, 32, 64)), Tunable("BV_INTRA", (32, 64)), Tunable("WARPS_INTRA", (2, 4, 8)),
-                  Tunable("STAGES_INTRA", (1, 2, 3)), Tunable("BV", (16, 32, 64)), Tunable("WARPS", (4, 8)),
+                  Tunable("STAGES_INTRA", (1, 2, 3)), Tunable("BV", (16, 32, 64, 128)), Tunable("WARPS", (4, 8)),
                   Tunable("STAGES", (2, 3, 4)), Tunable("LOWP_A", (0, 1)), Tunable("LOWP_WU", (0, 1)),
                   Tunable("SPLIT_INTRA", (0, 1)), Tunable("BK_WU", (32, 64)), Tunable("WARPS_WU", (4, 8))),
         doc="chunked (64) WY/UT KDA over ragged requests; form recurrent|chunked give the same result"),

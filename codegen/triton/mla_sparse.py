@@ -173,6 +173,11 @@ def heuristic(key: dict, target: str) -> dict:
                 76.8 us; the rank record's CHUNK 4096 (one program per token) 424.5 us.
       batch 64: BLOCK_N 32, 4 warps, num_stages 1, CHUNK 256 (8 pieces): 98.9 us (18.3% of read bandwidth);
                 the previous path 110.5 us; PREFETCH 2 (next step's bytes in registers) 102-117 us.
+    Session 6 (same bench): batch 1 14.9 us (BLOCK_N 32 / 4 warps / CHUNK 32: 14.6, noise); batch 64 108.3 us,
+    CHUNK 512 109.8, BLOCK_N 16 141-153. ptxas (sm_90a): every ORIENT 1 config sits at 255 registers (heads as
+    the mma.sync M replicate the 576-wide query operand in every warp), so 2 programs of 4 warps per SM and
+    one step's rows in flight each: the batch-64 gap to bandwidth. A column-blocked variant that re-read query
+    blocks per step (fewer live registers in theory) measured 158-240 us at batch 64 and was dropped.
     bf16 and NVFP4 pools keep the rows-major kernel's configs (measured 2026-11-29 s3: 0.087 / 0.185 ms at
     batch 64), with the same split rule."""
     H = max(1, key.get("H", 16))

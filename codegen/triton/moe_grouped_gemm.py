@@ -3,7 +3,17 @@
     y[t] = Σ_j w[t,j] · W2_e act(W1_e z_t, W3_e z_t),   e = ids[t,j]
     act = SiTU-GLU  β1·tanh(a/β1)·sigmoid(a) · β2·tanh(u/β2)   (β2 absent: · u)   | SwiGLU silu(a)·u
 
-Pipeline (no host sync, deterministic, no atomics):
+Two paths (config PATH). "gemv" (decode, up to GEMV_MAX_PAIRS routed pairs: _moe_gemv.py): one
+program per (pair, row block) for gate-up and per (token, row block) for down + slot-order combine, no
+permutation, two launches; inner product by FFMA (T=1) or the MMA step below (T=8). "grouped", below
+(many tokens per expert; batch-invariant mode always). H200, graph replay, session 6: T=1 top-2 39.0 us
+(4.8x the 8.2 us byte floor; session 5's grouped split-4: 45.3, 5 launches of ~2.3 us each in a graph);
+T=8 top-2 185 us (grouped unsplit 190). At T=1 the FFMA loop costs ~5.5 instructions a weight element
+(decode 2, fp16->fp32 1, FFMA 1, addressing, activation loads): ~11.5 us of issue at full rate, and its
+bytes in flight sit in registers (no cp.async for loads feeding no dot), too few to cover HBM latency;
+the MMA variant (cp.async stages, ~4.3 an element) has one warp per 16 rows: ~3 warps an SM (51 us).
+
+Grouped pipeline (no host sync, deterministic, no atomics):
   1. `permute_tokens` (moe_router.py): routed pairs p = t·k + j grouped by expert (one program up to
      256 pairs, else three kernels).
   2. gate-up kernel: a tile = BM consecutive pairs of one expert × BN columns of I; w1 and w3 tiles are
@@ -32,13 +42,11 @@ _moe_host.py, whose `_kernel_weight` gives the kernels' W_FMT and WIDE; device c
 Scale bytes are below cp.async's 4 bytes, so they are plain loads in the K loop: SL=1 issues both
 weights' at the top of the step (latencies overlap), SL=0 each after its weight tile; PF=1 adds an L1
 prefetch of the next step's (CUDA only). Host-side operand, storage and target helpers: _moe_host.py.
-H200, bf16, E=112, top-16, l=3584, I=3072 (bench_moe.py, 2026-11-29 session 3): decode T=64 reads 1.9 GB
-of MXFP4 weights (108 live experts) in 1.14 ms (asm16, BN=64 on 2 warps: mma.sync; 37% of the 4.51 TB/s
-read ceiling; 128-row wgmma tiles 1.37 ms = 31%; bf16 weights 92%): with a register-operand wgmma
-Triton waits for every dot before decoding on, so a warpgroup alternates ALU and tensor work at low
-IPC, while mma.sync warps run ahead on their own. Prefill T=8192: 328 TFLOP/s (session 2, 47% of bf16).
-Session 5 (whole op under graph replay): T=64 1.109 ms with MAXNREG 168 (36.5%; 1.161 without); T=1
-top-2 74.6 us = 9.1x its 8.2 us byte floor. Where the decode time goes (SASS of the gate-up loop, sm_90):
+H200, bf16, E=112, top-16, l=3584, I=3072 (bench_moe.py): decode T=64 reads 1.9 GB of MXFP4 weights
+(108 live experts) in 1.109 ms under graph replay (session 5: asm16, BN=64 on 2 warps, mma.sync, MAXNREG
+168; 36.5% of the read ceiling; 128-row wgmma tiles 31%, bf16 weights 92%: a register-operand wgmma
+waits for every dot before decoding on). Prefill T=8192: 328 TFLOP/s (session 2, 47% of bf16).
+Where the grouped decode time goes (SASS of the gate-up loop, sm_90):
 219 registers a thread (4 programs, 8 warps per SM), 904 instructions per warp per K step of 2x64x128
 weights (3.5 per element: LOP3/SHF/IMAD/HMUL2 of the decode), 5 barriers, and the E8M0 bytes read
 by plain loads whose latency each K step waits for: at T=64 the issue slots alone need ~0.38 ms, so
@@ -54,6 +62,8 @@ import triton.language as tl
 from codegen.kernel import KernelTemplate, Tunable, pow2_bucket
 from codegen.triton._moe_host import (DEQ_MODES, _BYTE_DECODE, _TL, _fit_bk, _int16_view,  # noqa: F401
                                       _kernel_weight, _weight, max_tiles, storage, target_cc)
+from codegen.triton._moe_gemv import gemv_experts, gemv_supported
+from codegen.triton._moe_splits import _combine_splits_kernel, _glu_splits_kernel, combine_pairs  # noqa: F401
 from codegen.triton._moe_tiles import (_glu, _k_range, _load_bt, _locate_tile, _mma_step_t, _step_scales,
                                       _swizzle)
 from codegen.triton.moe_router import ExpertSegments, permute_tokens
@@ -141,46 +151,6 @@ def _moe_down_kernel(h_ptr, pair_ptr, counts_ptr, offsets_ptr, w2_ptr, s2_ptr, o
              acc.to(o_ptr.dtype.element_ty), mask=n_ok[:, None] & row_ok[None, :])
 
 
-@triton.jit
-def _glu_splits_kernel(part_ptr, h_ptr, R, INTER, stride_split, up_off, stride_row, stride_h, beta1, beta2,
-                       SPLIT: tl.constexpr, ACT: tl.constexpr, HAS_BETA2: tl.constexpr, BR: tl.constexpr,
-                       BI: tl.constexpr):
-    """h[r] = act(Σ_s a_s[r], Σ_s u_s[r]) in h's dtype, from the split gate-up kernel's fp32 partials
-    (a_s at part[s·stride_split + r·stride_row], u_s up_off further; summed in split order)."""
-    rr = tl.program_id(0) * BR + tl.arange(0, BR)
-    ri = tl.program_id(1) * BI + tl.arange(0, BI)
-    m = (rr < R)[:, None] & (ri < INTER)[None, :]
-    ptr = part_ptr + rr.to(tl.int64)[:, None] * stride_row + ri[None, :]
-    a = tl.zeros([BR, BI], dtype=tl.float32)
-    u = tl.zeros([BR, BI], dtype=tl.float32)
-    for s in tl.static_range(SPLIT):
-        a += tl.load(ptr + s * stride_split, mask=m, other=0.0)
-        u += tl.load(ptr + s * stride_split + up_off, mask=m, other=0.0)
-    h = _glu(a, u, beta1, beta2, ACT, HAS_BETA2)
-    tl.store(h_ptr + rr.to(tl.int64)[:, None] * stride_h + ri[None, :], h.to(h_ptr.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _combine_splits_kernel(o_ptr, w_ptr, ids_ptr, y_ptr, T, E, ELL, stride_os, stride_o, stride_y,
-                           TOPK: tl.constexpr, SPLIT: tl.constexpr, BT: tl.constexpr, BL: tl.constexpr):
-    """y[t] = Σ_j w[t,j] · Σ_s o[s, t·k+j] (fp32; slots in order, splits in order; ids outside [0, E) add 0)."""
-    rt = tl.program_id(0) * BT + tl.arange(0, BT)
-    rl = tl.program_id(1) * BL + tl.arange(0, BL)
-    t_ok = rt < T
-    l_ok = rl < ELL
-    y = tl.zeros([BT, BL], dtype=tl.float32)
-    for j in tl.static_range(TOPK):
-        pj = rt.to(tl.int64) * TOPK + j
-        ej = tl.load(ids_ptr + pj, mask=t_ok, other=-1)
-        wj = tl.load(w_ptr + pj, mask=t_ok, other=0.0).to(tl.float32)
-        m = (t_ok & (ej >= 0) & (ej < E))[:, None] & l_ok[None, :]
-        oj = tl.zeros([BT, BL], dtype=tl.float32)
-        for s in tl.static_range(SPLIT):
-            oj += tl.load(o_ptr + s * stride_os + pj[:, None] * stride_o + rl[None, :], mask=m, other=0.0)
-        y += wj[:, None] * oj
-    tl.store(y_ptr + rt.to(tl.int64)[:, None] * stride_y + rl[None, :], y, mask=t_ok[:, None] & l_ok[None, :])
-
-
 # ------------------------------------------------------------------------------------------ host
 def expert_pair_outputs(z: torch.Tensor, ids: torch.Tensor, w1, w2, w3, act: str, beta1: float | None = None,
                         beta2: float | None = None, config: dict | None = None,
@@ -252,27 +222,20 @@ def expert_pair_outputs(z: torch.Tensor, ids: torch.Tensor, w1, w2, w3, act: str
     return o, seg
 
 
-def combine_pairs(o: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """y f32 [T, ℓ] = Σ_j w[t,j]·o[t·k+j] for expert_pair_outputs' o: per-pair rows [T·k, ℓ] (moe_tail's
-    combine) or fp32 split partials [S, T·k, ℓ], summed in split order inside the slot sum."""
-    if o.dim() == 2:
-        from codegen.triton.moe_tail import combine  # the weighted combine lives with the tail (no import cycle)
-        return combine(o, weights, ids, num_experts)
-    T, K = ids.shape
-    ell = o.shape[-1]
-    y = torch.empty(T, ell, dtype=torch.float32, device=o.device)
-    if T and ell:
-        ids = ids if ids.is_contiguous() else ids.contiguous()
-        weights = weights if weights.is_contiguous() else weights.contiguous()
-        bt, bl = min(4, triton.next_power_of_2(T)), min(1024, triton.next_power_of_2(ell))
-        _combine_splits_kernel[(triton.cdiv(T, bt), triton.cdiv(ell, bl))](
-            o, weights, ids, y, T, num_experts, ell, o.stride(0), o.stride(1), y.stride(0),
-            TOPK=K, SPLIT=o.shape[0], BT=bt, BL=bl, num_warps=4)
-    return y
-
-
 def moe_experts(z, weights, ids, w1, w2, w3, act: str, beta1=None, beta2=None, config: dict | None = None):
-    """Drop-in for `ir.ref.moe.moe_experts`: y f32 [T, ℓ]."""
+    """Drop-in for `ir.ref.moe.moe_experts`: y f32 [T, ℓ] by the config's PATH (heuristic's when absent;
+    "gemv" falls back to "grouped" when packed bytes cannot be read as int32 words)."""
+    if act not in ("situ", "silu"):
+        raise ValueError(f"expert activation must be 'situ' or 'silu', found {act!r}")
+    if z.dim() != 2 or ids.dim() != 2 or ids.shape[0] != z.shape[0]:
+        raise ValueError(f"experts: z must be [T, l] and ids [T, k], found {tuple(z.shape)} and {tuple(ids.shape)}")
+    key = _key(z.shape[0], w1.shape[0], ids.shape[1], z.shape[1], w1.shape[1], storage(w1) == "mxfp4", z.dtype, {})
+    cfg = {**heuristic(key, None), **(config or {})}
+    if cfg["PATH"] not in ("gemv", "grouped"):
+        raise ValueError(f"experts: PATH must be 'gemv' or 'grouped', found {cfg['PATH']!r}")
+    if cfg["PATH"] == "gemv" and gemv_supported(w1, w2, w3):
+        return gemv_experts(z if z.stride(-1) == 1 else z.contiguous(), weights, ids, w1, w2, w3, act, beta1, beta2,
+                            cfg)
     o, seg = expert_pair_outputs(z, ids, w1, w2, w3, act, beta1, beta2, config)
     return combine_pairs(o, weights, ids, seg.num_experts)
 
@@ -280,6 +243,14 @@ def moe_experts(z, weights, ids, w1, w2, w3, act: str, beta1=None, beta2=None, c
 # --------------------------------------------------------------------------------------- template
 BATCH_INVARIANT_CONFIG = {"BM": 64, "BN": 64, "BK": 64, "BN2": 64, "BK2": 64, "num_warps": 4, "num_stages": 3,
                           "GROUP_M": 8, "SPLIT": 1}
+GEMV_MAX_PAIRS = 16        # routed pairs up to which the per-pair path runs (heuristic)
+GEMV_FFMA_MAX_PAIRS = 4    # ... with the FFMA inner product; above, the MMA step
+# per-pair tiles measured best on the H200 (session 6, bench_moe.py, graph replay, l=3584, I=3072, MXFP4):
+# T=1 top-2: FFMA 8 rows x 1024 columns a step, 4 warps 39.0 us (16 x 512: 51.6; MMA 16 x 128, 1 warp,
+# 4 stages: 51.3); T=8 top-2: that MMA tile 185 us (FFMA 8 x 1024: 220; grouped unsplit: 190)
+GEMV_FFMA = {"GN": 8, "GK": 1024, "GN2": 8, "GK2": 1024, "GMMA": 0, "num_warps": 4, "num_stages": 1}
+GEMV_MMA = {"GN": 16, "GK": 128, "GN2": 16, "GK2": 128, "GMMA": 1, "num_warps": 1, "num_stages": 4}
+GEMV_TILES = {k: v for k, v in GEMV_FFMA.items() if k not in ("num_warps", "num_stages")}
 GPU_SLOTS = 528             # 4 decode programs on each of the H200's 132 SMs (219 registers a thread)
 DECODE_MAXNREG = 168        # the cap that fits 6 when the programs fill several waves (T=64: 1.11 vs 1.16 ms)
 
@@ -302,13 +273,15 @@ def bucket(key: dict) -> dict:
 
 
 def heuristic(key: dict, target=None) -> dict:
-    """Tiles by tokens per expert, measured on the H200 (benches/bench_moe.py). Decode (<= 16 tokens per
+    """Path and tiles measured on the H200 (benches/bench_moe.py). Up to GEMV_MAX_PAIRS routed pairs (T=1
+    top-2, T=8 top-2): the per-pair path, two launches, FFMA up to GEMV_FFMA_MAX_PAIRS pairs (T=1: 39.0 us,
+    session 5's grouped split-4 45.3), else the MMA step (T=8: 185 us). Grouped decode (<= 16 tokens per
     expert): a 16-token tile x 64 weight rows on 2 warps (mma.sync, see the module doc), K steps of 128,
     asm16, scales first (SL): 1.14 ms vs 1.37 for 128-row wgmma tiles; when the routed tiles fill the
     GPU (T=64, top-16) a register cap (DECODE_MAXNREG) raises occupancy from 4 to 6 programs per SM.
-    Split-K when the routed tiles leave the GPU idle (`decode_split`): T=1 top-2 of 112 (2 tiles x 48
-    column blocks) splits 4 ways, 69.6 -> 44.7 us on the H200 (split 2: 50.0, split 8: 54.5; partials
-    summed in their own ordered pass); T=64 top-16 fills the GPU and does not split. Prefill: 128 tokens x 64 rows on wgmma, asm. Batch-invariant: one fixed tiling, no split.
+    Split-K when the routed tiles leave the GPU idle (`decode_split`; grouped T=1 top-2: split 4, 69.6 ->
+    44.7 us); T=64 top-16 fills the GPU, no split. Prefill: 128 tokens x 64 rows on wgmma, asm.
+    Batch-invariant: one fixed grouped tiling, no split.
     MXFP4 with bf16 activations: the PTX decodes on sm_90, tl.dot_scaled from sm_100 on (tcgen05 takes
     no register operand); pure Triton elsewhere."""
     decode = False
@@ -333,6 +306,13 @@ def heuristic(key: dict, target=None) -> dict:
     cfg["BK"] = _fit_bk(cfg["BK"], key["L"], key["MX"])
     cfg["BK2"] = _fit_bk(cfg["BK2"], key["I"], key["MX"])
     cfg["SPLIT"] = 1
+    cfg.update(GEMV_TILES, GASM=int(cc is not None))     # on both paths, so a tuner flipping PATH has them
+    cfg["PATH"] = "gemv" if not key.get("BI") and key["T"] * key["K"] <= GEMV_MAX_PAIRS else "grouped"
+    if cfg["PATH"] == "gemv":
+        cfg.update(GEMV_FFMA if key["T"] * key["K"] <= GEMV_FFMA_MAX_PAIRS else GEMV_MMA)
+        if cc is None:              # the interpreter pays per program: fewer, taller row blocks
+            cfg.update(GN=32, GN2=32)
+        return cfg
     tiles = max_tiles(key["T"] * key["K"], key["E"], cfg["BM"])
     full = tiles * -(-key["I"] // cfg["BN"]) >= 2 * GPU_SLOTS
     if decode and cc is not None and cc < 100 and full:
@@ -366,6 +346,14 @@ def constraints(config: dict, key: dict, target=None) -> list[str]:
             out.append(f"DEQ={config['DEQ']} needs a CUDA target of compute capability >= 9.0, found {cc}")
     if key.get("BI") and any(config.get(k, 1 if k == "SPLIT" else None) != v for k, v in BATCH_INVARIANT_CONFIG.items()):
         out.append("batch_invariant: tiles are fixed to BATCH_INVARIANT_CONFIG (no split-K)")
+    if key.get("BI") and config.get("PATH", "grouped") != "grouped":
+        out.append("batch_invariant: the grouped path (PATH='grouped') with BATCH_INVARIANT_CONFIG")
+    if config.get("GASM") and target_cc(target) is None:
+        out.append("GASM=1 (inline PTX decode) needs a CUDA target")
+    for g in ("GN", "GK", "GN2", "GK2"):
+        v = config.get(g, 16)
+        if v < 1 or v & (v - 1) or (g.startswith("GK") and mx and v < 8):
+            out.append(f"{g}={v} must be a power of two (GK, GK2 >= 8 for MXFP4 words)")
     if key.get("BI") and config.get("SPLIT2", 1) != 1:
         out.append("batch_invariant: no split-K (SPLIT2 must be 1)")
     # per stage: the activation tile (twice for MXFP4: as loaded and split into even/odd columns) and the
@@ -405,11 +393,10 @@ TEMPLATES = [KernelTemplate(
     heuristic=heuristic, bucket=bucket, constraints=constraints, supports=supports, batch_invariant=True,
     tunables=(Tunable("BM", (16, 32, 64, 128)), Tunable("BN", (32, 64, 128)), Tunable("BK", (32, 64, 128)),
               Tunable("BN2", (64, 128, 256)), Tunable("BK2", (64, 128, 256)), Tunable("num_warps", (2, 4, 8)),
-              Tunable("num_stages", (2, 3, 4)), Tunable("GROUP_M", (1, 8)), Tunable("SL", (0, 1)),
+              Tunable("num_stages", (2, 3, 4)), Tunable("PATH", ("gemv", "grouped")), Tunable("SL", (0, 1)),
               Tunable("DEQ", ("asm16", "asm", "bytes", "bytes16", "dot_scaled")), Tunable("SPLIT", (1, 2, 4, 8))),
-    # 233,280 configs (the tuner enumerates up to 250,000): SPLIT's x4 cost the values measured slow on the
-    # H200 (BK 256, BN2/BK2 32, 5 stages; benches/results/h200-2026-11-29-s3). Explicit-config options:
-    # SPLIT2 (the down kernel's own split; default SPLIT), MAXNREG (a register cap per thread, CUDA) and PF
-    # (L1 prefetch of the next step's scales, measured slower in every tile shape)
-    doc="grouped expert GEMMs: permutation, gate+up with fused SiTU-GLU/SwiGLU, down, fp32 slot-order combine; "
-        "MXFP4 dequantised in registers (or tl.dot_scaled)")]
+    # 233,280 configs (the tuner enumerates up to 250,000; PATH took GROUP_M's place, now fixed at 8).
+    # Explicit-config options: SPLIT2, MAXNREG, PF (grouped) and the per-pair path's GN, GK, GN2, GK2, GMMA,
+    # GASM, GW2, GPROG (heuristic values measured on the H200, session 6)
+    doc="routed experts: per-pair GEMVs (decode) or grouped GEMMs with permutation, fused SiTU-GLU/SwiGLU, "
+        "fp32 slot-order combine; MXFP4 dequantised in registers (or tl.dot_scaled)")]

@@ -13,7 +13,8 @@ outputs o [T·k, ℓ], in slot order, fp32, no atomics (pairs whose expert is ou
 
 Operands (`a.operands`, this order): y f32 [T, ℓ], norm_w [ℓ], w_up [d, ℓ], shared [T, d]; attrs eps,
 dtype (+ batch_invariant at run time). Result: out [T, d] in shared's dtype.
-Two kernels:
+T = 1 (config U_GEMV=1): one kernel, `_latent_tail_gemv_kernel` (norm, cast, dot-free GEMV streaming W_up
+over d / G_BN programs, shared add). Otherwise two kernels:
   1. latent norm: yn = (y / sqrt(mean(y²) + eps) ⊙ norm_w) cast to the activation dtype, one program
      per block of whole rows. Applying the gain to the activation equals the folded up-projection
      W_up·diag(norm_w) without a pass over W_up, and rounds where the reference's cast rounds.
@@ -32,31 +33,13 @@ import triton.language as tl
 from codegen.kernel import KernelTemplate, Tunable, pow2_bucket
 from codegen.triton import _moe_tiles as tiles
 from codegen.triton import moe_grouped_gemm as gg
+from codegen.triton._moe_splits import _combine_splits_kernel
 
 TAIL_OP = "fused.latent_moe_tail"
 TAIL_OPERANDS = ("y", "norm_w", "w_up", "shared")
 
 
 # ---------------------------------------------------------------------------------------- kernels
-@triton.jit
-def _moe_combine_kernel(o_ptr, w_ptr, ids_ptr, y_ptr, T, E, ELL, stride_o, stride_y,
-                        TOPK: tl.constexpr, BT: tl.constexpr, BL: tl.constexpr):
-    """y = Σ_j w[t,j]·o[t·k+j] (fp32, slot order; ids outside [0, E) add 0)."""
-    rt = tl.program_id(0) * BT + tl.arange(0, BT)
-    rl = tl.program_id(1) * BL + tl.arange(0, BL)
-    t_ok = rt < T
-    l_ok = rl < ELL
-    y = tl.zeros([BT, BL], dtype=tl.float32)
-    for j in tl.static_range(TOPK):
-        pj = rt.to(tl.int64) * TOPK + j
-        ej = tl.load(ids_ptr + pj, mask=t_ok, other=-1)
-        wj = tl.load(w_ptr + pj, mask=t_ok, other=0.0).to(tl.float32)
-        ok = t_ok & (ej >= 0) & (ej < E)
-        oj = tl.load(o_ptr + pj[:, None] * stride_o + rl[None, :], mask=ok[:, None] & l_ok[None, :], other=0.0)
-        y += wj[:, None] * oj.to(tl.float32)
-    tl.store(y_ptr + rt.to(tl.int64)[:, None] * stride_y + rl[None, :], y, mask=t_ok[:, None] & l_ok[None, :])
-
-
 @triton.jit
 def _latent_norm_kernel(y_ptr, g_ptr, out_ptr, T, ELL, stride_y, stride_out, eps,
                         BT: tl.constexpr, BL: tl.constexpr):
@@ -95,6 +78,39 @@ def _up_proj_add_kernel(y_ptr, w_ptr, sh_ptr, out_ptr, T, D, ELL, stride_y, stri
     tl.store(out_ptr + off * stride_out + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _latent_tail_gemv_kernel(y_ptr, g_ptr, w_ptr, sh_ptr, out_ptr, D, ELL, stride_y, stride_w, stride_sh, stride_out,
+                             eps, YN_DT: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr):
+    """One token row t = program_id(1), outputs n in one BLOCK_N slice, no tensor cores (dot-free GEMV):
+        r      = sqrt(mean(y[t]²) + eps)                       (whole row, every program: 14 KB from L2)
+        yn[k]  = YN_DT(y[t, k] / r · g[k])                      (rounded where the reference's cast rounds)
+        out[n] = Σ_j P[n, j] + shared[t, n],  P[n, j] = Σ_i yn[k0_i + j]·W[n, k0_i + j]   (fp32, k0_i in order)
+    The first W tile is requested before the norm's reduction so the stream starts at once."""
+    t = tl.program_id(1).to(tl.int64)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok = rn < D
+    w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_w + rk[None, :]
+    w_next = tl.load(w_ptrs, mask=n_ok[:, None] & (rk < ELL)[None, :], other=0.0)
+    rl = tl.arange(0, BLOCK_L)
+    yr = tl.load(y_ptr + t * stride_y + rl, mask=rl < ELL, other=0.0).to(tl.float32)
+    rs = tl.sqrt(tl.sum(yr * yr, 0) / ELL + eps)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, ELL, BLOCK_K):
+        wt = w_next.to(tl.float32)
+        kn = k0 + BLOCK_K + rk
+        w_next = tl.load(w_ptrs + (k0 + BLOCK_K), mask=n_ok[:, None] & (kn < ELL)[None, :], other=0.0)
+        kk = k0 + rk
+        k_ok = kk < ELL
+        yk = tl.load(y_ptr + t * stride_y + kk, mask=k_ok, other=0.0).to(tl.float32)
+        gk = tl.load(g_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+        xk = (yk / rs * gk).to(YN_DT).to(tl.float32)
+        acc += wt * xk[None, :]
+    o = tl.sum(acc, 1) + tl.load(sh_ptr + t * stride_sh + rn, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_out + rn, o.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
 # ------------------------------------------------------------------------------------------ host
 def combine(o: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Σ_j weights[t,j]·o[t·k+j] -> f32 [T, ℓ] (slot order)."""
@@ -107,8 +123,8 @@ def combine(o: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_exper
     bt = max(1, min(16, 4096 // bl))
     w = weights if weights.is_contiguous() else weights.contiguous()
     i = ids if ids.is_contiguous() else ids.contiguous()
-    _moe_combine_kernel[(triton.cdiv(T, bt), triton.cdiv(ell, bl))](
-        o, w, i, y, T, num_experts, ell, o.stride(0), y.stride(0), TOPK=K, BT=bt, BL=bl, num_warps=4)
+    _combine_splits_kernel[(triton.cdiv(T, bt), triton.cdiv(ell, bl))](  # one "split": the plain weighted sum
+        o, w, i, y, T, num_experts, ell, 0, o.stride(0), y.stride(0), TOPK=K, SPLIT=1, BT=bt, BL=bl, num_warps=4)
     return y
 
 
@@ -126,13 +142,19 @@ def latent_tail(y: torch.Tensor, norm_w: torch.Tensor, w_up: torch.Tensor, share
     out = torch.empty(T, D, dtype=shared.dtype, device=y.device)
     if T == 0:
         return out
+    w = w_up if w_up.stride(-1) == 1 else w_up.contiguous()
+    sh = shared if shared.stride(-1) == 1 else shared.contiguous()
+    if config.get("U_GEMV"):  # one launch: norm + cast + GEMV + shared add (decode rows)
+        _latent_tail_gemv_kernel[(triton.cdiv(D, config["G_BN"]), T)](
+            y, norm_w, w, sh, out, D, ell, y.stride(0), w.stride(0), sh.stride(0), out.stride(0), float(eps),
+            YN_DT=gg._TL[shared.dtype], BLOCK_L=triton.next_power_of_2(ell), BLOCK_N=config["G_BN"],
+            BLOCK_K=config["G_BK"], num_warps=config["G_warps"])
+        return out
     yn = torch.empty(T, ell, dtype=shared.dtype, device=y.device)
     bl = triton.next_power_of_2(ell)
     bt = max(1, min(16, 4096 // bl))
     _latent_norm_kernel[(triton.cdiv(T, bt),)](y, norm_w, yn, T, ell, y.stride(0), yn.stride(0), float(eps),
                                                BT=bt, BL=bl, num_warps=4 if bl <= 4096 else 8)
-    w = w_up if w_up.stride(-1) == 1 else w_up.contiguous()
-    sh = shared if shared.stride(-1) == 1 else shared.contiguous()
     bm, bn = config["U_BM"], config["U_BN"]
     _up_proj_add_kernel[(triton.cdiv(T, bm) * triton.cdiv(D, bn),)](
         yn, w, sh, out, T, D, ell, yn.stride(0), w.stride(0), sh.stride(0), out.stride(0),
@@ -156,17 +178,25 @@ def bucket(key: dict) -> dict:
     return {**key, "T": 0 if key.get("BI") else pow2_bucket(key["T"])}
 
 
+GEMV_OFF = {"U_GEMV": 0, "G_BN": 16, "G_BK": 512, "G_warps": 4}
+
+
 def heuristic(key: dict, target=None) -> dict:
-    """Decode (T <= 64): BM covers the batch, narrow BN for > 1 wave over d; prefill: 128×128 tiles."""
+    """T = 1 (not batch-invariant): the one-launch dot-free GEMV, 16 output rows × 512 K per step and
+    4 warps a program (d / 16 programs: ~3 per SM at d = 7168, ~48 KB of W in flight per SM).
+    Decode (T <= 64): BM covers the batch, narrow BN for > 1 wave over d; prefill: 128×128 tiles."""
     if key.get("BI"):
         cfg = dict(U_BATCH_INVARIANT)
+    elif key["T"] == 1:
+        # H200, session 6 (L=3584, N=7168, bf16): G_BK 256 16.2 µs, 512 17.9, G_BN 8 17.0, 8 warps x 32 rows 17.2
+        cfg = {**U_BATCH_INVARIANT, "U_GEMV": 1, "G_BN": 16, "G_BK": 256, "G_warps": 4}
     elif key["T"] <= 64:
         cfg = {"U_BM": max(16, pow2_bucket(key["T"])), "U_BN": 32, "U_BK": 128, "U_warps": 4, "U_stages": 4,
                "U_group": 8}
     else:
         cfg = {"U_BM": 128, "U_BN": 128, "U_BK": 64, "U_warps": 8, "U_stages": 3, "U_group": 8}
     cfg["U_BK"] = gg._fit_bk(cfg["U_BK"], key["L"], False)
-    return cfg
+    return {**GEMV_OFF, **cfg}
 
 
 def constraints(config: dict, key: dict, target=None) -> list[str]:
@@ -175,6 +205,10 @@ def constraints(config: dict, key: dict, target=None) -> list[str]:
         out.append("batch_invariant: up-projection tiles are fixed to U_BATCH_INVARIANT")
     if config["U_stages"] * (config["U_BM"] + config["U_BN"]) * config["U_BK"] * 2 > 220 * 1024:
         out.append("up-projection pipeline exceeds ~220 KiB of shared memory")
+    if config.get("U_GEMV") and (key.get("BI") or key["T"] != 1):
+        out.append("the GEMV path serves T = 1 only, never under batch invariance (its K order differs)")
+    if config.get("U_GEMV") and config["G_BN"] * config["G_BK"] > 64 * config["G_warps"] * 32:
+        out.append("GEMV tile G_BN*G_BK > 64 fp32 accumulator values a thread spills")
     return out
 
 
@@ -201,7 +235,9 @@ TEMPLATES = [KernelTemplate(
     family="moe_latent_tail", backend="triton", ops=(TAIL_OP,), launch=launch, key_dims=key_dims,
     heuristic=heuristic, bucket=bucket, constraints=constraints, supports=supports, batch_invariant=True,
     tunables=(Tunable("U_BM", (16, 32, 64, 128)), Tunable("U_BN", (32, 64, 128)), Tunable("U_BK", (32, 64, 128)),
-              Tunable("U_warps", (4, 8)), Tunable("U_stages", (2, 3, 4)), Tunable("U_group", (1, 8, 16))),
+              Tunable("U_warps", (4, 8)), Tunable("U_stages", (2, 3, 4)), Tunable("U_group", (1, 8, 16)),
+              Tunable("U_GEMV", (0, 1)), Tunable("G_BN", (4, 8, 16, 32)), Tunable("G_BK", (128, 256, 512, 1024)),
+              Tunable("G_warps", (2, 4, 8))),
     doc="latent RMSNorm with its gain on the activation (= folded W_up·diag(w)) + cast in one kernel, then the "
         "up-projection with the shared-expert add in its epilogue")]
 

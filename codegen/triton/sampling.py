@@ -154,9 +154,10 @@ def _sample_kernel(logits_ptr, temp_ptr, top_p_ptr, u_ptr, out_ptr, V, stride_ro
 
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor,
-                  *, block_v: int | None = None, check: bool = True) -> torch.Tensor:
+                  *, block_v: int | None = None, check: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
     """ids int64 [R] for logits [R, V]; temperature, top_p, uniforms [R] (uniforms in [0, 1)).
-    check=True raises FloatingPointError for rows with NaN/inf logits (one device sync)."""
+    check=True raises FloatingPointError for rows with NaN/inf logits (one device sync). `out`: a contiguous
+    int64 [R] tensor on the logits' device to write the ids into (e.g. a runtime's token feed)."""
     if logits.dim() != 2:
         raise ValueError(f"sample_tokens: logits must be [R, V], found {tuple(logits.shape)}")
     R, V = logits.shape
@@ -169,7 +170,11 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
         if not bool(((uniforms >= 0) & (uniforms < 1)).all()):
             raise ValueError("sample_tokens: uniforms must lie in [0, 1)")
     x = logits if logits.stride(-1) == 1 else logits.contiguous()
-    out = torch.empty(R, dtype=torch.int64, device=logits.device)
+    if out is None:
+        out = torch.empty(R, dtype=torch.int64, device=logits.device)
+    elif tuple(out.shape) != (R,) or out.dtype != torch.int64 or out.device != logits.device or not out.is_contiguous():
+        raise ValueError(f"sample_tokens: out must be a contiguous int64 [{R}] tensor on {logits.device}, found "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device}")
     if R == 0:
         return out
     bv = block_v or min(2048, triton.next_power_of_2(V))

@@ -15,6 +15,15 @@ cu_r = n_0 + ... + n_{r-1} and o_r = b_0 + ... + b_{r-1}:
 One program per request; the prefix sums cu_r and o_r are each program's own masked sums over the
 header (R is at most a few thousand), so no second launch is needed. This is exactly what
 `ReferenceRuntime._metadata` builds with six host lists and six tensor copies.
+
+Fed tokens (`feed=`, an int64 device tensor): a packed token -1 - i stands for feed[i], the id a sampler
+wrote there on the device after the previous step, so the next step is launched before the host has
+read that id (the engine's asynchronous decode); a negative id found there (a row the sampler refused)
+reads as 0 for a step whose result is discarded anyway.
+
+Strided layout (`strided=True`, what a CUDA graph captures): the blocks region is [R, W], request r's
+ids at o_r = r * W (unused entries -1), so every offset is fixed by (R, W) and the launch's arguments
+never change between replays; only the buffer's contents do.
 """
 
 from __future__ import annotations
@@ -27,16 +36,20 @@ HEADER = 4  # ints per request in the packed header: length, count, slot, blocks
 
 
 @triton.jit
-def _step_metadata_kernel(packed, R, W, blocks_at, tokens_at,
+def _step_metadata_kernel(packed, R, W, blocks_at, tokens_at, feed,
                           tokens, token_pos, token_req, cu_seqlens, block_table, state_slot,
-                          RB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr):
+                          RB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, STRIDED: tl.constexpr,
+                          FEED: tl.constexpr):
     r = tl.program_id(0)
     idx = tl.arange(0, RB)
     before = idx < r
     counts = tl.load(packed + idx * 4 + 1, mask=idx < R, other=0)
     nblk = tl.load(packed + idx * 4 + 3, mask=idx < R, other=0)
     cu = tl.sum(tl.where(before, counts, 0), axis=0)      # first token row of request r
-    boff = tl.sum(tl.where(before, nblk, 0), axis=0)      # its first block id in the blocks region
+    if STRIDED:
+        boff = r * W                                      # fixed stride: row r of a [R, W] region
+    else:
+        boff = tl.sum(tl.where(before, nblk, 0), axis=0)  # its first block id in the blocks region
     length = tl.load(packed + r * 4)
     n = tl.load(packed + r * 4 + 1)
     slot = tl.load(packed + r * 4 + 2)
@@ -48,8 +61,11 @@ def _step_metadata_kernel(packed, R, W, blocks_at, tokens_at,
         i = t0 + tl.arange(0, BLOCK_T)
         m = i < n
         row = (cu + i).to(tl.int64)
-        tok = tl.load(packed + tokens_at + row, mask=m, other=0)
-        tl.store(tokens + row, tok.to(tl.int64), mask=m)
+        tok = tl.load(packed + tokens_at + row, mask=m, other=0).to(tl.int64)
+        if FEED:  # -1 - i: the id the previous step's sampler left at feed[i] (a failed row's -1 reads as 0)
+            fed = tl.load(feed + (-1 - tok), mask=m & (tok < 0), other=0)
+            tok = tl.where(tok < 0, tl.maximum(fed, 0), tok)
+        tl.store(tokens + row, tok, mask=m)
         tl.store(token_pos + row, (length + i).to(tl.int64), mask=m)
         tl.store(token_req + row, (i * 0 + r).to(tl.int64), mask=m)
     for j0 in range(0, W, BLOCK_W):
@@ -59,11 +75,16 @@ def _step_metadata_kernel(packed, R, W, blocks_at, tokens_at,
 
 
 def expand_step_metadata(packed: torch.Tensor, n_requests: int, n_tokens: int, n_block_ids: int, width: int,
-                         out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """Run the kernel on a packed int32 buffer already on its device (layout in the module doc).
-    `out` gives the six output tensors (exact shapes and dtypes above) to write into; else they are
-    allocated. Returns {"tokens", "token_pos", "token_req", "cu_seqlens", "block_table", "state_slot"}."""
+                         out: dict[str, torch.Tensor] | None = None, strided: bool = False,
+                         feed: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Run the kernel on a packed int32 buffer already on its device (layout in the module doc; `strided`:
+    the blocks region is [R, width], n_block_ids = R * width). `out` gives the six output tensors (exact
+    shapes and dtypes above) to write into; else they are allocated. `feed`: where tokens -1 - i are read
+    (int64, on the buffer's device). Returns {"tokens", "token_pos",
+    "token_req", "cu_seqlens", "block_table", "state_slot"}."""
     R, T, W = int(n_requests), int(n_tokens), int(width)
+    if strided and int(n_block_ids) != R * W:
+        raise ValueError(f"step metadata: the strided layout holds R * width = {R * W} block ids, got {n_block_ids}")
     want = HEADER * R + int(n_block_ids) + T
     if packed.dtype != torch.int32 or packed.dim() != 1 or packed.numel() < want:
         raise ValueError(f"step metadata: packed buffer must be int32 [>= {want}] for {R} requests, "
@@ -82,11 +103,15 @@ def expand_step_metadata(packed: torch.Tensor, n_requests: int, n_tokens: int, n
            or not out[k].is_contiguous()]
     if bad:
         raise ValueError("step metadata: output buffers do not match: " + "; ".join(bad))
+    if feed is not None and (feed.dtype != torch.int64 or feed.device != dev or not feed.is_contiguous()):
+        raise ValueError(f"step metadata: feed must be a contiguous int64 tensor on {dev}, got {feed.dtype} on "
+                         f"{feed.device}")
     _step_metadata_kernel[(R,)](packed, R, W, HEADER * R, HEADER * R + int(n_block_ids),
+                                feed if feed is not None else packed,
                                 out["tokens"], out["token_pos"], out["token_req"], out["cu_seqlens"],
                                 out["block_table"], out["state_slot"],
                                 RB=triton.next_power_of_2(R), BLOCK_T=64, BLOCK_W=min(256, triton.next_power_of_2(W)),
-                                num_warps=4 if R > 256 else 1)
+                                STRIDED=bool(strided), FEED=feed is not None, num_warps=4 if R > 256 else 1)
     return out
 
 

@@ -6,7 +6,9 @@ Per token t and head h, W_UV^h = rows dn..dn+dv of head h of kv_b viewed [H, dn+
     y[t, h*dv + n]     = o[t, h, n] * sigmoid(gate[t, h*dv + n])     (fused.value_gate, [T, H*dv])
 A program computes one (BLOCK_T tokens) x (one head) x (BLOCK_V value channels) tile with the shared
 GEMM tile loop (`gemm.gemm_tile`, kv reduced in BLOCK_K steps, fp32 accumulation, no split-K) and
-applies the gate in registers before the only store: o never goes to memory.
+applies the gate in registers before the only store: o never goes to memory. BLOCK_T = 1 (decode, one
+token): no tensor cores, the tile is a dot-free GEMV (fp32 products summed over each BLOCK_K lane, then
+across lanes), so narrow BLOCK_V slices spread W_UV over many programs.
 
 `fused.value_gate` operands (passes/fused_value_gate.py): (o_latent [T, H, kv], kv_b [H*(dn+dv), kv],
 gate [T, H*dv] (the gate projection's output, before the sigmoid)); attr nope_dim; result y [T, H*dv].
@@ -36,8 +38,20 @@ def _value_gate_kernel(o_ptr, w_ptr, g_ptr, y_ptr, T, KV, DV, stride_ot, stride_
     v_ok = offs_v < DV
     x_ptr = o_ptr + head.to(tl.int64) * stride_oh
     wh_ptr = w_ptr + (head.to(tl.int64) * ROWS_PER_HEAD + NOPE) * stride_wn
-    acc = gemm_tile(x_ptr, wh_ptr, wh_ptr, offs_t, offs_v, t_ok, v_ok, KV, stride_ot, 1, stride_wn, 1, 0, 0,
-                    0, 1, 1, DOT_DTYPE, ACC_DTYPE, X_SPLITS, PRECISION, EVEN_K, BLOCK_T, BLOCK_V, BLOCK_K)
+    if BLOCK_T == 1:  # one token: dot-free GEMV, P[v, j] = sum_i W[v, k0_i + j] o~[k0_i + j], then sum_j
+        rk = tl.arange(0, BLOCK_K)
+        xrow = x_ptr + tl.program_id(0).to(tl.int64) * stride_ot
+        part = tl.zeros((BLOCK_V, BLOCK_K), ACC_DTYPE)
+        for k0 in range(0, KV, BLOCK_K):
+            k_ok = k0 + rk < KV
+            wt = tl.load(wh_ptr + offs_v.to(tl.int64)[:, None] * stride_wn + (k0 + rk)[None, :],
+                         mask=v_ok[:, None] & k_ok[None, :], other=0.0).to(ACC_DTYPE)
+            xt = tl.load(xrow + k0 + rk, mask=k_ok & (tl.program_id(0) < T), other=0.0).to(ACC_DTYPE)
+            part += wt * xt[None, :]
+        acc = tl.sum(part, axis=1)[None, :]
+    else:
+        acc = gemm_tile(x_ptr, wh_ptr, wh_ptr, offs_t, offs_v, t_ok, v_ok, KV, stride_ot, 1, stride_wn, 1, 0, 0,
+                        0, 1, 1, DOT_DTYPE, ACC_DTYPE, X_SPLITS, PRECISION, EVEN_K, BLOCK_T, BLOCK_V, BLOCK_K)
     cols = head * DV + offs_v
     ok = t_ok[:, None] & v_ok[None, :]
     rows64 = offs_t.to(tl.int64)[:, None]
@@ -86,18 +100,24 @@ def _key(o_latent, kv_b, attrs) -> dict:
 
 def _bucket(key: dict) -> dict:
     b = dict(key)
-    b["T"] = 0 if b["bi"] else pow2_bucket(b["T"], 16)
+    b["T"] = 0 if b["bi"] else pow2_bucket(b["T"])
     return b
 
 
-TUNABLES = (Tunable("BLOCK_T", (16, 32, 64, 128)), Tunable("BLOCK_V", (32, 64, 128)),
-            Tunable("BLOCK_K", (32, 64, 128)), Tunable("num_warps", (4, 8)), Tunable("num_stages", (1, 2, 3, 4)))
+TUNABLES = (Tunable("BLOCK_T", (1, 16, 32, 64, 128)), Tunable("BLOCK_V", (8, 16, 32, 64, 128)),
+            Tunable("BLOCK_K", (32, 64, 128, 256, 512)), Tunable("num_warps", (1, 2, 4, 8)),
+            Tunable("num_stages", (1, 2, 3, 4)))
 
 
 def heuristic(key: dict, target: str) -> dict:
-    """Decode (T <= 64): BLOCK_T = pow2(T) >= 16, BLOCK_V = 64 so H*dv/64 programs stream W_UV; prefill:
-    128 x 128 tiles, 3 stages. Batch-invariant: 64 x 64 for every T. cpu: whole-head tiles."""
+    """T = 1 (not batch-invariant): the dot-free GEMV, BLOCK_V = 16 value rows x BLOCK_K 512 a program
+    (H*dv/16 programs stream W_UV); decode (T <= 64): BLOCK_T = pow2(T) >= 16, BLOCK_V = 64 so H*dv/64
+    programs stream W_UV; prefill: 128 x 128 tiles, 3 stages. Batch-invariant: 64 x 64 for every T.
+    cpu: whole-head tiles."""
     dv = pow2_bucket(key["DV"], 16)
+    if key["T"] == 1 and not key["bi"]:
+        return {"BLOCK_T": 1, "BLOCK_V": min(dv, 16), "BLOCK_K": min(512, pow2_bucket(key["KV"], 16)),
+                "num_warps": 4, "num_stages": 1}
     if target == "cpu":
         return {"BLOCK_T": 64, "BLOCK_V": min(dv, 128), "BLOCK_K": 64, "num_warps": 4, "num_stages": 1}
     if key["bi"]:
@@ -109,6 +129,9 @@ def heuristic(key: dict, target: str) -> dict:
 
 
 def constraints(config: dict, key: dict, target: str) -> list[str]:
+    if config["BLOCK_T"] == 1:
+        vpt = config["BLOCK_V"] * config["BLOCK_K"] // (32 * config["num_warps"])
+        return [f"GEMV tile of {vpt} fp32 values a thread spills"] if vpt > 64 else []
     smem = (config["BLOCK_T"] + config["BLOCK_V"]) * config["BLOCK_K"] * 2 * max(1, config["num_stages"])
     if target != "cpu" and smem > 232448:
         return [f"shared memory (BLOCK_T+BLOCK_V)*BLOCK_K*2*stages = {smem} B > 232448 B"]

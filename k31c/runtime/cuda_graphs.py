@@ -6,8 +6,10 @@
 
 Capture. A decode step of R requests whose block lists are at most `need` blocks long runs in the graph
 of batch bucket B = the smallest bucket >= R (default 1, 2, 4, ... up to max_num_seqs) and width bucket
-W = the smallest power of two >= need. The graph's static inputs are the six metadata tensors at shapes
-[B], [B+1], [B, W]; the cache and state pools are the runtime's own tensors, updated in place by every
+W = the smallest power of two >= need, where need counts the blocks holding the step's positions, not
+blocks a request took ahead of time (the engine's asynchronous decode grows one step early, and the same
+step must run the same graph, kernels and numbers either way). The graph's static inputs are the six
+metadata tensors at shapes [B], [B+1], [B, W]; the cache and state pools are the runtime's own tensors, updated in place by every
 replay (their addresses are checked before each replay; a moved pool drops the graphs). The captured
 step is the Executor's, with its MLA-query branch on the side stream: the fork (side stream waits on an
 event of the capturing stream) and the join (events waited on where the branch's results are read) are
@@ -19,8 +21,13 @@ state slot = the scratch slot. The scratch block and slot are reserved for this 
 is built (one block and one slot more than asked for), so a padded row writes only memory no request
 owns; its logits rows are dropped and never reach the caller.
 
-Metadata for a replay is built by one host->device copy and one kernel writing straight into the static
-inputs (`step_metadata.StepMetadataBuilder`). Steps outside the buckets (more requests than the largest
+Metadata. By default (`metadata_in_graph=True`) the graph's first node is the kernel that expands a
+packed int32 buffer into the static inputs (`step_metadata.GraphMetadata`, the strided layout whose
+offsets depend only on (B, W)): a replay costs the host one numpy write of a pinned buffer (two,
+alternating), one asynchronous copy and `cudaGraphLaunch`; nothing waits for the device, so the host can
+prepare step N+1 while step N runs. With `metadata_in_graph=False` the copy and the kernel run before
+each replay (`StepMetadataBuilder`, writing into the static inputs).
+Steps outside the buckets (more requests than the largest
 bucket, a table wider than `max_width` blocks) and every prefill/verify step run eagerly; fallbacks are
 counted by reason in `stats()`.
 """
@@ -37,7 +44,7 @@ from ir.ref.paging import cache_rows, write_rows
 from k31c.parallel.dcp_graph import GRAPH_SAFE as DCP_GRAPH_SAFE
 
 from .reference import ReferenceRuntime
-from .step_metadata import StepMetadataBuilder, check_step
+from .step_metadata import GraphMetadata, StepMetadataBuilder, check_step
 
 
 def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -81,6 +88,7 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     inputs: dict[str, torch.Tensor]
     logits: torch.Tensor
+    metadata: GraphMetadata | None  # the captured metadata prologue (None: metadata built before replay)
 
 
 class GraphedRuntime(ReferenceRuntime):
@@ -88,13 +96,14 @@ class GraphedRuntime(ReferenceRuntime):
     (`Executor(cuda_graphs=True)` on cuda); every step's metadata comes from the fused kernel."""
 
     def __init__(self, module, weights: Mapping, *, max_rows: int = 4096, max_requests: int = 8,
-                 max_num_seqs: int | None = None, max_width: int = 1 << 16, **kw):
+                 max_num_seqs: int | None = None, max_width: int = 1 << 16, metadata_in_graph: bool = True, **kw):
         bs = int(module.attrs.get("block_size", 1))
         super().__init__(module, weights, max_rows=max_rows + bs, max_requests=max_requests + 1, **kw)
         self.scratch = (self.blocks.allocate(1)[0], self.free_slots.pop())  # (block, slot) of padding rows
         self._metadata_builder = StepMetadataBuilder(self.device)
         self.buckets = batch_buckets(max_num_seqs or max_requests)
         self.max_width = int(max_width)
+        self.metadata_in_graph = bool(metadata_in_graph)
         # batch-invariant mode splits ops per request on the host (int(cu_seqlens[r])): no capture there
         self.use_graphs = (bool(getattr(self.interp, "cuda_graphs", False)) and self.device.type == "cuda"
                            and not getattr(self.interp, "batch_invariant", False))
@@ -108,17 +117,22 @@ class GraphedRuntime(ReferenceRuntime):
     def _metadata(self, fn: str, chunks) -> dict[str, torch.Tensor]:
         return self._metadata_builder.build(check_step(self, fn, chunks))
 
-    def step(self, fn: str, chunks) -> torch.Tensor:
+    def step(self, fn: str, chunks, copy: bool = True) -> torch.Tensor:
+        """As ReferenceRuntime.step; a replayed decode's logits are copied out of the graph's buffer unless
+        `copy=False` (then they are valid until the next decode step is launched)."""
         if fn == "decode" and self.use_graphs:
-            out = self._replay(chunks)
+            out = self._replay(chunks, copy)
             if out is not None:
                 return out
         elif fn == "decode":
             self.fallbacks["graphs off (engine without cuda_graphs, not on cuda, or batch-invariant)"] += 1
         return super().step(fn, chunks)
 
-    def _replay(self, chunks) -> torch.Tensor | None:
-        rows = check_step(self, "decode", chunks)
+    def _replay(self, chunks, copy: bool = True) -> torch.Tensor | None:
+        rows = check_step(self, "decode", chunks, resolve_fed=not self.metadata_in_graph)
+        # the blocks the step reads, not the request's whole allocation: the bucket (and with it the kernels'
+        # context bound and their numbers) must not depend on how far ahead blocks were taken
+        rows = [(n, slot, blks[:self.blocks_for(n + len(t))], t) for n, slot, blks, t in rows]
         n, need = len(rows), max(len(b) for _, _, b, _ in rows)
         B, W = bucket_for(n, self.buckets), width_bucket(need)
         reason = (f"batch {n} above the largest bucket {self.buckets[-1]}" if B is None else
@@ -129,7 +143,7 @@ class GraphedRuntime(ReferenceRuntime):
             return None
         ptrs = tuple(t.data_ptr() for t in self.pools.values())
         if self._pool_ptrs is not None and ptrs != self._pool_ptrs:
-            self.graphs.clear()  # a pool was reallocated: every graph points at the old one
+            self.drop_graphs()  # a pool was reallocated: every graph points at the old one
             self.fallbacks["pools moved: graphs recaptured"] += 1
         self._pool_ptrs = ptrs
         g = self.graphs.get((B, W))
@@ -141,13 +155,18 @@ class GraphedRuntime(ReferenceRuntime):
                 self.fallbacks[self.failed[(B, W)]] += 1
                 torch.cuda.synchronize(self.device)
                 return None
-        self._metadata_builder.build(rows, width=W, pad_to=B, scratch=self.scratch, out=g.inputs)
-        g.graph.replay()
+        if g.metadata is not None:
+            g.metadata.write(rows)
+            g.metadata.upload()
+            g.graph.replay()
+        else:
+            self._metadata_builder.build(rows, width=W, pad_to=B, scratch=self.scratch, out=g.inputs)
+            g.graph.replay()
         for rid in chunks:
             self.requests[rid].length += 1
         self._last_outs = None
         self.replays[(B, W)] += 1
-        return g.logits[:n].clone()
+        return g.logits[:n].clone() if copy else g.logits[:n]
 
     def _capture(self, B: int, W: int) -> _Graph:
         """Warm up (kernel compilation, lazy weight uploads) on a side stream, then capture one decode step of
@@ -161,28 +180,41 @@ class GraphedRuntime(ReferenceRuntime):
                   "token_req": torch.arange(B, dtype=torch.int64, device=dev),
                   "cu_seqlens": torch.arange(B + 1, dtype=torch.int64, device=dev),
                   "block_table": table, "state_slot": torch.full((B,), slot, dtype=torch.int64, device=dev)}
+        meta = GraphMetadata(B, W, self.scratch, dev, feed=self.token_feed) if self.metadata_in_graph else None
+
+        def step():
+            if meta is not None:
+                meta.expand(inputs)
+            return eng.run("decode", {**inputs, **self.pools})
+
         eng.static_context = W * self.block_size
         try:
             side = torch.cuda.Stream(dev)
             side.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    eng.run("decode", {**inputs, **self.pools})
+                    step()
             torch.cuda.current_stream(dev).wait_stream(side)
             torch.cuda.synchronize(dev)
             if self._mempool is None:
                 self._mempool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._mempool):
-                outs = eng.run("decode", {**inputs, **self.pools})
+                outs = step()
         finally:
             eng.static_context = None
         moved = [name for (name, t), o in zip(self.pools.items(), outs[1:]) if o.data_ptr() != t.data_ptr()]
         if moved:
             raise RuntimeError(f"decode returned new tensors for pools {moved[:3]} (not updated in place)")
-        return _Graph(graph, inputs, outs[0])
+        return _Graph(graph, inputs, outs[0], meta)
+
+    def drop_graphs(self):
+        """Forget every captured graph and their memory pool (the next capture starts a fresh pool: torch's
+        allocator asserts when a private pool whose graphs were freed is captured into again)."""
+        self.graphs.clear()
+        self._mempool = None
 
     def stats(self) -> dict:
         return {"graphs": sorted(self.graphs), "replays": {f"{b}x{w}": n for (b, w), n in self.replays.items()},
                 "eager_fallbacks": dict(self.fallbacks), "buckets": list(self.buckets),
-                "scratch_block_slot": list(self.scratch)}
+                "scratch_block_slot": list(self.scratch), "metadata_in_graph": self.metadata_in_graph}

@@ -17,6 +17,15 @@ Cache blocks are taken as requests grow. When none are free, unreferenced prefix
 it returns to the front of the queue; on re-admission it recomputes prompt + generated tokens and then
 continues sampling (its seeded generator is untouched by the recompute, so its output is unchanged).
 
+Asynchronous decode (`async_decode=True`): while every running request is decoding and nothing waits to
+be admitted, step N+1 is launched before step N's tokens are read: its tokens are the ids step N's sampler
+left in the runtime's `token_feed` on the device (`ReferenceRuntime.fed`), so on a GPU the host's work
+for a step (scheduling, metadata, launch, reading ids, stop checks) overlaps the device's. A request that
+stops at step N (stop token, stop string) had one more token computed by step N+1; that row is
+discarded. Requests that reach `max_new_tokens`, admissions, prefill chunks, growth that needs eviction
+or preemption, cancellation: the engine resolves the step in flight and continues synchronously. The
+tokens are the synchronous engine's.
+
 Stop conditions: a stop token id, `max_new_tokens`, a stop string (decoded with the tokenizer). Requests
 that cannot ever run (longer than the model context or the whole pool, bad sampling parameters, unknown
 token ids) are refused by `add_request` with a RequestError; the engine keeps serving the others.
@@ -45,6 +54,14 @@ class RequestOutput:
 
 
 @dataclass
+class _Inflight:
+    """A decode step launched and sampled on the device whose ids the host has not read yet."""
+    seqs: list
+    ids: torch.Tensor                 # the ids' host copy (pinned on a GPU), valid once `done` has completed
+    done: object = None               # torch.cuda.Event recorded after that copy (None off the GPU)
+
+
+@dataclass
 class _Seq:
     rid: str
     prompt: list[int]
@@ -66,16 +83,27 @@ class _Seq:
 class Engine:
     def __init__(self, runtime: ReferenceRuntime, *, max_num_seqs: int | None = None, max_batched_tokens: int = 256,
                  prefill_chunk: int | None = None, prefix_caching: bool = False, kda_checkpoint_interval: int = 0,
-                 tokenizer=None, keep_logits: bool = False):
+                 tokenizer=None, keep_logits: bool = False, device_sampling: bool | None = None,
+                 async_decode: bool = False):
         problems = [f"max_batched_tokens must be >= 1, found {max_batched_tokens}"] * (max_batched_tokens < 1) + \
             [f"prefill_chunk must be >= 1, found {prefill_chunk}"] * (prefill_chunk is not None and prefill_chunk < 1)
+        if async_decode and getattr(runtime, "token_feed", None) is None:
+            problems.append(f"async_decode needs a runtime with a device token feed (ReferenceRuntime or "
+                            f"GraphedRuntime), not {type(runtime).__name__}")
         if problems:
             raise ValueError("engine: " + "; ".join(problems))
         self.rt = runtime
+        self.async_decode = bool(async_decode)
+        self._inflight: _Inflight | None = None
+        self._pinned: list[torch.Tensor] = []  # two pinned id buffers, alternating between steps in flight
+        self._greedy: torch.Tensor | None = None  # (temperature 0, top_p 1, u 0) rows kept on the device
+        self._param_stages: list = [None, None]   # two pinned (buffer, copied event) for sampling parameters
+        self._param_next = 0
         slots = len(runtime.free_slots)
         self.max_num_seqs = min(max_num_seqs or slots, slots)
         self.max_batched_tokens, self.prefill_chunk = max_batched_tokens, prefill_chunk
         self.tokenizer, self.keep_logits = tokenizer, keep_logits
+        self.device_sampling = device_sampling  # None: the batched kernel when the logits are on a GPU
         self.cache = PrefixCache(runtime.blocks, runtime.block_size, has_state=bool(runtime.state_pools),
                                  interval=kda_checkpoint_interval) if prefix_caching else None
         self.waiting: deque[_Seq] = deque()
@@ -84,7 +112,8 @@ class Engine:
         self._ready: list[RequestOutput] = []   # outputs produced outside a step (cancel, zero tokens)
         self._order = 0
         self.kept_logits: dict[str, list[torch.Tensor]] = {}  # keep_logits: the logits each token was sampled from
-        self.counters = {"steps": 0, "decode_calls": 0, "prefill_calls": 0, "preemptions": 0, "tokens_computed": 0}
+        self.counters = {"steps": 0, "decode_calls": 0, "prefill_calls": 0, "preemptions": 0, "tokens_computed": 0,
+                         "chained_decode_steps": 0}
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, rid: str, prompt: Sequence[int], params: SamplingParams = SamplingParams(),
@@ -127,7 +156,7 @@ class Engine:
         self._finish(seq, "cancelled")
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self._ready)
+        return bool(self.waiting or self.running or self._ready or self._inflight)
 
     def stream(self) -> Iterator[RequestOutput]:
         while self.has_unfinished():
@@ -143,6 +172,12 @@ class Engine:
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._ready = self._ready, []
+        if self._inflight is not None:
+            nxt = self._chain()  # the next decode step, launched before the one in flight is read
+            outputs += self._resolve()
+            self._inflight = nxt
+            if nxt is not None:
+                return outputs
         batch = self._schedule()
         if not batch:
             if self.waiting and not self.running:
@@ -153,19 +188,77 @@ class Engine:
         self.counters["tokens_computed"] += sum(n for _, n in batch)
         decodes = [(s, n) for s, n in batch if n == 1 and s.computed > 0]
         chunks = [(s, n) for s, n in batch if not (n == 1 and s.computed > 0)]
+        if self.async_decode and not chunks:
+            seqs = [s for s, _ in decodes]
+            self._inflight = self._launch(seqs, [s.tokens[s.computed] for s in seqs])
+            return outputs
         for fn, part in (("decode", decodes), ("prefill", chunks)):  # each kind through its own function
             if not part:
                 continue
             logits = self.rt.step(fn, {s.rid: s.tokens[s.computed:s.computed + n] for s, n in part})
             self.counters[f"{fn}_calls"] += 1
-            row = 0
+            row, due = 0, []
             for s, n in part:
                 row += n
                 s.computed += n
                 self._after_compute(s)
                 if s.computed == len(s.tokens):
-                    outputs += self._sample(s, logits[row - 1])
+                    due.append((s, row - 1))
+            outputs += self._sample(due, logits)
         return outputs
+
+    # ---- asynchronous decode ------------------------------------------------------------------------
+    def _launch(self, seqs: list[_Seq], tokens: list[int]) -> _Inflight:
+        """Run a decode step of `seqs` and sample it on the device into the runtime's token feed; the ids'
+        copy to the host is started, not waited for."""
+        logits = self.rt.step("decode", {s.rid: [t] for s, t in zip(seqs, tokens)}, copy=False)
+        self.counters["decode_calls"] += 1
+        feed = self.rt.token_feed[:len(seqs)]
+        self._draw(list(zip(seqs, range(len(seqs)))), logits, out=feed)
+        if feed.device.type != "cuda":
+            return _Inflight(seqs, feed.clone())
+        if not self._pinned or self._pinned[0].numel() < feed.numel():
+            self._pinned = [torch.empty(len(self.rt.token_feed), dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        host = self._pinned[0][:len(seqs)]
+        self._pinned.reverse()  # the next step in flight copies into the other buffer
+        host.copy_(feed, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return _Inflight(seqs, host, done)
+
+    def _chain(self) -> _Inflight | None:
+        """Launch the next decode step of the requests in flight, fed by their pending ids, when nothing
+        else is due: every running request is in it, none waits for admission, none reaches
+        max_new_tokens with the pending token, and each has room for one more row without eviction."""
+        seqs = self._inflight.seqs
+        if len(seqs) != len(self.running) or any(self.seqs.get(s.rid) is not s for s in seqs):
+            return None
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            return None
+        for s in seqs:
+            if len(s.output) + 1 >= s.params.max_new_tokens or any(b > s.computed for b in s.checkpoints):
+                return None
+        for s in seqs:
+            try:
+                self.rt.grow(s.rid, s.computed + 2)  # the pending row, then this step's
+            except PoolFull:
+                return None
+        self.counters["steps"] += 1
+        self.counters["chained_decode_steps"] += 1
+        self.counters["tokens_computed"] += len(seqs)
+        return self._launch(seqs, [self.rt.fed(i) for i in range(len(seqs))])
+
+    def _resolve(self) -> list[RequestOutput]:
+        """Read the ids of the step in flight and finish its bookkeeping; rows of requests that ended since
+        it was launched are discarded."""
+        inf = self._inflight
+        if inf.done is not None:
+            inf.done.synchronize()
+        live = [(s, t) for s, t in zip(inf.seqs, inf.ids.tolist()) if self.seqs.get(s.rid) is s]
+        for s, _ in live:
+            s.computed += 1
+            self._after_compute(s)
+        return self._emit_all(live)
 
     def _schedule(self) -> list[tuple[_Seq, int]]:
         budget, batch = self.max_batched_tokens, []
@@ -254,10 +347,74 @@ class Engine:
         if s.computed in s.checkpoints and s.computed % self.rt.block_size == 0:
             self.cache.store_state(s.hashes[:s.computed // self.rt.block_size], self.rt.snapshot_state(s.rid))
 
-    def _sample(self, s: _Seq, logits: torch.Tensor) -> list[RequestOutput]:
+    def _sample(self, due: list[tuple[_Seq, int]], logits: torch.Tensor) -> list[RequestOutput]:
+        """Sample the next token of every request in `due` = [(seq, logits row)] and emit it."""
+        if not due:
+            return []
+        return self._emit_all([(s, t) for (s, _), t in zip(due, self._draw(due, logits).tolist())])
+
+    def _draw(self, due: list[tuple[_Seq, int]], logits: torch.Tensor, out: torch.Tensor | None = None):
+        """The ids [len(due)] (on the logits' device, not read; written into `out` if given). On a GPU all
+        rows go through one kernel (`codegen.triton.sampling.sample_tokens`; each request's uniform drawn
+        from its own generator, greedy rows draw nothing; a row with NaN/inf logits gets -1); elsewhere each
+        request's Sampler samples on the host (`device_sampling` forces either). Greedy picks are identical
+        on both paths; seeded draws have the same distribution, not the same values."""
         if self.keep_logits:
-            self.kept_logits.setdefault(s.rid, []).append(logits.detach().to("cpu", torch.float32).clone())
-        tok = s.sampler.sample(logits)
+            for s, r in due:
+                self.kept_logits.setdefault(s.rid, []).append(logits[r].detach().to("cpu", torch.float32).clone())
+        on_device = logits.device.type == "cuda" if self.device_sampling is None else self.device_sampling
+        if not on_device:
+            ids = torch.tensor([s.sampler.sample(logits[r]) for s, r in due], dtype=torch.int64)
+            return ids if out is None else out.copy_(ids)
+        from codegen.triton.sampling import sample_tokens
+
+        n, dev = len(due), logits.device
+        rows = [r for _, r in due]
+        # nothing here may wait for the device (a pageable host->device copy would): the rows of a decode
+        # step are its first n, and the sampling parameters travel through pinned buffers
+        x = logits[:n] if rows == list(range(n)) else logits.index_select(0, self._to_device([rows], dev, torch.int64)[0])
+        if all(s.params.temperature == 0 for s, _ in due):
+            t, p, u = self._greedy_params(n, dev)
+        else:
+            u = [float(torch.rand((), generator=s.sampler.generator)) if s.params.temperature > 0 else 0.0
+                 for s, _ in due]
+            t, p, u = self._to_device([[s.params.temperature for s, _ in due], [s.params.top_p for s, _ in due], u],
+                                      dev, torch.float32)
+        return sample_tokens(x, t, p, u, check=False, out=out)
+
+    def _greedy_params(self, n: int, dev) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(temperature 0, top_p 1, u 0) for n rows, kept on the device."""
+        c = self._greedy
+        if c is None or c.shape[1] < n or c.device != dev:
+            c = self._greedy = torch.tensor([[0.0], [1.0], [0.0]], device=dev).repeat(1, max(n, len(self.rt.token_feed)))
+        return c[0, :n], c[1, :n], c[2, :n]
+
+    def _to_device(self, table: list[list], dev, dtype) -> torch.Tensor:
+        """A small host table on the device by an asynchronous copy out of one of two pinned buffers (the
+        one used two calls ago has been copied: an event guards it)."""
+        host = torch.tensor(table, dtype=dtype)
+        if dev.type != "cuda":
+            return host.to(dev)
+        k = self._param_next
+        if self._param_stages[k] is not None:
+            buf, done = self._param_stages[k]
+            done.synchronize()  # its last copy has run
+        if self._param_stages[k] is None or buf.numel() < host.numel() or buf.dtype != dtype:
+            buf = torch.empty(max(host.numel(), 1024), dtype=dtype, pin_memory=True)
+        buf[:host.numel()].copy_(host.flatten())
+        out = buf[:host.numel()].view(host.shape).to(dev, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._param_stages[k], self._param_next = (buf, done), 1 - k
+        return out
+
+    def _emit_all(self, picked: list[tuple[_Seq, int]]) -> list[RequestOutput]:
+        bad = [s.rid for s, t in picked if t < 0]
+        if bad:
+            raise FloatingPointError(f"logits of requests {bad[:8]} contain NaN or inf; refusing to sample")
+        return [out for s, tok in picked for out in self._emit(s, tok)]
+
+    def _emit(self, s: _Seq, tok: int) -> list[RequestOutput]:
         s.output.append(tok)
         reason = None
         if tok in s.params.stop_token_ids:

@@ -93,6 +93,8 @@ class ReferenceRuntime:
         self.blocks = self.block_pool.allocator if self.block_pool is not None else BlockAllocator(num_blocks)
         self.pool_copies = 0  # pools an engine returned in new memory (copied back into the packed pool)
         self.free_slots = list(range(max_requests))
+        # where a sampler on the device leaves a step's ids; a decode token -1 - i reads token_feed[i]
+        self.token_feed = torch.zeros(max_requests, dtype=torch.int64, device=self.device)
         self.requests: dict[str, _Request] = {}
         self._metadata_builder = None  # StepMetadataBuilder, made at the first GPU step
         # rows of a request this pool stores: every position here; a DCP rank stores its share only
@@ -214,7 +216,14 @@ class ReferenceRuntime:
         return self.step("prefill", chunks)
 
     def decode(self, tokens: Mapping[str, int]) -> torch.Tensor:
+        """One token per request; a token -1 - i is the id at `token_feed[i]` (`fed(i)`), written there by a
+        sampler on the device after the previous step (no host round trip in between on the graph path)."""
         return self.step("decode", {rid: [t] for rid, t in tokens.items()})
+
+    @staticmethod
+    def fed(i: int) -> int:
+        """The decode token that stands for `token_feed[i]`."""
+        return -1 - int(i)
 
     def verify(self, drafts: Mapping[str, Sequence[int]]) -> torch.Tensor:
         """Score 1–8 draft tokens per request; `accept` then keeps a prefix of each request's drafts."""
@@ -249,8 +258,9 @@ class ReferenceRuntime:
                 self.pools[p][r.slot].copy_(lv["states"][f"{p}.per_token"][start + n - 1])
         r.length -= count - n
 
-    def step(self, fn: str, chunks: Mapping[str, Sequence[int]]) -> torch.Tensor:
-        """Run one entry function over {request: new tokens}; returns logits [total tokens, vocab]."""
+    def step(self, fn: str, chunks: Mapping[str, Sequence[int]], copy: bool = True) -> torch.Tensor:
+        """Run one entry function over {request: new tokens}; returns logits [total tokens, vocab] (fresh
+        here whatever `copy` says; a graphed runtime may hand out its graph's buffer when copy=False)."""
         meta = self._metadata(fn, chunks)
         outs = self.interp.run(fn, {**meta, **self.pools})
         self._last_outs = outs

@@ -12,6 +12,14 @@ kernel expands it, optionally straight into a CUDA graph's static input buffers 
 Padding (for a batch-size bucket): requests R..pad_to-1 are decode requests of one token 0 at
 position 0 whose block table is [scratch block, -1, ...] and whose state slot is the scratch slot, so
 whatever a padded row writes lands in memory no real request owns.
+
+Inside a CUDA graph (`GraphMetadata`): the kernel is captured as the graph's first node, over the strided
+layout whose offsets depend only on the bucket (B, W); a replay then costs the host one numpy write of a
+pinned buffer, one asynchronous copy and the replay (no kernel launch of its own, no wait on the device).
+
+    gm = GraphMetadata(B, W, scratch, device)          # before capture
+    gm.expand(static_inputs)                            # inside the capture (and its warm-up)
+    gm.write(rows); gm.upload(); graph.replay()         # per step
 """
 
 from __future__ import annotations
@@ -23,12 +31,16 @@ import torch
 Row = tuple[int, int, list[int], list[int]]  # (cached length, state slot, block ids, new tokens)
 
 
-def check_step(rt, fn: str, chunks: Mapping[str, Sequence[int]]) -> list[Row]:
+def check_step(rt, fn: str, chunks: Mapping[str, Sequence[int]], resolve_fed: bool = True) -> list[Row]:
     """Validate a step of runtime `rt` (a RequestError naming every problem at once) and return one Row per
-    request in `chunks` order."""
+    request in `chunks` order. A decode token -1 - i stands for `rt.token_feed[i]`; `resolve_fed` reads
+    those ids on the host (one copy), else they stay negative for the graph's metadata kernel to read."""
     from .reference import RequestError
 
     problems = []
+    feed = getattr(rt, "token_feed", None)
+    n_feed = len(feed) if feed is not None and fn == "decode" else 0
+    fed_ids = None
     if not chunks:
         problems.append("a step needs at least one request")
     limit = rt.module.function(fn).attrs.get("max_tokens_per_request")
@@ -43,7 +55,10 @@ def check_step(rt, fn: str, chunks: Mapping[str, Sequence[int]]) -> list[Row]:
             problems.append(f"request {rid!r}: no tokens in this step")
         if limit is not None and len(toks) > limit:
             problems.append(f"request {rid!r}: {fn} takes at most {limit} tokens per request, got {len(toks)}")
-        bad = [t for t in toks if not 0 <= t < rt.vocab_size]
+        if resolve_fed and any(-n_feed <= t < 0 for t in toks):
+            fed_ids = feed.tolist() if fed_ids is None else fed_ids
+            toks = [fed_ids[-1 - t] if -n_feed <= t < 0 else t for t in toks]
+        bad = [t for t in toks if not (0 <= t < rt.vocab_size or (not resolve_fed and -n_feed <= t < 0))]
         if bad:
             problems.append(f"request {rid!r}: token ids {bad[:5]} outside the vocabulary [0, {rt.vocab_size})")
         if r.length + len(toks) > r.capacity:
@@ -133,3 +148,68 @@ class StepMetadataBuilder:
             self._copied = torch.cuda.Event()
             self._copied.record()
         return expand_step_metadata(dev, n_req, n_tok, n_blk, width, out=out)
+
+
+class GraphMetadata:
+    """The metadata of one decode graph of bucket (B requests, W-block tables). The host fills one of two
+    pinned int32 buffers in the strided layout (header [B, 4], blocks [B, W], tokens [B]; a token -1 - i
+    reads `feed[i]` on the device), `upload` copies it (asynchronously) into one device buffer, and
+    `expand`, the graph's first node, expands that buffer into the graph's static inputs. The device
+    buffer is ordered by the stream (the copy for a step runs after the previous replay has read it); a
+    pinned buffer is rewritten only after its last copy has run (an event each), so the host can prepare
+    step N+1 while step N runs."""
+
+    def __init__(self, batch: int, width: int, scratch: tuple[int, int], device, feed: torch.Tensor | None = None):
+        from codegen.triton.step_metadata import HEADER
+
+        self.B, self.W, self.scratch, self.feed = int(batch), int(width), scratch, feed
+        self.blocks_at = HEADER * self.B
+        self.tokens_at = self.blocks_at + self.B * self.W
+        n = self.tokens_at + self.B
+        cuda = torch.device(device).type == "cuda"
+        self.stages = [torch.empty(n, dtype=torch.int32, pin_memory=cuda) for _ in range(2 if cuda else 1)]
+        self.dev = torch.empty(n, dtype=torch.int32, device=device) if cuda else self.stages[0]
+        self._copied: list = [None] * len(self.stages)  # event after each pinned buffer's last copy
+        self._next = 0
+        self.write([])  # every row a padding row: what the warm-up and the capture run on
+        self.upload()
+
+    def write(self, rows: Sequence[Row]) -> None:
+        """Fill the next pinned buffer with `rows` (decode rows: one new token each; at most B of them, at
+        most W blocks each), padded with scratch-only rows."""
+        n, B, W = len(rows), self.B, self.W
+        if n > B:
+            raise ValueError(f"graph metadata: {n} requests do not fit the batch bucket {B}")
+        if self._copied[self._next] is not None:
+            self._copied[self._next].synchronize()  # its previous copy to the device has run
+        h = self.stages[self._next].numpy()
+        head = h[:self.blocks_at].reshape(B, 4)
+        blocks = h[self.blocks_at:self.tokens_at].reshape(B, W)
+        toks = h[self.tokens_at:]
+        for r, (length, slot, blks, new) in enumerate(rows):
+            if len(new) != 1 or len(blks) > W:
+                raise ValueError(f"graph metadata: row {r} has {len(new)} new tokens and {len(blks)} blocks; a "
+                                 f"decode graph takes 1 token and at most {W} blocks per request")
+            head[r] = (length, 1, slot, len(blks))
+            blocks[r, :len(blks)] = blks
+            toks[r] = new[0]
+        if n < B:
+            head[n:] = (0, 1, self.scratch[1], 1)
+            blocks[n:, 0] = self.scratch[0]
+            toks[n:] = 0
+
+    def upload(self) -> None:
+        """Copy the buffer `write` just filled to the device (on the current stream, not waited for)."""
+        stage = self.stages[self._next]
+        if self.dev is not stage:
+            self.dev.copy_(stage, non_blocking=True)
+            self._copied[self._next] = torch.cuda.Event()
+            self._copied[self._next].record()
+        self._next = (self._next + 1) % len(self.stages)
+
+    def expand(self, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What the graph captures: one kernel expanding the device buffer into `out`."""
+        from codegen.triton.step_metadata import expand_step_metadata
+
+        return expand_step_metadata(self.dev, self.B, self.B, self.B * self.W, self.W, out=out, strided=True,
+                                    feed=self.feed)

@@ -158,10 +158,9 @@ class GraphedRuntime(ReferenceRuntime):
         if g.metadata is not None:
             g.metadata.write(rows)
             g.metadata.upload()
-            g.graph.replay()
         else:
             self._metadata_builder.build(rows, width=W, pad_to=B, scratch=self.scratch, out=g.inputs)
-            g.graph.replay()
+        g.graph.replay()
         for rid in chunks:
             self.requests[rid].length += 1
         self._last_outs = None

@@ -39,6 +39,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from .pinned import PinnedPair
 from .prefix_cache import PrefixCache, extend_hashes
 from .reference import PoolFull, ReferenceRuntime, RequestError
 from .sampling import Sampler, SamplingParams
@@ -95,10 +96,12 @@ class Engine:
         self.rt = runtime
         self.async_decode = bool(async_decode)
         self._inflight: _Inflight | None = None
-        self._pinned: list[torch.Tensor] = []  # two pinned id buffers, alternating between steps in flight
+        n = len(runtime.token_feed) if getattr(runtime, "token_feed", None) is not None else len(runtime.free_slots)
+        dev = getattr(runtime, "device", "cpu")
+        # pinned buffers in turn: sampled ids to the host, sampling parameters and rows to the device
+        self._ids, self._params, self._rows = (PinnedPair(n, torch.int64, dev), PinnedPair(3 * n, torch.float32, dev),
+                                               PinnedPair(n, torch.int64, dev))
         self._greedy: torch.Tensor | None = None  # (temperature 0, top_p 1, u 0) rows kept on the device
-        self._param_stages: list = [None, None]   # two pinned (buffer, copied event) for sampling parameters
-        self._param_next = 0
         slots = len(runtime.free_slots)
         self.max_num_seqs = min(max_num_seqs or slots, slots)
         self.max_batched_tokens, self.prefill_chunk = max_batched_tokens, prefill_chunk
@@ -217,14 +220,9 @@ class Engine:
         self._draw(list(zip(seqs, range(len(seqs)))), logits, out=feed)
         if feed.device.type != "cuda":
             return _Inflight(seqs, feed.clone())
-        if not self._pinned or self._pinned[0].numel() < feed.numel():
-            self._pinned = [torch.empty(len(self.rt.token_feed), dtype=torch.int64, pin_memory=True) for _ in range(2)]
-        host = self._pinned[0][:len(seqs)]
-        self._pinned.reverse()  # the next step in flight copies into the other buffer
+        host = self._ids.take(len(seqs))  # the buffer of two steps ago: already read
         host.copy_(feed, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return _Inflight(seqs, host, done)
+        return _Inflight(seqs, host, self._ids.copied())
 
     def _chain(self) -> _Inflight | None:
         """Launch the next decode step of the requests in flight, fed by their pending ids, when nothing
@@ -372,14 +370,14 @@ class Engine:
         rows = [r for _, r in due]
         # nothing here may wait for the device (a pageable host->device copy would): the rows of a decode
         # step are its first n, and the sampling parameters travel through pinned buffers
-        x = logits[:n] if rows == list(range(n)) else logits.index_select(0, self._to_device([rows], dev, torch.int64)[0])
+        x = logits[:n] if rows == list(range(n)) else logits.index_select(0, self._to_device(self._rows, [rows], dev)[0])
         if all(s.params.temperature == 0 for s, _ in due):
             t, p, u = self._greedy_params(n, dev)
         else:
             u = [float(torch.rand((), generator=s.sampler.generator)) if s.params.temperature > 0 else 0.0
                  for s, _ in due]
-            t, p, u = self._to_device([[s.params.temperature for s, _ in due], [s.params.top_p for s, _ in due], u],
-                                      dev, torch.float32)
+            t, p, u = self._to_device(self._params, [[s.params.temperature for s, _ in due],
+                                                     [s.params.top_p for s, _ in due], u], dev)
         return sample_tokens(x, t, p, u, check=False, out=out)
 
     def _greedy_params(self, n: int, dev) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -389,23 +387,16 @@ class Engine:
             c = self._greedy = torch.tensor([[0.0], [1.0], [0.0]], device=dev).repeat(1, max(n, len(self.rt.token_feed)))
         return c[0, :n], c[1, :n], c[2, :n]
 
-    def _to_device(self, table: list[list], dev, dtype) -> torch.Tensor:
-        """A small host table on the device by an asynchronous copy out of one of two pinned buffers (the
-        one used two calls ago has been copied: an event guards it)."""
-        host = torch.tensor(table, dtype=dtype)
+    @staticmethod
+    def _to_device(pair: PinnedPair, table: list[list], dev) -> torch.Tensor:
+        """A small host table on the device by an asynchronous copy out of `pair`'s next pinned buffer."""
+        host = torch.tensor(table, dtype=pair.bufs[0].dtype)
         if dev.type != "cuda":
             return host.to(dev)
-        k = self._param_next
-        if self._param_stages[k] is not None:
-            buf, done = self._param_stages[k]
-            done.synchronize()  # its last copy has run
-        if self._param_stages[k] is None or buf.numel() < host.numel() or buf.dtype != dtype:
-            buf = torch.empty(max(host.numel(), 1024), dtype=dtype, pin_memory=True)
-        buf[:host.numel()].copy_(host.flatten())
-        out = buf[:host.numel()].view(host.shape).to(dev, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        self._param_stages[k], self._param_next = (buf, done), 1 - k
+        buf = pair.take(host.numel()).view(host.shape)
+        buf.copy_(host)
+        out = buf.to(dev, non_blocking=True)
+        pair.copied()
         return out
 
     def _emit_all(self, picked: list[tuple[_Seq, int]]) -> list[RequestOutput]:

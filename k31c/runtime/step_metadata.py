@@ -28,6 +28,8 @@ from typing import Mapping, Sequence
 
 import torch
 
+from .pinned import PinnedPair
+
 Row = tuple[int, int, list[int], list[int]]  # (cached length, state slot, block ids, new tokens)
 
 
@@ -157,7 +159,7 @@ class GraphMetadata:
     `expand`, the graph's first node, expands that buffer into the graph's static inputs. The device
     buffer is ordered by the stream (the copy for a step runs after the previous replay has read it); a
     pinned buffer is rewritten only after its last copy has run (an event each), so the host can prepare
-    step N+1 while step N runs."""
+    step N+1 while step N runs (`pinned.PinnedPair`)."""
 
     def __init__(self, batch: int, width: int, scratch: tuple[int, int], device, feed: torch.Tensor | None = None):
         from codegen.triton.step_metadata import HEADER
@@ -166,11 +168,9 @@ class GraphMetadata:
         self.blocks_at = HEADER * self.B
         self.tokens_at = self.blocks_at + self.B * self.W
         n = self.tokens_at + self.B
-        cuda = torch.device(device).type == "cuda"
-        self.stages = [torch.empty(n, dtype=torch.int32, pin_memory=cuda) for _ in range(2 if cuda else 1)]
-        self.dev = torch.empty(n, dtype=torch.int32, device=device) if cuda else self.stages[0]
-        self._copied: list = [None] * len(self.stages)  # event after each pinned buffer's last copy
-        self._next = 0
+        self.stages = PinnedPair(n, torch.int32, device)
+        self.dev = torch.empty(n, dtype=torch.int32, device=device) if self.stages.cuda else self.stages.bufs[0]
+        self._stage = None
         self.write([])  # every row a padding row: what the warm-up and the capture run on
         self.upload()
 
@@ -180,9 +180,8 @@ class GraphMetadata:
         n, B, W = len(rows), self.B, self.W
         if n > B:
             raise ValueError(f"graph metadata: {n} requests do not fit the batch bucket {B}")
-        if self._copied[self._next] is not None:
-            self._copied[self._next].synchronize()  # its previous copy to the device has run
-        h = self.stages[self._next].numpy()
+        self._stage = self.stages.take(self.dev.numel())
+        h = self._stage.numpy()
         head = h[:self.blocks_at].reshape(B, 4)
         blocks = h[self.blocks_at:self.tokens_at].reshape(B, W)
         toks = h[self.tokens_at:]
@@ -200,12 +199,9 @@ class GraphMetadata:
 
     def upload(self) -> None:
         """Copy the buffer `write` just filled to the device (on the current stream, not waited for)."""
-        stage = self.stages[self._next]
-        if self.dev is not stage:
-            self.dev.copy_(stage, non_blocking=True)
-            self._copied[self._next] = torch.cuda.Event()
-            self._copied[self._next].record()
-        self._next = (self._next + 1) % len(self.stages)
+        if self.stages.cuda:
+            self.dev.copy_(self._stage, non_blocking=True)
+        self.stages.copied()
 
     def expand(self, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """What the graph captures: one kernel expanding the device buffer into `out`."""

@@ -365,8 +365,10 @@ def _finish(problem, study, space, env, heur_ok, seen, final_repeats, timeout_s,
             with Deadline(timeout_s, f"{fam} finalist {canonical_json(c)}"):
                 ts, how = measure(problem, c, final_repeats)
                 remeasured.append((statistics.median(ts), ts, c, how))
-        except (CandidateTimeout, RuntimeError) as e:
-            notes.append(f"finalist {canonical_json(c)} failed its re-measurement: {e}")
+        except Exception as e:  # a time-out may reach here wrapped (the interpreter re-raises it as its own error)
+            if not (_timeout_in(e) or isinstance(e, RuntimeError)):
+                raise
+            notes.append(f"finalist {canonical_json(c)} failed its re-measurement: {_timeout_in(e) or e}")
     if not remeasured:
         raise RuntimeError(f"{fam} {canonical_json(problem.bucket)}: every finalist failed its re-measurement")
     med, times, best, how = min(remeasured, key=lambda r: r[0])

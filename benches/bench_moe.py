@@ -3,14 +3,14 @@
 Emits one JSON document (stdout and $OUT/moe.json, rewritten after every section so a timeout keeps
 what was measured). Sections: ceilings measured in the same run (HBM read, copy, bf16 and fp8 matmul
 8192³); router (112 experts, T=1 top-2, T=8 top-2, T=64 top-16, graph replay: session 5's config vs the
-heuristic's); decode (ℓ=3584, I=3072, MXFP4, 112 experts; T=1 top-2, the rank preset's step, T=8 top-2,
-its batch 8, and T=64 top-16): the whole moe_experts op under CUDA-graph replay (several distinct
-routings per graph, so T=1's 35 MB of routed experts do not stay in L2), the previous paths (session 3:
-three-kernel permutation, unsplit K; session 5: split-K 4) vs the heuristic's (the dot-free path at
-T=1 and 8) vs a sweep of the dot-free path's tiles and grouped variants, one empty launch (the graph's
-per-launch floor), as the routed experts' weight bytes over the measured copy bandwidth
-(floor) and over the read bandwidth, plus the permutation alone both ways and a torch._grouped_mm
-peer on bf16 weights (eager); prefill (T=8192) as TFLOP/s over the measured bf16 and fp8 ceilings; the whole
+heuristic's, PDL launches on and off); decode (ℓ=3584, I=3072, MXFP4, 112 experts; T=1 top-2, the rank
+preset's step, T=8 top-2, its batch 8, and T=64 top-16): the whole moe_experts op under CUDA-graph replay
+(several distinct routings per graph, so T=1's 35 MB of routed experts do not stay in L2), the session-3
+grouped path vs the heuristic's (the per-pair GV=2 kernels at T=1 and 8; PDL on, its graph replay checked
+bitwise against eager, and PDL off) vs a sweep of per-pair tiles incl. session 6's configurations, the
+best again with PDL off and bitwise-checked, one empty launch (the graph's per-launch floor), as the
+routed experts' weight bytes over the measured copy bandwidth (floor) and over the read bandwidth, plus
+a torch._grouped_mm peer on bf16 weights (eager); prefill (T=8192) as TFLOP/s over the measured bf16 and fp8 ceilings; the whole
 MoE layer (d=7168, 2 shared experts) vs the reference layer written inline here, in torch eager and
 torch.compile, plus a torch._grouped_mm peer. Every kernel variant is checked against an fp32
 reference on bf16-exact weights before it is timed.
@@ -29,59 +29,17 @@ torch.compile peer (the reference layer's took 76 s at T=64) or prefill variant 
 from __future__ import annotations
 
 import json
-import os
 import platform
 import sys
 import time
 
 import torch
-from _report import BenchReport, median_ms, graph_ms as graph_ms_of  # benches/_report.py (the script's folder is on sys.path)
-
-if not torch.cuda.is_available():  # the interpreter must be chosen before triton is imported
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from codegen.triton import moe_grouped_gemm as gg  # noqa: E402
-from codegen.triton import moe_router as mr  # noqa: E402
-from codegen.triton import moe_tail as mt  # noqa: E402
-from ir.packed import PackedMXFP4  # noqa: E402
-
-# MOE_BENCH_TINY=1: toy shapes on the CPU (interpreter) to dry-run this script's logic before the GPU call
-TINY = os.environ.get("MOE_BENCH_TINY") == "1"
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-E, K, ELL, INTER, D, SHARED_I = (8, 2, 64, 64, 64, 128) if TINY else (112, 16, 3584, 3072, 7168, 2 * 3072)
-T_DECODE, T_PREFILL = (8, 64) if TINY else (64, 8192)
-ACT = torch.float32 if TINY else torch.bfloat16   # the interpreter computes bf16 wrongly (TOOLCHAIN.md)
-B1, B2, EPS = 4.0, 25.0, 1e-5
-# sections run in the order given (ceilings and weights always first); the layer at the token counts given
-SECTIONS = os.environ.get("MOE_BENCH_SECTIONS", "router,decode,prefill,layer").split(",")
-LAYER_T = [int(t) for t in os.environ.get("MOE_BENCH_LAYER_T", "").split(",") if t]
-WIDE_SWEEP = os.environ.get("MOE_BENCH_SWEEP") == "wide"
-COMPILE_DEADLINE, PREFILL_DEADLINE, DECODE_DEADLINE = (600, 400, 300) if WIDE_SWEEP else (260, 190, 110)
-COMPILE_DEADLINE, PREFILL_DEADLINE, DECODE_DEADLINE = (
-    float(os.environ.get(f"MOE_BENCH_{n}_DEADLINE", v)) for n, v in
-    (("COMPILE", COMPILE_DEADLINE), ("PREFILL", PREFILL_DEADLINE), ("DECODE", DECODE_DEADLINE)))
-REPORT = BenchReport("moe")
-DOC, save, section = REPORT.doc, REPORT.save, REPORT.section
-
-
-def ms(fn, rep=150):
-    return median_ms(fn, DEV, rep)
-
-
-def rel_err(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item() if torch.isfinite(a).all() else float("inf")
-
-
-def record(name, t_ms, **kw):
-    m = {"name": name, "median_ms": round(t_ms, 5), **kw}
-    DOC["measurements"].append(m)
-    print(json.dumps(m, default=str), flush=True)
-    save()
-    return m
+from _moe_common import (ACT, B1, B2, COMPILE_DEADLINE, D, DEV, DOC, E, ELL, EPS, INTER, K, LAYER_T,  # noqa: E402
+                         PREFILL_DEADLINE, REPORT, SECTIONS, SHARED_I, T_DECODE, T_PREFILL, TINY, W, WIDE_SWEEP,
+                         PackedMXFP4, _cfg, gg, graph_ms, mr, ms, mt, mx_bytes, pdl_mod, rand_mx, record, ref_experts,
+                         rel_err, routing, save, section, situ_glu, tl, to_bf16, triton)
+from _moe_decode import (DECODE_SHAPES, DECODE_VARIANTS, GEMV_SWEEP, PREVIOUS, decode_case,  # noqa: E402
+                         decode_side_measurements, decode_variant, launch_floor, summarize_decode, wide_check)
 
 
 # ------------------------------------------------------------------------------------- ceilings
@@ -119,38 +77,6 @@ def ceilings():
 
 
 # ----------------------------------------------------------------------------------------- data
-def rand_mx(g, n, k):
-    q = torch.randint(0, 256, (E, n, k // 2), generator=g, device=DEV, dtype=torch.uint8)
-    s = torch.randint(119, 122, (E, n, k // 32), generator=g, device=DEV, dtype=torch.uint8)
-    return PackedMXFP4(q, s)
-
-
-def to_bf16(w: PackedMXFP4):
-    out = torch.empty(w.shape, device=DEV, dtype=ACT)
-    for e in range(0, E, 8):
-        out[e:e + 8] = PackedMXFP4(w.packed[e:e + 8], w.scales[e:e + 8]).dequantize(ACT)
-    return out
-
-
-def mx_bytes(w: PackedMXFP4, experts: int) -> int:
-    return w.nbytes // E * experts
-
-
-def routing(g, T):
-    logits = torch.randn(T, E, generator=g, device=DEV)
-    bias = torch.randn(E, generator=g, device=DEV) * 0.1
-    return mr.router(logits, bias, K, "sigmoid", True, 1.0)
-
-
-def ref_experts(z, w, ids, w1, w2, w3):
-    """fp32 reference of moe_experts on bf16-exact weights (the MXFP4 values are exact in bf16)."""
-    from ir.ref.moe import moe_experts
-    return moe_experts(z.float(), w, ids, w1, w2, w3, "situ", B1, B2)
-
-
-W = {}
-
-
 @section
 def make_weights():
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -160,10 +86,6 @@ def make_weights():
 
 
 # --------------------------------------------------------------------------------------- decode
-def _cfg(bm, bn, bk, warps, stages, bn2=None, bk2=None, pf=0, sl=0):
-    return dict(BM=bm, BN=bn, BK=bk, BN2=bn2 or bn, BK2=bk2 or bk, num_warps=warps, num_stages=stages, PF=pf, SL=sl)
-
-
 PREFILL_CFGS = [(_cfg(128, 64, 64, 4, 3, 128), ("asm", "asm16")), (_cfg(128, 64, 64, 4, 3, 128, sl=1), ("asm",)),
                 (_cfg(128, 128, 64, 8, 3), ("asm16",))]
 if WIDE_SWEEP:
@@ -219,200 +141,31 @@ def prefill_floor(t, wbytes):
             "ratio_vs_bf16_matmul": round(tf / c.get("bf16_matmul_TFLOPs", float("nan")), 3),
             "ratio_vs_fp8_matmul": round(tf / c.get("fp8_matmul_TFLOPs", float("nan")), 3)}
 
-
-def wide_check(z, w, ids, cfg, tag=""):
-    """Scale bytes above 128 switch the bf16 decodes to an extra multiply (WIDE): check it once."""
-    sc = [x.scales.clone() for x in (W["w1"], W["w2"], W["w3"])]
-    for s in sc:
-        s[:, ::7, ::3] += 9                               # some block scales 2^1 .. 2^3
-    w1, w2, w3 = (PackedMXFP4(x.packed, s) for x, s in zip((W["w1"], W["w2"], W["w3"]), sc))
-    exp = ref_experts(z, w, ids, *(to_bf16(x) for x in (w1, w2, w3)))
-    deqs = ("asm", "asm16", "bytes16") if DEV == "cuda" else ("bytes", "bytes16")
-    for deq in deqs if cfg.get("PATH") != "gemv" else deqs[:1]:     # the dot-free path has one decode
-        try:
-            err = rel_err(gg.moe_experts(z, w, ids, w1, w2, w3, "situ", B1, B2, {**cfg, "DEQ": deq}), exp)
-            DOC["measurements"].append({"name": f"decode_{tag}wide_scales_check_{deq}", "rel_err": err,
-                                        "ok": err < 2e-2, "path": cfg.get("PATH")})
-        except Exception as e:
-            DOC["errors"].append({"section": f"wide_check_{deq}", "error": f"{type(e).__name__}: {str(e)[:300]}"})
-
-
-# decode, (T, top-k): the rank preset's step (1 token, top-2; batch 8) and issue 5's (64 tokens, top-16)
-DECODE_SHAPES = ((1, 2), (8, 2)) if TINY else ((1, 2), (8, 2), (T_DECODE, K))
-if os.environ.get("MOE_BENCH_DECODE_SHAPES"):     # e.g. "1x2,8x2": a subset, in that order
-    DECODE_SHAPES = tuple(tuple(int(v) for v in sk.split("x")) for sk in os.environ["MOE_BENCH_DECODE_SHAPES"].split(","))
-# the session-3 decode config (1.14 ms at T=64): one program per (tile, column block), K unsplit, grouped
-PREVIOUS = {**_cfg(16, 64, 128, 2, 3, sl=1), "DEQ": "asm16", "GROUP_M": 8, "SPLIT": 1, "PATH": "grouped"}
-# session 5's heuristic at T=1 (44.7 us): the grouped path with K split 4 ways
-PREVIOUS_S5 = {(1, 2): {**PREVIOUS, "SPLIT": 4}, (8, 2): {**PREVIOUS, "SPLIT": 4}}
-DECODE_VARIANTS = {      # (T, k) -> named overrides of the heuristic's config, timed after every shape's base
-    # H200 2026-11-29 (session 5, graph replay): T=64 MAXNREG 168 1.109 ms vs 1.161, 128 1.365, BK 64 4 stages
-    # 1.142, 4-warp wgmma 1.456, PF 1.196, 2 stages 1.169. Session 6: the dot-free path at T=1 and 8 (GEMV_SWEEP)
-    (1, 2): {},
-    (64, 16): {"no_maxnreg": {"MAXNREG": 0}, "bk64_s4": {"BK": 64, "BK2": 64, "num_stages": 4}},
-}
-def _gemv(gn, gk, warps, stages=1, mma=0, gasm=1, **more):
-    return {"PATH": "gemv", "GN": gn, "GK": gk, "GN2": more.pop("GN2", gn), "GK2": gk, "num_warps": warps,
-            "num_stages": stages, "GMMA": mma, "GASM": gasm, **more}
-
-
-GEMV_SWEEP = {           # per-pair path tiles: rows GN (GN2 down's), K columns a step GK, warps (GW2: down's), stages
-    # H200 session 6 (T=1 / T=8 top-2, us): ffma_gn16_gk512 51.6 / 298, ffma_triton_decode 50.5 / 288,
-    # ffma_gn8_gk1024 39.0 / 220, ffma_gn16_gk1024_w8 74.8 / 507, ffma_gn8_gk2048_w8 42.3 / 277, ffma_gn32_gk256
-    # 60.0 / 226, mma_gn16_w1_gk128_s4 51.3 / 185, mma_gn16_w1_gk256_s3 52.0 / 198, mma_gn32_w2_gk128_s4
-    # 55.8 / 201, mma_gn64_w4_gk128_s4_down16 67.5 / 229, mma_gn16_w1_gk128_s6 51.0 / 217
-    # FFMA inner product (registers hold the bytes in flight: GN·GK <= 2048·warps keeps <= 128 registers)
-    "ffma_gn16_gk512": _gemv(16, 512, 4), "ffma_triton_decode": _gemv(16, 512, 4, gasm=0),
-    "ffma_gn8_gk1024": _gemv(8, 1024, 4), "ffma_gn8_gk1024_triton_decode": _gemv(8, 1024, 4, gasm=0),
-    "ffma_gn16_gk1024_w8": _gemv(16, 1024, 8), "ffma_gn8_gk2048_w8": _gemv(8, 2048, 8),
-    "ffma_gn32_gk256": _gemv(32, 256, 4), "ffma_gn4_gk2048": _gemv(4, 2048, 4),
-    # (not measured yet) GPROG programs striding over the tiles: one balanced wave at the register limit
-    "ffma_gn8_gk1024_p528": _gemv(8, 1024, 4, GPROG=528), "ffma_gn4_gk1024_p1056": _gemv(4, 1024, 4, GPROG=1056),
-    # MMA inner product (cp.async stages hold the bytes in flight)
-    "mma_gn16_w1_gk128_s4": _gemv(16, 128, 1, 4, 1), "mma_gn16_w1_gk256_s3": _gemv(16, 256, 1, 3, 1),
-    "mma_gn32_w2_gk128_s4": _gemv(32, 128, 2, 4, 1), "mma_gn16_w1_gk128_s6": _gemv(16, 128, 1, 6, 1),
-    "mma_gn64_w4_gk128_s4_down16": _gemv(64, 128, 4, 4, 1, GN2=16, GW2=1),
-}
-if DEV != "cuda":
-    PREVIOUS = {**PREVIOUS, "DEQ": "bytes16", "BK": 64, "BK2": 64}
-    PREVIOUS_S5 = {sk: {**PREVIOUS, "SPLIT": 2} for sk in PREVIOUS_S5}
-    DECODE_VARIANTS = {(8, 2): {"split2_bytes16": {"SPLIT": 2, "DEQ": "bytes16", "PATH": "grouped"}}}
-    GEMV_SWEEP = {"ffma_gk32": _gemv(16, 32, 4, gasm=0), "mma_gk64": _gemv(16, 64, 4, mma=1, gasm=0)}
-
-
-def graph_ms(calls, reps=30):
-    """Device time per call: one CUDA graph holding every call of `calls` (distinct routings, so the
-    routed experts of a T=1 step, 35 MB, are not served from the 50 MB L2 by the previous replay),
-    replayed `reps` times; the median replay over len(calls). CPU: one timed pass."""
-    if DEV != "cuda":
-        return median_ms(lambda: [c() for c in calls], DEV) / len(calls)
-    return graph_ms_of(calls, reps)
-
-
-def decode_routings(T, k, n):
-    """n routings of T tokens (z, w, ids): T=1 routes call i to experts k·i .. k·i+k-1 (disjoint, so the
-    graph's calls read distinct weights); otherwise the router on random logits."""
-    g = torch.Generator(device=DEV).manual_seed(100 * T + k)
-    out = []
-    for i in range(n):
-        z = torch.randn(T, ELL, generator=g, device=DEV).to(ACT)
-        if T == 1:
-            ids = (torch.arange(k, device=DEV) + k * i).remainder(E).view(1, k)
-            w = torch.rand(1, k, generator=g, device=DEV) + 0.1
-            out.append((z, w / w.sum(), ids))
-        else:
-            logits = torch.randn(T, E, generator=g, device=DEV)
-            out.append((z, *mr.router(logits, torch.randn(E, generator=g, device=DEV) * 0.1, k, "sigmoid", True, 1.0)))
-    return out
-
-
-def peer_grouped_mm(z, w, ids, w1, w2, w3):
-    """torch eager peer on bf16 weights: permutation by argsort, torch._grouped_mm per expert segment."""
-    k = ids.shape[1]
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
-    x = z[order // k]
-    h = situ_glu(torch._grouped_mm(x, w1.transpose(1, 2), offs=offs), torch._grouped_mm(x, w3.transpose(1, 2), offs=offs))
-    o = torch.empty_like(x)
-    o[order] = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
-    return (w.unsqueeze(-1) * o.view(*ids.shape, ELL).float()).sum(1)
-
-
-def decode_variant(T, k, name, cfg, case, fused_max=None):
-    """Check the whole op against the reference, time it under graph replay, record; -> (ms, ok) | None."""
-    calls, exp, wbytes, floor_ms, live = case
-    tag = f"decode_T{T}_k{k}_{name}"
-    if time.time() - REPORT.t0 > DECODE_DEADLINE:
-        DOC["notes"].append(f"{tag} skipped: time budget")
-        return None
-    keep = mr.FUSED_MAX_PAIRS
-    try:
-        if fused_max is not None:
-            mr.FUSED_MAX_PAIRS = fused_max          # the previous path: count/scan/scatter
-        op = lambda z, w, ids: gg.moe_experts(z, w, ids, W["w1"], W["w2"], W["w3"], "situ", B1, B2, cfg)  # noqa: E731
-        err = rel_err(op(*calls[0]), exp)
-        t = graph_ms([lambda a=a: op(*a) for a in calls])
-    except Exception as e:
-        DOC["errors"].append({"section": tag, "config": cfg, "error": f"{type(e).__name__}: {str(e)[:500]}"})
-        print(f"!! {tag}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-        return None
-    finally:
-        mr.FUSED_MAX_PAIRS = keep
-    bw = wbytes / t / 1e9
-    prev = DOC.setdefault("decode_previous_ms", {}).get(f"T{T}_k{k}")
-    m = record(tag, t, config=cfg, rel_err=err, ok=err < 2e-2, live_experts=live, weight_bytes=int(wbytes),
-               floor_ms=round(floor_ms, 5), ratio_vs_floor=round(t / floor_ms, 2), TBps=round(bw, 3),
-               ratio_vs_read_bw=round(bw / DOC["ceilings"]["read_TBps"], 3),
-               speedup_vs_previous=round(prev / t, 2) if prev else None,
-               speedup_vs_s5=round(DOC.get("decode_previous_s5_ms", {}).get(f"T{T}_k{k}", float("nan")) / t, 2),
-               timing="cuda graph, distinct routings")
-    if name == "previous":
-        DOC["decode_previous_ms"][f"T{T}_k{k}"] = t
-    elif name == "previous_s5_split":
-        DOC.setdefault("decode_previous_s5_ms", {})[f"T{T}_k{k}"] = t
-    elif m["ok"]:
-        best = DOC.setdefault("decode_best", {}).get(f"T{T}_k{k}")
-        if best is None or t < best["ms"]:
-            DOC["decode_best"][f"T{T}_k{k}"] = {"name": name, "ms": t, "config": cfg}
-    return t, m["ok"]
-
-
-def decode_case(T, k):
-    calls = decode_routings(T, k, 8 if T == 1 else 2)
-    z, w, ids = calls[0]
-    exp = ref_experts(z, w, ids, W["w1_bf16"], W["w2_bf16"], W["w3_bf16"])
-    live = sum(int(torch.unique(i).numel()) for _, _, i in calls) / len(calls)
-    wbytes = live * sum(mx_bytes(W[n], 1) for n in ("w1", "w2", "w3"))
-    return calls, exp, wbytes, wbytes / (DOC["ceilings"]["copy_TBps_read_plus_write"] * 1e9), live
-
-
-def decode_side_measurements(T, k, case):
-    """The permutation alone (three kernels vs one program) and a torch._grouped_mm peer on bf16 weights."""
-    calls, exp, _, floor_ms, live = case
-    for fused in (False, True):
-        try:
-            record(f"decode_T{T}_k{k}_permute_{'one_program' if fused else 'three_kernels'}",
-                   graph_ms([lambda i=i: mr.permute_tokens(i, E, fused=fused) for _, _, i in calls]))
-        except Exception as e:
-            DOC["errors"].append({"section": f"permute_T{T}", "error": f"{type(e).__name__}: {str(e)[:300]}"})
-    try:
-        wb = (W["w1_bf16"], W["w2_bf16"], W["w3_bf16"])
-        err = rel_err(peer_grouped_mm(*calls[0], *wb), exp)
-        # eager: the offsets of torch._grouped_mm pass through the host, so the peer cannot be captured
-        t, how = ms(lambda: [peer_grouped_mm(*a, *wb) for a in calls]) / len(calls), "eager (do_bench)"
-        best = DOC.get("decode_best", {}).get(f"T{T}_k{k}")
-        record(f"decode_T{T}_k{k}_peer_torch_grouped_mm_bf16", t, rel_err=err, ok=err < 2e-2, timing=how,
-               weight_bytes=int(live * 3 * ELL * INTER * 2), ratio_vs_floor=round(t / floor_ms, 2),
-               speedup_of_best=round(t / best["ms"], 2) if best else None)
-    except Exception as e:
-        DOC["errors"].append({"section": f"peer_T{T}", "error": f"{type(e).__name__}: {str(e)[:300]}"})
-
-
 @section
 def decode():
     """Per shape: the whole moe_experts op (gemv: 2 launches; grouped: permutation, gate-up, down, combine)
-    under CUDA-graph replay, checked against the fp32 reference first. Every shape's previous paths
-    (session 3: 3-kernel permutation, unsplit K; session 5: split 4) and the heuristic's first, then the
-    launch floor, the permutation and the peer, then the dot-free tile sweep and the variants."""
+    under CUDA-graph replay, checked against the fp32 reference first: the session-3 path, the heuristic's
+    (PDL on, graph replay checked bitwise against eager, and PDL off), then the launch floor, the per-pair
+    sweep (session 6's configs and the GV=2 variants), the best with PDL off and its bitwise check, the peer."""
     cases = {sk: decode_case(*sk) for sk in DECODE_SHAPES}
     heur = {}
     for (T, k), case in cases.items():
         heur[T, k] = gg.heuristic(gg.bucket(gg._key(T, E, k, ELL, INTER, True, ACT, {})),
                                   "h200" if DEV == "cuda" else None)
         decode_variant(T, k, "previous", PREVIOUS, case, fused_max=0)
-        if (T, k) in PREVIOUS_S5:
-            decode_variant(T, k, "previous_s5_split", PREVIOUS_S5[T, k], case)
-        decode_variant(T, k, "heuristic", heur[T, k], case)
-        if heur[T, k]["PATH"] != "gemv" and T * k <= 16:
-            decode_variant(T, k, "gemv", {**heur[T, k], **gg.GEMV_FFMA, "PATH": "gemv"}, case)
+        decode_variant(T, k, "heuristic", heur[T, k], case, bitwise=True)
+        decode_variant(T, k, "heuristic_pdl_off", heur[T, k], case, pdl=False)
     launch_floor()
     for (T, k), case in cases.items():
-        if T * k <= 16:
-            for name, over in GEMV_SWEEP.items():
-                decode_variant(T, k, "gemv_" + name, {**heur[T, k], **over}, case)
+        for name, over in GEMV_SWEEP.get((T, k), {}).items():
+            decode_variant(T, k, "gemv_" + name, {**heur[T, k], **over}, case)
         for name, over in DECODE_VARIANTS.get((T, k), {}).items():
             decode_variant(T, k, name, {**heur[T, k], **over}, case)
+    for (T, k), case in cases.items():
+        best = DOC.get("decode_best", {}).get(f"T{T}_k{k}")
+        if best and best["config"] != heur[T, k]:
+            decode_variant(T, k, "best_pdl_off", best["config"], case, pdl=False)
+            decode_variant(T, k, "best_again_bitwise", best["config"], case, bitwise=True)
     for (T, k), case in cases.items():
         decode_side_measurements(T, k, case)
     best = DOC.get("decode_best", {}).get(f"T{T_DECODE}_k{K}")
@@ -424,21 +177,7 @@ def decode():
     if best1:
         z, w, ids = cases[1, 2][0][0]
         wide_check(z, w, ids, best1["config"], "T1_")
-
-
-@triton.jit
-def _noop_kernel(x_ptr):
-    tl.store(x_ptr + tl.program_id(0), 1.0)
-
-
-def launch_floor():
-    """One empty-ish Triton launch per call under graph replay: the per-launch cost inside a graph."""
-    x = torch.zeros(1, device=DEV)
-    try:
-        record("graph_launch_floor_one_kernel", graph_ms([lambda: _noop_kernel[(1,)](x)] * 8))
-    except Exception as e:
-        DOC["errors"].append({"section": "launch_floor", "error": f"{type(e).__name__}: {str(e)[:300]}"})
-
+    summarize_decode()
 
 ROUTER_SHAPES = ((1, 2), (8, 2)) if TINY else ((1, 2), (64, 16), (8, 2))
 
@@ -454,8 +193,9 @@ def router():
                   for _ in range(8)]
         rw, rids = ref_router(*inputs[0], k, "sigmoid", True, 1.0)
         heur = mr._heuristic(mr._bucket({"T": T, "E": E, "K": k, "G": 1}))
-        for name, cfg in (("previous_cfg", {"BLOCK_T": 32, "num_warps": 4}), ("heuristic", heur),
-                          ("bt1_w2", {"BLOCK_T": 1, "num_warps": 2})):
+        for name, cfg, pdl in (("previous_cfg", {"BLOCK_T": 32, "num_warps": 4}, True), ("heuristic", heur, True),
+                               ("heuristic_pdl_off", heur, False)):
+            before = pdl_mod.set_enabled(pdl)
             try:
                 run = lambda lg, b: mr.router(lg, b, k, "sigmoid", True, 1.0, block_t=cfg["BLOCK_T"],  # noqa: E731
                                                 num_warps=cfg["num_warps"])
@@ -465,6 +205,8 @@ def router():
                        ok=ok, goal_ms=0.0025 if T == 1 else None, timing="cuda graph, 8 distinct inputs")
             except Exception as e:
                 DOC["errors"].append({"section": f"router_T{T}_{name}", "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            finally:
+                pdl_mod.set_enabled(before)
 
 
 @section
@@ -475,10 +217,6 @@ def prefill():
 
 
 # ---------------------------------------------------------------------------------- whole layer
-def situ_glu(a, u):
-    return B1 * torch.tanh(a / B1) * torch.sigmoid(a) * (B2 * torch.tanh(u / B2))
-
-
 def peer_router(logits, bias):
     s = torch.sigmoid(logits)
     ids = torch.sort(s + bias, dim=-1, descending=True, stable=True).indices[:, :K]
@@ -582,10 +320,10 @@ def main():
     DOC["total_s"] = round(time.time() - REPORT.t0, 1)
     print(save())
     for m in DOC["measurements"]:   # a short table on stderr, after the JSON document
-        keys = ("ratio_vs_floor", "TBps", "ratio_vs_read_bw", "speedup_vs_s5", "TFLOPs", "ratio_vs_bf16_matmul", "ratio_vs_fp8_matmul", "rel_err", "ok",
+        keys = ("ratio_vs_floor", "TBps", "ratio_vs_read_bw", "pdl", "graph_equals_eager", "TFLOPs", "ratio_vs_bf16_matmul", "ratio_vs_fp8_matmul", "rel_err", "ok",
                 "speedup_vs", "rel_err_vs_ours")
         cfg = m.get("config") or {}
-        keys = (("PATH", "GMMA", "GASM", "GN", "GK", "GN2", "GK2", "num_warps", "GW2", "num_stages", "GPROG")
+        keys = (("PATH", "GV", "GMMA", "GASM", "GN", "GK", "GN2", "GK2", "num_warps", "GW2", "num_stages", "PREF", "XV", "HX")
                 if cfg.get("PATH") == "gemv" else ("DEQ", "BM", "BN", "BK", "BN2", "BK2", "num_warps", "num_stages",
                                                    "SPLIT", "PF"))
         tag = "/".join(f"{k}={cfg[k]}" for k in keys if k in cfg)

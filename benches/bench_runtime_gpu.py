@@ -14,7 +14,9 @@ Measured (one JSON document, stdout and $OUT/runtime_gpu.json, saved after every
   embedding row per token, the expected share 1 - (1 - k/E)^batch of routed experts; cache read: every
   index key of the context and min(context, topk) latent rows per MLA layer; KDA state and conv tail read
   and written per KDA layer) / measured bandwidth;
-- graph replay vs eager logits on the same state (the capture check: pad rows, scratch, side stream);
+- graph replay vs eager logits on the same state (the capture check: pad rows, scratch, side stream), the
+  graph replayed --check-replays times against the eager step run with programmatic dependent launch off;
+- pdl: the decode graph's device time with programmatic dependent launch on and off (alternated twice);
 - prefill throughput at 8K and 32K tokens (one request);
 - peers on the same weights: the reference interpreter (torch eager) and torch.compile of it (strict
   compilation fails on the reference, DynamicOutputShapeException from the KDA reference's nonzero, so the
@@ -126,6 +128,11 @@ def step_bytes(rt, cfg, weights, batch: int, ctx: int) -> dict:
     return {"weight_bytes": int(w), "cache_bytes": int(cache), "total_bytes": int(w + cache)}
 
 
+# decode section variants: name -> (CUDA graphs, metadata kernel inside the graph, programmatic dependent launch)
+DECODE_VARIANTS = {"graphs": (True, True, True), "graphs_no_pdl": (True, True, False),
+                   "graphs_metadata_outside": (True, False, True), "eager": (False, True, True)}
+
+
 def time_ms(fn, n: int, device) -> list[float]:
     """Wall times (ms, host work included) of n calls of fn, each between device synchronisations."""
     out = []
@@ -140,17 +147,29 @@ def time_ms(fn, n: int, device) -> list[float]:
     return out
 
 
-def graph_and_eager(rt, toks, graphs: bool = True):
-    """(graph logits, eager logits) of one decode step: eagerly first, then the same step (KDA states
-    restored, lengths back) replayed from its CUDA graph (`graphs`; off the GPU both are eager)."""
+def graph_and_eager(rt, toks, graphs: bool = True, repeats: int = 1):
+    """(graph logits, eager logits) of one decode step: eagerly first, with programmatic dependent launch
+    off (`codegen/triton/_pdl.py`: plain stream order, the safe reference), then the same step (KDA states
+    restored, lengths back) replayed from its CUDA graph (`graphs`; off the GPU both are eager) `repeats`
+    times; with repeats > 1 the graph result is the list of every replay's logits (a race shows as a
+    replay that differs)."""
+    from codegen.triton import _pdl
+
     snap = {rid: rt.snapshot_state(rid) for rid in toks}
     rt.use_graphs = False
-    eager = rt.decode(toks)
-    for rid, st in snap.items():
-        rt.restore_state(rid, st)
-        rt.requests[rid].length -= 1
-    rt.use_graphs = graphs
-    return rt.decode(toks), eager
+    was = _pdl.set_enabled(False)
+    try:
+        eager = rt.decode(toks)
+    finally:
+        _pdl.set_enabled(was)
+    outs = []
+    for _ in range(repeats):
+        for rid, st in snap.items():
+            rt.restore_state(rid, st)
+            rt.requests[rid].length -= 1
+        rt.use_graphs = graphs
+        outs.append(rt.decode(toks).clone())
+    return (outs[0] if repeats == 1 else outs), eager
 
 
 def rel(a, b) -> float:
@@ -172,12 +191,17 @@ def main():
                     help="torch.compile attempts in order: strict (fails on the reference: the KDA reference's "
                          "nonzero has a data-dependent shape), suppress (failing frames run eagerly)")
     ap.add_argument("--sections", default="graph_check,decode,reference_peer,prefill,torch_compile_peer")
+    ap.add_argument("--decode-variants", default="graphs,graphs_no_pdl,eager",
+                    help=f"decode section variants, of {','.join(DECODE_VARIANTS)}")
+    ap.add_argument("--check-replays", type=int, default=20,
+                    help="graph_check: replays of the same step compared bitwise with the eager (PDL off) step")
     ap.add_argument("--records", default="device",
                     help="tuning store the compiled runs consult for buckets the artifact has no config for "
                          "('device': this machine's default store; 'none': the declared heuristics only)")
     args = ap.parse_args()
     import triton
 
+    from codegen.triton import _pdl
     from k31c.compiler import CompileOptions, build_options, compile_model
     from k31c.model.build import build_module
     from k31c.plan import plan_options
@@ -192,6 +216,10 @@ def main():
     doc["machine"] = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
                       "gpu": torch.cuda.get_device_name(0) if cuda else None}
     contexts = [int(c) for c in args.contexts.split(",")]
+    variants = [v for v in args.decode_variants.split(",") if v]
+    if set(variants) - set(DECODE_VARIANTS):
+        raise SystemExit(f"--decode-variants: unknown {sorted(set(variants) - set(DECODE_VARIANTS))}; "
+                         f"known: {', '.join(DECODE_VARIANTS)}")
     batches = [int(b) for b in args.batches.split(",")]
     if args.preset == "rank":
         cfg = rank_config()
@@ -269,9 +297,12 @@ def main():
         ctx, b = contexts[0], min(8, max(batches))
         rt = runtime(ctx, b)
         toks = {f"r{i}": (5 * i + 1) % cfg.vocab_size for i in range(b)}
-        graph, eager = graph_and_eager(rt, toks, graphs=cuda)
+        graphs, eager = graph_and_eager(rt, toks, graphs=cuda, repeats=args.check_replays)
+        graph = graphs[-1]
         doc["graph_check"] = {"context": ctx, "batch": b, "rel_err_graph_vs_eager": rel(graph, eager),
-                              "bitwise_equal": bool(torch.equal(graph, eager)), "runtime_stats": rt.stats(),
+                              "bitwise_equal": bool(torch.equal(graph, eager)), "replays": len(graphs),
+                              "replays_bitwise_equal": sum(bool(torch.equal(g_, eager)) for g_ in graphs),
+                              "pdl": _pdl.enabled(), "runtime_stats": rt.stats(),
                               "overlapped_nodes": rt.interp.stats()["overlapped_nodes"]}
         print(json.dumps(doc["graph_check"], default=str), flush=True)
 
@@ -283,20 +314,63 @@ def main():
                 continue
             rt = runtime(ctx, max(batches))
             for b in batches:
-                for name, g, in_graph in (("graphs", True, True), ("graphs_metadata_outside", True, False),
-                                          ("eager", False, True)):
-                    if not cuda and name == "graphs_metadata_outside":
+                for name in variants:
+                    g, in_graph, pdl = DECODE_VARIANTS[name]
+                    if not cuda and name != "eager":
                         continue
-                    if rt.metadata_in_graph != in_graph:  # the other prologue: recapture
+                    if rt.metadata_in_graph != in_graph or _pdl.enabled() != pdl:  # another prologue / launch kind
                         rt.metadata_in_graph = in_graph
+                        _pdl.set_enabled(pdl)
                         rt.drop_graphs()
                     rt.use_graphs = g and cuda
-                    measure(f"decode_compiled_{name}", rt, ctx, b, {"graphs": g and cuda, "metadata_in_graph": in_graph})
+                    measure(f"decode_compiled_{name}", rt, ctx, b,
+                            {"graphs": g and cuda, "metadata_in_graph": in_graph, "pdl": pdl})
+                _pdl.set_enabled(True)
             doc.setdefault("graph_stats", {})[str(ctx)] = rt.stats()
             doc.setdefault("kernel_stats", {})[str(ctx)] = rt.interp.stats()
             del rt
             if cuda:
                 torch.cuda.empty_cache()
+
+    def replay_us(rt, b, n=30):
+        """Median device time (µs, CUDA events) of n replays of the captured decode graph of batch b."""
+        toks = {f"r{i}": (7 * i + 3) % cfg.vocab_size for i in range(b)}
+        rt.replays.clear()
+        rt.decode(toks)  # captures the bucket's graph and fills its static inputs
+        (B, W), = rt.replays
+        g = rt.graphs[(B, W)]
+        out = []
+        for _ in range(n):
+            s_, e_ = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s_.record()
+            g.graph.replay()
+            e_.record()
+            e_.synchronize()
+            out.append(s_.elapsed_time(e_) * 1e3)
+        return sorted(out)[n // 2]
+
+    @rep.section
+    def pdl():
+        """Programmatic dependent launch on vs off (`codegen/triton/_pdl.py`): the device time of the same
+        decode graph captured each way, alternated twice per batch at the first context (drift shows as a
+        difference between the rounds)."""
+        if not cuda:
+            return doc["notes"].append("pdl: needs a cuda device (CUDA events, sm_90+)")
+        ctx = contexts[0]
+        rt = runtime(ctx, max(b for b in batches if b <= 8))
+        for b in [x for x in batches if x <= 8]:
+            for rnd in range(2):
+                for label, on in (("on", True), ("off", False)):
+                    _pdl.set_enabled(on)
+                    rt.drop_graphs()
+                    us = replay_us(rt, b)
+                    reset(rt, ctx)
+                    m = {"name": f"graph_replay_pdl_{label}", "context": ctx, "batch": b, "round": rnd, "replay_us": us}
+                    doc["measurements"].append(m)
+                    print(json.dumps(m), flush=True)
+        _pdl.set_enabled(True)
+        del rt
+        torch.cuda.empty_cache()
 
     @rep.section
     def nodes():
@@ -311,19 +385,9 @@ def main():
         rt = runtime(ctx, 8)
         eng = rt.interp
         for b in (1, 8):
-            toks = {f"r{i}": (7 * i + 3) % cfg.vocab_size for i in range(b)}
-            rt.replays.clear()
-            rt.decode(toks)  # captures the bucket's graph and fills its static inputs
+            replay = replay_us(rt, b)
             (B, W), = rt.replays
             g = rt.graphs[(B, W)]
-            replay = []
-            for _ in range(20):
-                s_, e_ = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s_.record()
-                g.graph.replay()
-                e_.record()
-                e_.synchronize()
-                replay.append(s_.elapsed_time(e_) * 1e3)
             eng.static_context = W * rt.block_size
             try:
                 rows, ahead = node_times(eng, lambda: eng.run("decode", {**g.inputs, **rt.pools}), head_start_ms=80)
@@ -331,7 +395,7 @@ def main():
                 eng.static_context = None
             reset(rt, ctx)
             doc.setdefault("nodes", {})[f"{ctx}_b{b}"] = {
-                "graph_replay_us": sorted(replay)[10], "host_ahead": ahead,
+                "graph_replay_us": replay, "host_ahead": ahead,
                 **summarize(rows, doc["ceilings"]["bandwidth_GBps"])}
         del rt, eng
         torch.cuda.empty_cache()
@@ -542,7 +606,7 @@ def main():
     bandwidth()
     build()
     if "art" in st:
-        sections = {"graph_check": graph_check, "decode": decode, "nodes": nodes, "host": host,
+        sections = {"graph_check": graph_check, "decode": decode, "pdl": pdl, "nodes": nodes, "host": host,
                     "engine_decode": engine_decode,
                     "reference_peer": reference_peer,
                     "prefill": prefill, "torch_compile_peer": torch_compile_peer}
@@ -557,8 +621,8 @@ def summary(doc):
     by = {(m["name"], m.get("context"), m.get("batch")): m for m in doc["measurements"] if "median_ms" in m}
     doc["summary"] = [{"context": c, "batch": b, "graphs_ms": m["median_ms"], "graphs_x_floor": m["x_floor"],
                        **{f"{p}_over_graphs": by[(p, c, b)]["median_ms"] / m["median_ms"] for p in
-                          ("decode_compiled_eager", "decode_compiled_graphs_metadata_outside", "decode_reference_eager",
-                           "decode_torch_compile") if (p, c, b) in by}}
+                          ("decode_compiled_eager", "decode_compiled_graphs_no_pdl", "decode_compiled_graphs_metadata_outside",
+                           "decode_reference_eager", "decode_torch_compile") if (p, c, b) in by}}
                       for (name, c, b), m in by.items() if name == "decode_compiled_graphs"]
     doc["goal"] = "batch-1 decode <= 1.25x byte floor and >= 1.5x faster than torch.compile"
 

@@ -40,6 +40,7 @@ PHASES: list[tuple[str, list[str]]] = [
         "latent_moe_tail",        # latent RMSNorm + cast + up-projection + shared-expert add
         "attn_res_fusion",        # prefix add + AttnRes mix + the following RMSNorm
         "kda_decode_fusion",      # decode/verify KDA: conv + gate + recurrence + gated RMSNorm
+        "glu_epilogue",           # FFN gate/up packed GEMM + its GLU activation (last: others look for packs)
     ]),
     ("memory", [
         "plan_cache_layout",      # T1: one packed row per block (MLA latent + key pages) + per-request KDA slot

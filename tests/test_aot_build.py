@@ -208,3 +208,25 @@ def test_runtime_hook_loads_stored_binaries_and_refuses_misses(stores, tmp_path)
     assert "no stored binary for codegen.triton._kda_common:_kda_gate_kernel" in out["miss"]
     assert out["stats2"]["refused"] == 1 and out["stats2"]["jit_compiles"] == 0
     assert not any(f.endswith((".cubin", ".ptx")) for _, _, fs in os.walk(tmp_path / "cache") for f in fs)
+
+
+@pytest.mark.parametrize("name", ["h200", "b200", "mi355x"])
+def test_pdl_is_built_in_for_cuda_sm90_and_later_only(stores, name):
+    """Programmatic dependent launch (codegen/triton/_pdl.py): for a CUDA sm_90+ build target the probe's
+    GEMM and decode GEMV are specialised with PDL=True and launch_pdl, and their PTX holds the grid dependency
+    wait and trigger; for gfx950 they are built without (no such launch on AMD)."""
+    import importlib
+
+    art, index = stores[name]
+    folder = arch_dir(art, TARGETS[name])
+    gemms = [k for k in index["kernels"] if k["name"] == "_gemm_kernel"]
+    assert len(gemms) == 2, [k["name"] for k in index["kernels"]]  # the tile GEMM and the one-row GEMV
+    mod, qual = gemms[0]["function"].split(":")
+    pdl_index = importlib.import_module(mod).__dict__[qual].arg_names.index("PDL")
+    cuda = name != "mi355x"
+    for k in gemms:
+        pdl = [v for i, v in k["constexprs"] if i == [pdl_index]]
+        assert pdl == [cuda], (name, pdl)
+        assert bool(k["options"].get("launch_pdl")) is cuda
+        asm = open(os.path.join(folder, k["key"], k["files"]["ptx" if cuda else "amdgcn"])).read()
+        assert ("griddepcontrol.wait" in asm and "griddepcontrol.launch_dependents" in asm) is cuda

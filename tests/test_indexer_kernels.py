@@ -1,7 +1,9 @@
 """Indexer scorer + exact top-k kernels (codegen/triton/indexer_topk.py) vs `ir/ref/indexer.py` and a
 float64 formula (CPU: Triton interpreter, fp32, tiny shapes). Selections are compared exactly with the
 reference (random data has no near-ties) and, independently, against float64 scores: every selected
-score >= the topk-th best - tol, every unselected <= it + tol, ascending, -1 padded."""
+score >= the topk-th best - tol, every unselected <= it + tol, ascending, -1 padded. The parallel
+pre-selection (FILTER) and threshold (SELECT) configs are tested in test_indexer_select_kernels.py, which
+imports this file's batch builders and checks."""
 
 from __future__ import annotations
 
@@ -273,6 +275,9 @@ def test_short_context_heuristic_takes_every_key():
     assert cfg["KT"] == cfg["BLOCK_N"] == 128 and cfg["SPLITS"] == 64
     long = heuristic({"T": 32, "L": 1 << 17, "K": 2048, "HI": 32, "DI": 128}, "h200")
     assert long["CAND"] == 1 and long["KT"] == default_kt_pairs(long["BLOCK_N"], 2048, 1 << 17) < long["BLOCK_N"]
+    # session 7 measurements: the pre-selection once a row holds > 4 x 2048 candidates, fp16 dots at long contexts
+    mid = heuristic({"T": 1, "L": 32768, "K": 2048, "HI": 32, "DI": 128}, "h200")
+    assert cfg["FILTER"] == 0 and mid["FILTER"] == 1 and mid["KT"] == 128 and long["FILTER"] == 1 and long["DOT"] == 3
 
 
 def test_heuristics_are_legal():
@@ -314,56 +319,6 @@ def test_block_view_pools_read_in_place(key_format):
         _run(bad, config=SMALL)
 
 
-# session 6: parallel pre-selection (FILTER: the merges run over the survivors of a 22-bit radix
-# pre-select), next tile in flight (PREFETCH), both with per-tile candidates (rescore: disjoint `ext`)
-FILTERED = [dict(PAIRS, FILTER=1, FILTER_PARTS=2, PREFETCH=1), dict(ALL_KEYS, FILTER=1, FILTER_PARTS=8),
-            dict(SMALL, FILTER=1, FILTER_PARTS=4, MERGE_TILE=16)]
-
-
-@pytest.mark.parametrize("cfg", FILTERED[:2], ids=["pairs_prefetch", "all_keys"])
-def test_filtered_merge_contexts_below_and_above_topk(cfg):
-    """Contexts below, at and above top-k (decode) and a ragged prefill: the pre-selected merge gives
-    exactly the reference's selection, positions and rows."""
-    b = _batch(30, [(5, 1), (16, 1), (17, 1), (90, 3), (150, 1)])
-    stats = {}
-    got = _run(b, config=cfg, stats=stats)
-    assert 0 < stats["filter_kept"] < stats["filter_candidates"], stats   # the pre-selection drops candidates
-    _check(got, b)
-    assert torch.equal(got, _reference(b))
-    rows = _run(b, config=cfg, output="rows")
-    assert rows.tolist() == [[paged_row(b["tbl"], b["bs"], int(r), s) if s >= 0 else -1 for s in row.tolist()]
-                             for r, row in zip(b["tr"], got)]
-
-
-@pytest.mark.parametrize("cfg", [FILTERED[2], dict(PAIRS, PREFETCH=1)], ids=["small_streamed", "prefetch"])
-def test_filtered_merge_overflow_and_ties(cfg):
-    """Clustered winners (tiles overflow and are rescored: their non-candidate keys join the survivors) and
-    exact ties across the boundary (the lower positions win) through the pre-selection."""
-    g = torch.Generator().manual_seed(31)
-    q = torch.randn(3, HI, DI, generator=g)
-    keys = torch.randn(3 + 200 + 5, DI, generator=g) * 0.1
-    keys[3 + 64: 3 + 96] = q[0].mean(0) * 3 + torch.randn(32, DI, generator=g) * 0.1
-    b = _batch(32, [(200, 3)], keys=keys, q=q)
-    stats = {}
-    got = _run(b, config=cfg, stats=stats)
-    assert stats["overflowed_rows"] > 0, stats
-    _check(got, b)
-    assert torch.equal(got, _reference(b))
-    distinct = torch.randint(-4, 5, (6, DI), generator=g).float()
-    tied = _batch(33, [(90, 2)], keys=distinct[torch.randint(0, 6, (3 + 90 + 5,), generator=g)],
-                  q=torch.randint(-4, 5, (2, HI, DI), generator=g).float())
-    got = _run(tied, config=cfg)
-    _check(got, tied, tol=0.0)
-    assert torch.equal(got, _reference(tied))
-
-
-def test_filtered_merge_mxfp4_keys():
-    b = _batch(34, [(9, 1), (60, 3), (140, 1)], key_format="mxfp4")
-    got = _run(b, config=FILTERED[0])
-    _check(got, b)
-    assert torch.equal(got, _reference(b))
-
-
 @pytest.mark.parametrize("dot", [0, 1, 3])
 def test_gpu_tensor_core_dots(dot):
     """GPU only (the interpreter scores in fp32): bf16 / fp16 dots (DOT 0 / 3, both exact for e4m3 codes)
@@ -378,3 +333,31 @@ def test_gpu_tensor_core_dots(dot):
     _check(got, b, topk=64, tol=1e-4 if dot == 1 else 1e-5)
     if dot != 1:
         assert torch.equal(got, _reference(b, topk=64))
+
+
+def test_every_kernel_of_both_families_keeps_the_pdl_contract():
+    """Source-level PDL contract (codegen/triton/_pdl.py) of every indexer / sparse MLA kernel: a `PDL` constexpr,
+    one wait (`pdl_enter` or `pdl_wait`) at the top level of the body before any store or atomic, and only weight
+    loads (the MLA absorb kernel's W_UK) before it; races themselves are checked on the GPU (the bench's graph
+    replays vs eager)."""
+    import inspect
+
+    from codegen.triton import (_indexer_tiles, _mla_combine, _mla_rows, _mla_tiles, _topk_parallel, _topk_select,
+                                mla_sparse)
+    kernels = [getattr(m, n) for m in (_indexer_tiles, _topk_select, _topk_parallel, _mla_rows, _mla_tiles, _mla_combine,
+                                       mla_sparse)
+               for n in dir(m) if n.endswith("_kernel") and n.startswith("_")]
+    assert len(kernels) >= 10, [k for k in kernels]
+    for k in kernels:
+        fn = getattr(k, "fn", k)
+        src = inspect.getsource(fn)
+        body = src[src.index('"""', src.index('"""') + 3) + 3:]   # after the docstring
+        name = fn.__name__
+        assert "PDL" in inspect.signature(fn).parameters, f"{name}: no PDL parameter"
+        waits = [line.strip() for line in body.splitlines() if line.startswith("    pdl_") and "launch" not in line]
+        assert waits in (["pdl_enter(PDL)"], ["pdl_wait(PDL)"]), f"{name}: one top-level wait, found {waits}"
+        first_wait = body.index(waits[0])
+        for op in ("tl.store(", "tl.atomic_add(", "_collect(", "_gather_ge("):
+            assert op not in body[:first_wait], f"{name}: {op} before the PDL wait"
+        before = [line.strip() for line in body[:first_wait].splitlines() if "tl.load(" in line]
+        assert all(line.startswith("w = tl.load(w_ptr") for line in before), f"{name}: loads before the wait {before}"

@@ -2,7 +2,8 @@
 Triton interpreter, fp32, tiny shapes: vs a float64 reference on random, skewed and empty-expert routing
 (dense and MXFP4 weights, the MXFP4 reference being the float64 dequantisation), foreign expert ids,
 every E2M1 code of the word decode, scale bytes far from 1, batch invariance, the heuristic's choice and
-the fall-back to the grouped path when packed bytes cannot be read as int32 words."""
+the fall-back to the grouped path when packed bytes cannot be read as int32 words; the GV=2 kernels (4-word
+scale groups, prefetch, fp32 word-major h, down split by slot with the in-launch combine) likewise."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import triton
 import triton.language as tl
 
 from codegen.registry import templates_for
+from codegen.triton._gemv import tile_counters
 from codegen.triton import _moe_gemv as gv
 from codegen.triton import moe_grouped_gemm as gg
 from ir.formats import quantize_mxfp4
@@ -79,6 +81,35 @@ def test_gemv_experts_vs_float64(case):
     assert_close_rel(y, _ref(z, w, ids, w1, w2, w3, act, b1, b2), 1e-5, f"gemv {case}")
 
 
+V2_CASES = [  # routing, T, k, act, GN, GK, GN2, GK2, PREF, XV, HX, warps: the GV=2 kernels (MXFP4 words only)
+    ("random", 1, 2, "situ", 4, 64, 8, 64, 1, 1, 1, 2),     # the T=1 heuristic's shape of tiles; I=96: K not tiled
+    ("skewed", 3, 3, "silu", 8, 32, 16, 32, 0, 0, 0, 4),    # several steps, no prefetch, 2-byte loads, bf16 h
+    ("empty", 2, 2, "situ", 16, 128, 4, 64, 1, 0, 1, 1),    # experts without tokens; GK halved to K
+    ("random", 2, 1, "situ", 8, 64, 8, 64, 1, 1, 1, 4),     # one slot: y stored without the in-launch combine
+]
+
+
+def _v2_cfg(gn, gk, gn2, gk2, pref, xv, hx, warps):
+    return {"PATH": "gemv", "GV": 2, "GN": gn, "GK": gk, "GN2": gn2, "GK2": gk2, "PREF": pref, "XV": xv, "HX": hx,
+            "num_warps": warps, "GW2": warps}
+
+
+@pytest.mark.parametrize("case", V2_CASES)
+def test_gemv_v2_vs_float64(case):
+    """GV=2: 4-word scale groups, the next step's words loaded ahead, h as fp32 words, down split by slot and
+    combined in the launch by the last slot to arrive; the arrival counters are left at 0."""
+    kind, T, k, act, *tiles = case
+    g = torch.Generator().manual_seed(2000 + V2_CASES.index(case))
+    z = torch.randn(T, L, generator=g)
+    w, ids = _routing(g, T, k, kind)
+    w1, w2, w3 = _experts(g, "mxfp4")
+    b1, b2 = (4.0, 25.0) if act == "situ" else (None, None)
+    y = gg.moe_experts(z, w, ids, w1, w2, w3, act, b1, b2, _v2_cfg(*tiles))
+    assert y.dtype == torch.float32 and y.shape == (T, L)
+    assert_close_rel(y, _ref(z, w, ids, w1, w2, w3, act, b1, b2), 1e-5, f"gemv v2 {case}")
+    assert not tile_counters(z.device, 1).any(), "GV=2 left an arrival counter set"
+
+
 def test_gemv_foreign_ids_add_nothing():
     """ids outside [0, E) (experts of other EP ranks): their pairs are skipped in both kernels."""
     g = torch.Generator().manual_seed(7)
@@ -86,8 +117,9 @@ def test_gemv_foreign_ids_add_nothing():
     w, ids = _routing(g, 3, 2, "random")
     ids[0, 1], ids[2, 0] = -1, E + 2
     w1, w2, w3 = _experts(g, "mxfp4")
-    y = gg.moe_experts(z, w, ids, w1, w2, w3, "situ", 4.0, 25.0, {"PATH": "gemv", "GK": 32, "GK2": 32})
-    assert_close_rel(y, _ref(z, w, ids, w1, w2, w3, "situ", 4.0, 25.0), 1e-5, "foreign ids")
+    for gv2 in (1, 2):      # GV=2: a foreign slot still counts itself in, so its token's combine happens
+        y = gg.moe_experts(z, w, ids, w1, w2, w3, "situ", 4.0, 25.0, {"PATH": "gemv", "GV": gv2, "GK": 32, "GK2": 32})
+        assert_close_rel(y, _ref(z, w, ids, w1, w2, w3, "situ", 4.0, 25.0), 1e-5, f"foreign ids GV={gv2}")
 
 
 @triton.jit
@@ -120,8 +152,9 @@ def test_gemv_scale_bytes_far_from_one():
     ws = _experts(g, "mxfp4")
     ws = tuple(PackedMXFP4(x.packed, torch.randint(100, 141, x.scales.shape, generator=g, dtype=torch.uint8))
                for x in ws)
-    y = gg.moe_experts(z, w, ids, *ws, "silu", None, None, {"PATH": "gemv", "GK": 32, "GK2": 64})
-    assert_close_rel(y, _ref(z, w, ids, *ws, "silu", None, None), 1e-5, "wide scales")
+    for gv2 in (1, 2):
+        y = gg.moe_experts(z, w, ids, *ws, "silu", None, None, {"PATH": "gemv", "GV": gv2, "GK": 32, "GK2": 64})
+        assert_close_rel(y, _ref(z, w, ids, *ws, "silu", None, None), 1e-5, f"wide scales GV={gv2}")
 
 
 def test_gemv_token_alone_equals_token_in_batch():
@@ -129,11 +162,11 @@ def test_gemv_token_alone_equals_token_in_batch():
     z = torch.randn(4, L, generator=g)
     w, ids = _routing(g, 4, 2, "random")
     ws = _experts(g, "mxfp4")
-    for mma in (0, 1):      # a fixed config (the heuristic's depends on T): both inner products
-        cfg = {"PATH": "gemv", "GMMA": mma, "GN": 16, "GK": 64, "GN2": 16, "GK2": 64, "num_warps": 4}
+    for mma, gv2 in ((0, 1), (1, 1), (0, 2)):    # a fixed config (the heuristic's depends on T): every kernel pair
+        cfg = {"PATH": "gemv", "GV": gv2, "GMMA": mma, "GN": 16, "GK": 64, "GN2": 16, "GK2": 64, "num_warps": 4}
         batch = gg.moe_experts(z, w, ids, *ws, "situ", 4.0, 25.0, cfg)
         alone = gg.moe_experts(z[2:3], w[2:3], ids[2:3], *ws, "situ", 4.0, 25.0, cfg)
-        assert torch.equal(alone[0], batch[2]), f"GMMA={mma}"
+        assert torch.equal(alone[0], batch[2]), f"GMMA={mma} GV={gv2}"
 
 
 def test_heuristic_picks_gemv_for_few_pairs_and_falls_back_on_odd_storage():
@@ -142,9 +175,12 @@ def test_heuristic_picks_gemv_for_few_pairs_and_falls_back_on_odd_storage():
     key = {"T": 1, "E": 112, "K": 2, "L": 3584, "I": 3072, "MX": 1, "BF16": 1, "BI": 0}
     for tgt in (h200, None):
         cfg = te.heuristic(te.bucket(key), tgt)
-        assert cfg["PATH"] == "gemv" and cfg["GMMA"] == 0 and te.constraints(cfg, key, tgt) == [], cfg
-        cfg8 = te.heuristic(te.bucket({**key, "T": 8}), tgt)       # 16 pairs: the MMA step (H200: 185 vs 220 us)
-        assert cfg8["PATH"] == "gemv" and cfg8["GMMA"] == 1 and te.constraints(cfg8, key, tgt) == [], cfg8
+        assert cfg["PATH"] == "gemv" and cfg["GV"] == 2 and cfg["GMMA"] == 0 and te.constraints(cfg, key, tgt) == [], cfg
+        cfg8 = te.heuristic(te.bucket({**key, "T": 8}), tgt)       # 16 pairs (H200: 168.3 us vs the MMA step's 204)
+        assert cfg8["PATH"] == "gemv" and cfg8["GV"] == 2 and te.constraints(cfg8, key, tgt) == [], cfg8
+    # on the H200 the measured tiles (4 x 1024 on 2 warps, down 8 x 1024 on 1: T=1 27.7 us, T=8 168.3 us)
+    for t in (1, 8):
+        assert {k: te.heuristic(te.bucket({**key, "T": t}), h200)[k] for k in gg.GEMV_T1} == gg.GEMV_T1
     assert te.heuristic(te.bucket(key), h200)["GASM"] == 1 and te.constraints({**cfg, "GASM": 1}, key, None)
     assert te.heuristic(te.bucket({**key, "T": 64, "K": 16}), h200)["PATH"] == "grouped"
     bi = {**key, "BI": 1}

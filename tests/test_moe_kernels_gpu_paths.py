@@ -167,6 +167,7 @@ _AOT = textwrap.dedent("""
             ce.update(TOPK=16, ACT=0, HAS_BETA2=True)
         if split > 1:
             name += f"_split{split}"
+        ce["PDL"] = True
         sig, attrs = {}, {}
         for i, a in enumerate(fn.arg_names):
             sig[a] = ("constexpr" if a in ce else "*i32" if a in ("pair_ptr", "counts_ptr", "offsets_ptr")
@@ -179,6 +180,7 @@ _AOT = textwrap.dedent("""
         k = triton.compile(ASTSource(fn, sig, ce, attrs), target=GPUTarget("cuda", cc, 32),
                            options={"num_warps": 8, "num_stages": 3})
         ptx = k.asm["ptx"]
+        res[f"{name}_sm{cc}_w{wf}_pdl"] = ptx.count("griddepcontrol.wait")
         res[f"{name}_sm{cc}_w{wf}"] = sorted(set(re.findall(r"(tcgen05\\.mma[.\\w:]*|wgmma\\.mma_async|mma\\.sync)", ptx)))
         # the decoded weight tile goes to wgmma from registers, never through shared memory
         res[f"{name}_sm{cc}_w{wf}_smem_operand"] = len(re.findall(r"local_load[^\\n]*dot_op<\\{opIdx = 0", k.asm["ttgir"]))
@@ -200,15 +202,17 @@ _AOT = textwrap.dedent("""
             (mt._latent_norm_kernel, {"y_ptr": "*fp32", "g_ptr": "*bf16", "out_ptr": "*bf16"}, dict(BT=1, BL=4096)),
             (mt._up_proj_add_kernel, {"y_ptr": "*bf16", "w_ptr": "*bf16", "sh_ptr": "*bf16", "out_ptr": "*bf16"},
              dict(IEEE=False, DT=tl.bfloat16, BM=64, BN=32, BK=128, GROUP_M=8))]:
+        ce = {**ce, "PDL": True} if "PDL" in fn.arg_names else ce
         sig = {a: "constexpr" if a in ce else ptrs.get(a, "fp32" if a in ("scaling", "eps", "beta1", "beta2") else "i32")
                for a in fn.arg_names}
-        triton.compile(ASTSource(fn, sig, ce), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        k = triton.compile(ASTSource(fn, sig, ce), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
         res[fn.__name__ + "_sm90"] = ["ok"]
-    from codegen.triton import _moe_gemv as gv
+        res[fn.__name__ + "_sm90_pdl"] = k.asm["ptx"].count("griddepcontrol.wait")
+    from codegen.triton import _moe_gemv as gv, _moe_gemv_words as gvw
     for mma, stages in ((0, 1), (1, 3)):       # the FFMA path with its PTX decode; the MMA step (asm16)
         wt = "*i16" if mma else "*i32"
         com = dict(TOPK=2, MX=True, GN=16, BQ=64, STEP=512 if not mma else 256, ASM=not mma, MMA=bool(mma),
-                   W_FMT=5 if mma else 0, DT=tl.bfloat16, IEEE=False, WIDE=False)
+                   W_FMT=5 if mma else 0, DT=tl.bfloat16, IEEE=False, WIDE=False, PDL=True)
         for fn, ptrs, ce in [
                 (gv._gemv_gate_up_kernel, {"z_ptr": "*bf16", "ids_ptr": "*i64", "w1_ptr": wt, "w3_ptr": wt,
                                            "s1_ptr": "*u8", "s3_ptr": "*u8", "h_ptr": "*bf16"},
@@ -225,6 +229,24 @@ _AOT = textwrap.dedent("""
             res[key] = sorted(set(re.findall(r"(mma\\.sync[.\\w]*|wgmma\\.mma_async|cvt\\.f32\\.f16|cp\\.async)",
                                              k.asm["ptx"])))
             res[key + "_smem_operand"] = len(re.findall(r"local_load[^\\n]*dot_op<\\{opIdx = 0", k.asm["ttgir"]))
+            res[key + "_pdl"] = k.asm["ptx"].count("griddepcontrol.wait")
+    # GV=2: the heuristic's T=1 tiles (gate-up 8 x 1024, 16-byte activation loads; down 8 x 512, h as fp32 words)
+    v2 = dict(ASM=True, PREF=1, EVEN=False, PDL=True, DT=tl.bfloat16, TOPK=2)
+    for fn, ptrs, ce in [
+            (gvw._gate_up_v2_kernel, {"z_ptr": "*bf16", "ids_ptr": "*i64", "w1_ptr": "*i32", "w3_ptr": "*i32",
+                                      "s1_ptr": "*u8", "s3_ptr": "*u8", "h_ptr": "*fp32"},
+             dict(ACT=0, HAS_BETA2=True, GN=8, BQ4=32, XV=1, HX=True, **v2)),
+            (gvw._down_v2_kernel, {"h_ptr": "*fp32", "wt_ptr": "*fp32", "ids_ptr": "*i64", "w2_ptr": "*i32",
+                                   "s2_ptr": "*u8", "o_ptr": "*fp32", "cnt_ptr": "*i32", "y_ptr": "*fp32"},
+             dict(GN=8, BQ4=16, XV=2, **{**v2, "EVEN": True}))]:
+        sig = {a: "constexpr" if a in ce else ptrs.get(a, "fp32" if a.startswith("beta") else "i32") for a in fn.arg_names}
+        div = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+               if sig[a] != "constexpr" and not sig[a].startswith("fp") and a not in ("E", "NP")}
+        k = triton.compile(ASTSource(fn, sig, ce, div), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": 4, "num_stages": 1})
+        ptx = k.asm["ptx"]
+        res[fn.__name__ + "_sm90"] = sorted(set(re.findall(r"(ld\\.global(?:\\.\\w+)*\\.v4\\.b32|cvt\\.f32\\.f16|atom\\.\\w+)", ptx)))
+        res[fn.__name__ + "_sm90_pdl"] = ptx.count("griddepcontrol.wait")
     print(json.dumps(res))
 """)
 
@@ -258,3 +280,13 @@ def test_gpu_paths_compile_for_sm100_and_sm90():
         assert res[kern + "_mma0_sm90"] == ["cvt.f32.f16"], res
         assert {"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "cp.async"} <= set(res[kern + "_mma1_sm90"]), res
         assert res[kern + "_mma1_sm90_smem_operand"] == 0, res
+        assert res[kern + "_mma0_sm90_pdl"] == 1 and res[kern + "_mma1_sm90_pdl"] == 1, res
+    # GV=2: the PTX decode, 16-byte weight loads, the slot combine's counter atomics; every kernel of the decode
+    # path waits for its predecessor exactly once in its code (PDL)
+    assert {"cvt.f32.f16", "ld.global.v4.b32"} <= set(res["_gate_up_v2_kernel_sm90"]), res
+    assert "cvt.f32.f16" in res["_down_v2_kernel_sm90"] and any(a.startswith("atom.") for a in res["_down_v2_kernel_sm90"]), res
+    for kern in ("_gate_up_v2_kernel", "_down_v2_kernel", "_moe_router_kernel", "_scatter_pairs_kernel",
+                 "_permute_one_program_kernel", "_glu_splits_kernel", "_combine_splits_kernel"):
+        assert res[kern + "_sm90_pdl"] == 1, (kern, res)
+    for k in ("gate_up_sm90_w3", "down_sm90_w3", "gate_up_split4_sm90_w5"):
+        assert res[k + "_pdl"] == 1, (k, res)

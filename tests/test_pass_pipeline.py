@@ -122,14 +122,16 @@ def expected_counts(cfg) -> dict[str, int]:
             "value_gate": 2 * n["mla"] if cfg.mla_use_output_gate else 0,
             "latent_moe_tail": 3 * n["moe"] if tail else 0,
             "attn_res_fusion": 3 * mixes,
-            "kda_decode_fusion": 2 * n["kda"]}
+            "kda_decode_fusion": 2 * n["kda"],
+            "glu_epilogue": 3 * sum(not cfg.is_moe_layer(i) or cfg.num_shared_experts > 0
+                                    for i in range(cfg.num_hidden_layers))}  # dense MLP or shared expert
 
 
 # ---- the whole pipeline --------------------------------------------------------------------------
 FUSED_OPS = {"fused_indexer_front": "fused.indexer_front", "overlapped_mla_query": "fused.mla_query",
              "fused_indexer_select": "fused.indexer_select", "value_gate": "fused.value_gate",
              "latent_moe_tail": "fused.latent_moe_tail", "attn_res_fusion": "fused.attn_res_mix_norm",
-             "kda_decode_fusion": "fused.kda_decode"}
+             "kda_decode_fusion": "fused.kda_decode", "glu_epilogue": "fused.packed_linear_glu"}
 
 
 @pytest.mark.parametrize("preset", ["k31-tiny", "k3-tiny", "kimi-linear-tiny"])

@@ -135,6 +135,34 @@ def test_wrong_nan_and_hanging_candidates_are_rejected_and_never_recorded(tmp_pa
     assert len(recs) == 1 and recs[0].config["BLOCK_R"] not in (2, 4, 8)
 
 
+def test_a_finalist_timing_out_inside_the_interpreter_is_dropped_not_fatal(tmp_path, monkeypatch):
+    """The interpreter re-raises a time-out inside a launch as its own InterpreterError: a finalist whose
+    re-measurement times out that way is dropped with a note, the study still records its best finalist."""
+    from triton.runtime.errors import InterpreterError
+
+    rms = _template("rms_norm")
+    planted = dataclasses.replace(rms, tunables=(Tunable("BLOCK_R", (1, 2, 4)),))
+    prob = _rms_problem(planted, rows=8)
+    real, seen = tuner_mod.measure, []
+
+    def measure(problem, config, repeats, warmup=1):
+        if config["BLOCK_R"] == 2 and config["BLOCK_R"] in seen:  # its second measurement: the finalist's
+            try:
+                raise tuner_mod.CandidateTimeout("finalist exceeded its limit")
+            except tuner_mod.CandidateTimeout as e:
+                raise InterpreterError(repr(e)) from e
+        seen.append(config["BLOCK_R"])
+        return real(problem, config, repeats, warmup)
+
+    monkeypatch.setattr(tuner_mod, "measure", measure)
+    store = CacheStore(str(tmp_path / "s.jsonl"))
+    r = tuner_mod.tune_problems([prob], store=store, trials=3, progress=False, target="cpu", env=ENV,
+                                study_db=str(tmp_path / "st.db"), repeats=1, final_repeats=2, timeout_s=30.0)[0]
+    assert seen.count(2) == 1 and r.config["BLOCK_R"] != 2
+    assert any('"BLOCK_R":2' in n and "re-measurement" in n for n in r.notes), r.notes
+    assert len(store.records()) == 1
+
+
 def test_new_study_is_warm_started_from_the_stored_record_then_the_heuristic(tmp_path):
     from autotune_cache.records import make_record
 

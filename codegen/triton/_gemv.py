@@ -37,6 +37,7 @@ import triton.language as tl
 
 from codegen.kernel import pow2_bucket
 from codegen.triton import _precision as precision
+from codegen.triton._pdl import launch_kwargs, pdl_enter
 
 
 def interpreting() -> bool:
@@ -116,16 +117,31 @@ def gemm_tile(x_ptr, w_ptr, s_ptr, offs_m, offs_n, m_ok, n_ok, K, stride_xm, str
 def _gemv_one_row(x_ptr, w_ptr, s_ptr, offs_m, offs_n, m_ok, n_ok, K, stride_xm, stride_xk, stride_wn, stride_wk,
                   stride_sn, stride_sk, SCALE_MODE: tl.constexpr, SCALE_GN: tl.constexpr, SCALE_GK: tl.constexpr,
                   ACC_DTYPE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  LOOP_STAGES: tl.constexpr):
+                  LOOP_STAGES: tl.constexpr, PDL: tl.constexpr):
     """BLOCK_M == 1: a [BLOCK_N, BLOCK_K] elementwise accumulator, summed over its K lanes at the end. x is
-    loaded as a 1-D row so that it takes the weight tile's layout (no shared-memory layout conversion)."""
+    loaded as a 1-D row so that it takes the weight tile's layout (no shared-memory layout conversion).
+    PDL: the first K step is peeled, its weight tile (and FP8 scales) loaded before `pdl_wait`, so the
+    weights stream while the previous kernel finishes; x is loaded after (same products, same order)."""
     offs_k = tl.arange(0, BLOCK_K)
     row = tl.min(offs_m, axis=0).to(tl.int64)
     row_ok = tl.max(m_ok.to(tl.int32), axis=0) > 0
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] * stride_wk   # [BN, BK]
     x_ptrs = x_ptr + row * stride_xm + offs_k * stride_xk                                       # [BK]
     acc = tl.zeros((BLOCK_N, BLOCK_K), ACC_DTYPE)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
+    k_first = 0
+    if PDL:
+        k_ok = offs_k < K
+        wt = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(ACC_DTYPE)
+        if SCALE_MODE == 2:
+            s = tl.load(s_ptr + (offs_n // SCALE_GN) * stride_sn, mask=n_ok, other=0.0)
+            wt = wt * s.to(ACC_DTYPE)[:, None]
+        pdl_enter(PDL)
+        xt = tl.load(x_ptrs, mask=row_ok & k_ok, other=0.0).to(ACC_DTYPE)
+        acc += wt * xt[None, :]
+        w_ptrs += BLOCK_K * stride_wk
+        x_ptrs += BLOCK_K * stride_xk
+        k_first = BLOCK_K
+    for k0 in tl.range(k_first, K, BLOCK_K, num_stages=LOOP_STAGES):
         if EVEN_K:
             wt = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0).to(ACC_DTYPE)
             xt = tl.load(x_ptrs, mask=row_ok, other=0.0).to(ACC_DTYPE)
@@ -173,15 +189,18 @@ def _gemv_rows(x_ptr, w_ptr, s_ptr, offs_m, offs_n, m_ok, n_ok, K, stride_xm, st
 def gemv_tile(x_ptr, w_ptr, s_ptr, offs_m, offs_n, m_ok, n_ok, K, stride_xm, stride_xk, stride_wn, stride_wk,
               stride_sn, stride_sk, SCALE_MODE: tl.constexpr, SCALE_GN: tl.constexpr, SCALE_GK: tl.constexpr,
               ACC_DTYPE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr = 1):
+              BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
     """acc[BLOCK_M, BLOCK_N] = x[offs_m, :K] @ w[offs_n, :K]^T without tl.dot (module docstring: the order);
     the same operands and scale conventions as `gemm.gemm_tile`. LOOP_STAGES > 1 software-pipelines the K
-    loop (loads of the next LOOP_STAGES - 1 steps in flight; the arithmetic and its order are unchanged)."""
+    loop (loads of the next LOOP_STAGES - 1 steps in flight; the arithmetic and its order are unchanged).
+    PDL: the tile enters the programmatic-dependent-launch wait itself (`_pdl.py`), after its first weight
+    tile is loaded when BLOCK_M == 1; the caller must not load activations or store before it."""
     if BLOCK_M == 1:
         acc = _gemv_one_row(x_ptr, w_ptr, s_ptr, offs_m, offs_n, m_ok, n_ok, K, stride_xm, stride_xk, stride_wn,
                             stride_wk, stride_sn, stride_sk, SCALE_MODE, SCALE_GN, SCALE_GK, ACC_DTYPE, EVEN_K,
-                            BLOCK_N, BLOCK_K, LOOP_STAGES)
+                            BLOCK_N, BLOCK_K, LOOP_STAGES, PDL)
     else:
+        pdl_enter(PDL)
         acc = _gemv_rows(x_ptr, w_ptr, s_ptr, offs_m, offs_n, m_ok, n_ok, K, stride_xm, stride_xk, stride_wn,
                          stride_wk, stride_sn, stride_sk, SCALE_MODE, SCALE_GN, SCALE_GK, ACC_DTYPE, EVEN_K,
                          BLOCK_M, BLOCK_N, BLOCK_K, LOOP_STAGES)
@@ -192,8 +211,10 @@ def gemv_tile(x_ptr, w_ptr, s_ptr, offs_m, offs_n, m_ok, n_ok, K, stride_xm, str
 
 
 @triton.jit
-def splitk_reduce_kernel(p_ptr, y_ptr, M, N, stride_ym, stride_yn, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+def splitk_reduce_kernel(p_ptr, y_ptr, M, N, stride_ym, stride_yn, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
     """y[m, n] = (((P_0 + P_1) + P_2) + ...)[m, n] cast to y's dtype; partials P [SPLIT_K, M, N] contiguous."""
+    pdl_enter(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mn = M * N
     ok = offs < mn
@@ -266,7 +287,7 @@ def reduce_partials(partials, out) -> None:
     S, M, N = partials.shape
     block = 1024
     splitk_reduce_kernel[(triton.cdiv(M * N, block),)](partials, out, M, N, out.stride(0), out.stride(1),
-                                                      SPLIT_K=S, BLOCK=block, num_warps=4)
+                                                      SPLIT_K=S, BLOCK=block, num_warps=4, **launch_kwargs())
 
 
 # ---- decode configs: the declared heuristic's M <= 64 branches (gemm.heuristic), measured on the H200 ----
@@ -299,6 +320,7 @@ def decode_gemv_config(key: dict, sms: int) -> dict:
     cfg = dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=min(bk, max(32, pow2_bucket(key["K"]))), GROUP_M=1, SPLIT_K=1,
                GEMV=1, num_warps=4, num_stages=stages)
     return _fill(cfg, key, 2 * sms, 1)
+
 
 
 def decode_dot_config(key: dict, sms: int) -> dict:

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from ._paging import row_offsets, rows_of
+from ._pdl import pdl_enter
 from ._topk_select import INVALID, _digit0, _low32, _rot32, _score_keys
 from .mla_sparse import e2m1_to_f32, e8m0_to_f32
 
@@ -123,11 +124,16 @@ def _candidates(key, BLOCK_N: tl.constexpr, KT: tl.constexpr, CAND: tl.constexpr
 def _score_kernel(q_ptr, w_ptr, qs_ptr, k_ptr, ks_ptr, k_sb, k_sr, s_sb, s_sr, tbl_ptr, req_ptr, MB, pos_ptr, cand_ptr,
                   tmin_ptr, hist_ptr, NT, TOPK, SPLITS, HI: tl.constexpr, DI: tl.constexpr, HP: tl.constexpr,
                   BLOCK_N: tl.constexpr, KT: tl.constexpr, KEY_FMT: tl.constexpr, DOT_DT: tl.constexpr,
-                  LOG_BS: tl.constexpr, CAND: tl.constexpr, IMPRECISE: tl.constexpr, PREFETCH: tl.constexpr):
+                  LOG_BS: tl.constexpr, CAND: tl.constexpr, IMPRECISE: tl.constexpr, PREFETCH: tl.constexpr,
+                  HIST: tl.constexpr, PDL: tl.constexpr):
     """Program (row, split) scores tiles split, split + SPLITS, ... of its row's context, and counts its
     candidates by their top 11 key bits into the row's histogram (the merge's first radix digit).
     PREFETCH 1: the next tile's bytes are requested before this tile's dots (two tiles in flight per
-    program: the block-table gather defeats the compiler's own pipelining of these loads)."""
+    program: the block-table gather defeats the compiler's own pipelining of these loads).
+    HIST 1: the program's candidates are counted in a private 2048-bin histogram (tl.histogram per tile,
+    summed in registers) and added to the row's once, its nonzero bins only, instead of one global atomic
+    per candidate (scores cluster in a few top-11-bit bins: those atomics hit the same addresses)."""
+    pdl_enter(PDL)
     row = tl.program_id(0)
     split = tl.program_id(1)
     ctx = tl.load(pos_ptr + row) + 1
@@ -136,6 +142,7 @@ def _score_kernel(q_ptr, w_ptr, qs_ptr, k_ptr, ks_ptr, k_sb, k_sr, s_sb, s_sr, t
         qa, qb, wq = _load_q(q_ptr, w_ptr, qs_ptr, row, HI, DI, HP, KEY_FMT, DOT_DT)
         n_tiles = tl.cdiv(ctx, BLOCK_N)
         crow = cand_ptr + row.to(tl.int64) * NT * KT
+        hacc = tl.zeros([2048], tl.int32)
         if PREFETCH:
             nkt, nks, np_, nv = _tile_load(k_ptr, ks_ptr, k_sb, k_sr, s_sb, s_sr, tblrow, ctx, split * BLOCK_N, DI,
                                            BLOCK_N, KEY_FMT, LOG_BS)
@@ -152,7 +159,12 @@ def _score_kernel(q_ptr, w_ptr, qs_ptr, k_ptr, ks_ptr, k_sb, k_sr, s_sb, s_sr, t
                 key, witness = _candidates(key, BLOCK_N, KT, CAND)
                 tl.store(tmin_ptr + row.to(tl.int64) * NT + tile, witness)
             tl.store(crow + tile * KT + tl.arange(0, KT), key)
-            tl.atomic_add(hist_ptr + row * 2048 + _digit0(key), 1, mask=key != INVALID, sem="relaxed")
+            if HIST:
+                hacc += tl.histogram(_digit0(key), 2048, mask=key != INVALID)
+            else:
+                tl.atomic_add(hist_ptr + row * 2048 + _digit0(key), 1, mask=key != INVALID, sem="relaxed")
+        if HIST:
+            tl.atomic_add(hist_ptr + row * 2048 + tl.arange(0, 2048), hacc, mask=hacc > 0, sem="relaxed")
 
 
 @triton.jit
@@ -160,11 +172,12 @@ def _rescore_kernel(q_ptr, w_ptr, qs_ptr, k_ptr, ks_ptr, k_sb, k_sr, s_sb, s_sr,
                     ovf_ptr, novf_ptr, ext_ptr,
                     MAX_OVF, HI: tl.constexpr, DI: tl.constexpr, HP: tl.constexpr,
                     BLOCK_N: tl.constexpr, KT: tl.constexpr, KEY_FMT: tl.constexpr, DOT_DT: tl.constexpr,
-                    LOG_BS: tl.constexpr, IMPRECISE: tl.constexpr, CAND: tl.constexpr):
+                    LOG_BS: tl.constexpr, IMPRECISE: tl.constexpr, CAND: tl.constexpr, PDL: tl.constexpr):
     """Program (row, i) rescores overflowed tiles i, i + P, ... of the row (P = programs per row) and
     stores in `ext` the tile's keys that were NOT candidates (the score pass's choice, recomputed: CAND 0
     keys below the KT-th best, CAND 1 keys below the second best of their group), so that candidates and
     `ext` are disjoint and the candidate rows stay as written (the compacted rows of `_filter_kernel` too)."""
+    pdl_enter(PDL)
     row = tl.program_id(0)
     n_ovf = tl.load(novf_ptr + row)
     if tl.program_id(1) < n_ovf:

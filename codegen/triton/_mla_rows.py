@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from ._mla_tiles import _LN2, _k_pe, _rows_at, _sub_tile
+from ._pdl import pdl_enter
 
 
 @triton.jit
@@ -28,7 +29,7 @@ def _mla_sparse_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, p
                        KV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                        FMT: tl.constexpr, SPARSE: tl.constexpr, DOT_DT: tl.constexpr,
                        PREC: tl.constexpr, SUB: tl.constexpr, PAGED: tl.constexpr, LOG_BS: tl.constexpr,
-                       PREFETCH: tl.constexpr):
+                       PREFETCH: tl.constexpr, PDL: tl.constexpr):
     """FMT 0: float pool, 1: fp8 pool, 2: nvfp4 pool; qk_scale = softmax scale * log2(e);
     logits = (q~.c) v_scale + (q_pe.k_pe) pe_scale, values c v_scale.
     Orientation: context rows are the M dimension of both dots (wgmma-sized), the few heads are N,
@@ -41,6 +42,7 @@ def _mla_sparse_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, p
     step's bytes in registers ran 6x slower on the H200, 2026-11-29: spills; removed.)
     PAGED: context entries are request positions, mapped to pool rows through the token's block-table
     row; otherwise they are pool rows already (a selection of rows)."""
+    pdl_enter(PDL)
     t = tl.program_id(0)  # tokens on grid axis 0 (up to 2**31 - 1; axes 1 and 2 stop at 65535)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     sp = tl.program_id(2)

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ._paging import row_offsets, rows_of
+from ._pdl import pdl_enter
 
 _LN2 = tl.constexpr(0.6931471805599453)
 
@@ -138,10 +139,11 @@ def _rows_at(idx_ptr, t, KSEL, j, end, tblrow, sb, sr, BLOCK_N: tl.constexpr, SP
 
 
 @triton.jit
-def _combine_kernel(po_ptr, plse_ptr, o_ptr, lse_ptr, NSPLIT, KV: tl.constexpr, CB: tl.constexpr, SB: tl.constexpr):
+def _combine_kernel(po_ptr, plse_ptr, o_ptr, lse_ptr, NSPLIT, KV: tl.constexpr, CB: tl.constexpr, SB: tl.constexpr, PDL: tl.constexpr):
     """o = sum_i e^(lse_i - lse) o_i, lse = log sum_i e^lse_i over one (token, head)'s chunks, for CB of its
     kv columns (grid: token x head, kv / CB); o stored in o_ptr's dtype. The partials are read SB chunks at
     a time as one [SB, CB] tile (all loads of a tile in flight together, not one chunk after another)."""
+    pdl_enter(PDL)
     i = tl.program_id(0).to(tl.int64)
     k = tl.program_id(1) * CB + tl.arange(0, CB)
     sp = tl.arange(0, SB)

@@ -1,99 +1,41 @@
 """Per-pair decode path of the routed experts (moe_grouped_gemm.py, config PATH="gemv"): no permutation,
-two launches, programs only for routed (pair, row block) and (token, row block) pairs. Not a kernel
-family (no TEMPLATES).
+two launches, programs only for routed pairs. Not a kernel family (no TEMPLATES). This module holds the
+GV=1 kernels and the host entry `gemv_experts`; the GV=2 kernels (the heuristic's, MXFP4 words) and their
+launches are in `_moe_gemv_words`.
 
-    gate-up      h[p, n] = act(Σ_k W1_e[n,k] z_t[k], Σ_k W3_e[n,k] z_t[k])     p = t·K + j, e = ids[t,j]
-                 grid (T·K, ceil(I / GN)); pairs whose expert is outside [0, E) exit at once
-    down+combine y[t, n] = Σ_j w[t,j] · rnd(Σ_i W2_{e_j}[n,i] h[t·K+j, i])      slots in order, fp32
-                 grid (T, ceil(l / GN2)); rnd = rounding to z's dtype (the reference's per-pair
-                 outputs); slots whose expert is outside [0, E) (another EP rank's) add 0
+    gate-up  h[p, n] = act(Σ_k W1_e[n,k] z_t[k], Σ_k W3_e[n,k] z_t[k])     p = t·K + j, e = ids[t,j]
+    down     y[t, n] = Σ_j w[t,j] · rnd(Σ_i W2_{e_j}[n,i] h[t·K+j, i])      slots in order, fp32
+rnd = rounding to z's dtype (the reference's per-pair outputs); pairs whose expert is outside [0, E) (another
+EP rank's) compute nothing and add 0. MXFP4 weights (packed bytes [E, N, K/2] read as int32 words of 8 E2M1
+codes: K columns 8q .. 8q+7, code c in bits 4c..4c+3; E8M0 bytes [E, N, K/32]): codes c and c+4 sit at the
+same offset of the word's two 16-bit halves, so ONE shift and mask per field put both into fp16 fields (sign
+-> bit 15, e e m -> bits 11..9), each exactly E2M1(code) · 2^-14 (_moe_tiles._codes; GASM: the same in PTX,
+each register half converted straight to fp32), multiplied by activation column 8q + c (+ 4) in fp32; block
+sums times 2^(s-127) (fp32 bits s << 23: exact for s in 1..254; s = 0 gives 0); the row sum times 2^14.
 
-Each program reduces its GN rows over the whole K in steps of GK columns. Two inner products (GMMA):
-  0, dot-free FFMA: a [GN, GK/8] tile of int32 words per weight (coalesced along K), the activation
-     columns from L1/L2, products summed elementwise in a [GN, GK/8] fp32 accumulator, reduced across
-     K once at the end. MXFP4 (packed bytes [E, N, K/2] as int32 words of 8 E2M1 codes: K columns
-     8q .. 8q+7, code c in bits 4c..4c+3; E8M0 bytes [E, N, K/32]): codes c and c+4 sit at the same
-     offset of the word's two 16-bit halves, so ONE shift and mask per field put both into fp16 fields
-     (sign -> bit 15, e e m -> bits 11..9): each half is exactly E2M1(code) · 2^-14 as an fp16 (code 1
-     a subnormal), converted to fp32 and multiplied by activation column 8q + c (+ 4); per word the 8
-     products are summed, times the block factor 2^(s-127) (fp32 bits s << 23: exact for s in 1..254;
-     s = 0, 2^-127, gives 0); the reduced sum times 2^14. GASM: the same placement as PTX that converts
-     each register half directly (Triton's int16 route re-packs halves first). Dense weights: w · x.
-  1, tensor cores: the grouped kernels' MMA step (_moe_tiles._mma_step_t: weights decoded in registers
-     as the MMA's M side; PTX 16-bit-word decode for bf16 on CUDA) against [activation row, 15 zero
-     columns]: column 0 is the product, the row sum adds exact zeros. The packed tiles pass through
-     cp.async stages (num_stages), so the bytes in flight do not cost registers.
-GPROG > 0 launches that many programs, each striding over the tiles (else one program a tile). The
-reduction order of an output element depends only on the config and K, not on the batch: a token's
-result is batch-invariant.
+GV=2 (the heuristic's, MXFP4 only; `_moe_gemv_words`): tiles (pair, row block of GN rows), pair fastest, both
+launches, K steps of 4-word groups (one scale block each), the next step's words loaded ahead, the down
+kernel's K slots combined in launch by the last to arrive (see that module's doc).
+GV=1 (session 6, kept callable; dense weights always): gate-up grid (T·K, ceil(I/GN)) as GV=2 without the
+groups, prefetch or word-major h; down grid (T, ceil(l/GN2)) looping over the K slots. Inner product GMMA=0:
+FFMA on [GN, GK/8] words; GMMA=1: the grouped kernels' MMA step (_moe_tiles._mma_step_t, weights decoded as
+the MMA's M side) against [activation row, 15 zero columns], packed tiles through cp.async stages. GPROG > 0
+launches that many programs striding over the tiles. Every kernel keeps the PDL contract (_pdl.py): the
+expert of a tile is the router's output, so each program waits before its first load.
+The reduction order of an output element depends only on the config and K, not on the batch: a token's
+result is batch-invariant for a fixed config.
 """
-
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from codegen.triton._moe_host import _TL, _kernel_weight, _weight
-from codegen.triton._moe_tiles import _glu, _load_bt, _mma_step_t
-
-SIGN2 = tl.constexpr(0x80008000 - (1 << 32))     # bits 15 and 31 (as a signed int32)
-MAG2 = tl.constexpr(0x0E000E00)                   # bits 9..11 and 25..27
-UNBIAS = tl.constexpr(16384.0)                    # 2^14: the fp16 fields hold E2M1 · 2^-14
-
-
-def _code_pair_ptx(c: int) -> tl.constexpr:
-    """The same placement as _code_pair in PTX ($2 the word; $0, $1 codes c and c+4 as fp32): two shifts,
-    and-or, then each 16-bit half converted straight from its register half (cvt.f32.f16), where
-    Triton's int16 route re-packs halves of different words first (a PRMT per 2 codes)."""
-    sa, sb = 12 - 4 * c, 9 - 4 * c
-    sign = f"shl.b32 a, $2, {sa};\nand.b32 a, a, 0x80008000;" if sa else "and.b32 a, $2, 0x80008000;"
-    mag = (f"shl.b32 b, $2, {sb};" if sb > 0 else f"shr.b32 b, $2, {-sb};") + "\nand.b32 b, b, 0x0E000E00;"
-    return tl.constexpr("{\n.reg .b32 a, b;\n.reg .b16 l, h;\n" + sign + "\n" + mag + "\nor.b32 a, a, b;\n"
-                        "mov.b32 {l, h}, a;\ncvt.f32.f16 $0, l;\ncvt.f32.f16 $1, h;\n}")
-
-
-CODE_PAIR_PTX = (_PTX_0, _PTX_1, _PTX_2, _PTX_3) = tuple(_code_pair_ptx(c) for c in range(4))
-
-
-@triton.jit
-def _code_pair_asm(w, C: tl.constexpr):
-    """_code_pair by CODE_PAIR_PTX[C] (CUDA only)."""
-    if C == 0:
-        return tl.inline_asm_elementwise(_PTX_0, "=r,=r,r", [w], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
-    elif C == 1:
-        return tl.inline_asm_elementwise(_PTX_1, "=r,=r,r", [w], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
-    elif C == 2:
-        return tl.inline_asm_elementwise(_PTX_2, "=r,=r,r", [w], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
-    else:
-        return tl.inline_asm_elementwise(_PTX_3, "=r,=r,r", [w], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
-
-
-@triton.jit
-def _codes(w, C: tl.constexpr, ASM: tl.constexpr):
-    if ASM:
-        return _code_pair_asm(w, C)
-    else:
-        return _code_pair(w, C)
-
-
-@triton.jit
-def _code_pair(w, C: tl.constexpr):
-    """Codes C and C+4 of int32 words w as fp32 (E2M1 value · 2^-14, exact): one shift per field."""
-    SA: tl.constexpr = 12 - 4 * C       # sign bit 4C+3 -> 15 (and 4C+19 -> 31)
-    SB: tl.constexpr = 9 - 4 * C        # e e m bits 4C..4C+2 -> 9..11 (and 25..27)
-    if SA > 0:
-        sgn = w << SA
-    else:
-        sgn = w
-    if SB > 0:
-        mag = w << SB
-    else:
-        mag = w >> (-SB)
-    h = (sgn & SIGN2) | (mag & MAG2)
-    lo = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = (h >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return lo, hi
+from codegen.triton._moe_gemv_words import _cols8, _gemv_v2
+from codegen.triton._moe_host import _TL, _gemv_weight, _int32_view, _step, gemv_supported  # noqa: F401
+from codegen.triton._moe_tiles import (CODE_PAIR_PTX, UNBIAS, _code_pair, _codes, _glu, _load_bt,  # noqa: F401
+                                      _mma_step_t)
+from codegen.triton._pdl import launch_kwargs, pdl_enter
 
 
 @triton.jit
@@ -102,16 +44,7 @@ def _x_cols(x_row, k0, K, MX: tl.constexpr, BQ: tl.constexpr):
     q over the step's words); dense: x[k0 .. k0+BQ] (one vector, the other seven unused)."""
     if MX:
         col = k0 + 8 * tl.arange(0, BQ)
-        ok = col < K
-        x0 = tl.load(x_row + col, mask=ok, other=0.0).to(tl.float32)
-        x1 = tl.load(x_row + col + 1, mask=ok, other=0.0).to(tl.float32)
-        x2 = tl.load(x_row + col + 2, mask=ok, other=0.0).to(tl.float32)
-        x3 = tl.load(x_row + col + 3, mask=ok, other=0.0).to(tl.float32)
-        x4 = tl.load(x_row + col + 4, mask=ok, other=0.0).to(tl.float32)
-        x5 = tl.load(x_row + col + 5, mask=ok, other=0.0).to(tl.float32)
-        x6 = tl.load(x_row + col + 6, mask=ok, other=0.0).to(tl.float32)
-        x7 = tl.load(x_row + col + 7, mask=ok, other=0.0).to(tl.float32)
-        return x0, x1, x2, x3, x4, x5, x6, x7
+        return _cols8(x_row + col, 1, col < K)
     else:
         col = k0 + tl.arange(0, BQ)
         x0 = tl.load(x_row + col, mask=col < K, other=0.0).to(tl.float32)
@@ -147,7 +80,9 @@ def _gemv_gate_up_kernel(z_ptr, ids_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, 
                          stride_we, stride_wn, stride_se, stride_sn, stride_h, beta1, beta2, TOPK: tl.constexpr,
                          MX: tl.constexpr, ACT: tl.constexpr, HAS_BETA2: tl.constexpr, GN: tl.constexpr,
                          BQ: tl.constexpr, STEP: tl.constexpr, ASM: tl.constexpr, MMA: tl.constexpr,
-                         W_FMT: tl.constexpr, DT: tl.constexpr, IEEE: tl.constexpr, WIDE: tl.constexpr, NP):
+                         W_FMT: tl.constexpr, DT: tl.constexpr, IEEE: tl.constexpr, WIDE: tl.constexpr, NP,
+                         PDL: tl.constexpr):
+    pdl_enter(PDL)      # the expert ids are the router's: no weight is known before the wait
     n_tiles = NP * tl.cdiv(INTER, GN)
     for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):      # tiles (row block, pair), pair fastest
         _gate_up_tile(z_ptr, ids_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, E, ELL, INTER, stride_z, stride_we,
@@ -208,7 +143,8 @@ def _gemv_down_combine_kernel(h_ptr, wt_ptr, ids_ptr, w2_ptr, s2_ptr, y_ptr, E, 
                               stride_wn, stride_se, stride_sn, stride_y, TOPK: tl.constexpr, MX: tl.constexpr,
                               DT: tl.constexpr, GN: tl.constexpr, BQ: tl.constexpr, STEP: tl.constexpr,
                               ASM: tl.constexpr, MMA: tl.constexpr, W_FMT: tl.constexpr, IEEE: tl.constexpr,
-                              WIDE: tl.constexpr, NT):
+                              WIDE: tl.constexpr, NT, PDL: tl.constexpr):
+    pdl_enter(PDL)
     n_tiles = NT * tl.cdiv(ELL, GN)
     for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):      # tiles (row block, token), token fastest
         _down_combine_tile(h_ptr, wt_ptr, ids_ptr, w2_ptr, s2_ptr, y_ptr, E, ELL, INTER, stride_h, stride_we,
@@ -254,47 +190,6 @@ def _down_combine_tile(h_ptr, wt_ptr, ids_ptr, w2_ptr, s2_ptr, y_ptr, E, ELL, IN
     tl.store(y_ptr + t.to(tl.int64) * stride_y + rn, y, mask=n_ok)
 
 
-def _int32_view(q: torch.Tensor) -> torch.Tensor | None:
-    """Packed MXFP4 bytes [E, N, K/2] as int32 words [E, N, K/8], or None when not 4-byte aligned."""
-    try:
-        return None if q.shape[-1] % 4 or q.data_ptr() % 4 else q.view(torch.int32)
-    except RuntimeError:        # a stride or the storage offset is not a multiple of 4 bytes
-        return None
-
-
-def _gemv_weight(w, name: str, shape: tuple, mma: str | None, act_dtype):
-    """(MX, weight arg, scale arg, (stride_e, stride_n, scale stride_e, scale stride_n), W_FMT, WIDE) or None
-    when the packed bytes cannot be read as int32 words. mma: None (FFMA path: int32 words) or the DEQ
-    mode of _moe_host._kernel_weight whose operands the MMA step reads."""
-    fmt, q, s = _weight(w, name, shape)
-    if mma is not None:
-        code, qa, sa, st, wide = _kernel_weight(fmt, q, s, mma, act_dtype)
-        return fmt == "mxfp4", qa, sa, st, code, wide
-    if fmt == "dense":
-        return False, q, q, (q.stride(0), q.stride(1), 0, 0), 0, False
-    q32 = _int32_view(q)
-    if q32 is None:
-        return None
-    return True, q32, s, (q32.stride(0), q32.stride(1), s.stride(0), s.stride(1)), 0, False
-
-
-def gemv_supported(w1, w2, w3) -> bool:
-    """The GEMV path reads MXFP4 bytes as int32 words: every packed weight must allow that view."""
-    for w in (w1, w2, w3):
-        q = getattr(w, "packed", None)
-        if q is not None and (q.stride(-1) != 1 or _int32_view(q) is None):
-            return False
-    return True
-
-
-def _step(gk: int, K: int, least: int) -> int:
-    """K columns per step: GK (at least `least`), halved while a half still covers K."""
-    gk = max(least, int(gk))
-    while gk > least and gk // 2 >= K:
-        gk //= 2
-    return gk
-
-
 def gemv_experts(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1, w2, w3, act: str, beta1, beta2,
                  cfg: dict) -> torch.Tensor:
     """y f32 [T, l] of `ir.ref.moe.moe_experts` by the per-pair path (module doc); cfg: GN, GK (gate-up rows
@@ -318,18 +213,21 @@ def gemv_experts(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1, 
     P = T * K
     if P == 0 or ell == 0:
         return y.zero_()
+    glu = dict(ACT=0 if act == "situ" else 1, HAS_BETA2=act == "situ" and beta2 is not None)
+    betas = (1.0 if beta1 is None else float(beta1), 1.0 if beta2 is None else float(beta2))
+    if int(cfg.get("GV", 1)) == 2 and g1[0] and g2[0] and mma is None:      # MXFP4 words: the GV=2 kernels
+        _gemv_v2(z, weights, ids, g1, g3, g2, y, dict(betas=betas, **glu), cfg)
+        return y
     h = torch.empty(P, inter, dtype=z.dtype, device=z.device)
     launch = dict(num_warps=int(cfg.get("num_warps", 4)), num_stages=int(cfg.get("num_stages", 1)),
                   ASM=bool(cfg.get("GASM", 0)) and z.is_cuda, MMA=mma is not None,   # inline PTX: CUDA only
-                  IEEE=z.dtype == torch.float32)
+                  IEEE=z.dtype == torch.float32, **launch_kwargs())
     least = 64 if mma else 8            # MMA: K quarters of >= 16 columns, rows >= 16
     gn, gn2 = int(cfg.get("GN", 16)), int(cfg.get("GN2", 16))
     if mma:
         gn, gn2 = max(16, gn), max(16, gn2)
     st1, st2 = _step(cfg.get("GK", 512), ell, least), _step(cfg.get("GK2", 512), inter, least)
     bq1, bq2 = (st1 // 8 if g1[0] else st1), (st2 // 8 if g2[0] else st2)
-    glu = dict(ACT=0 if act == "situ" else 1, HAS_BETA2=act == "situ" and beta2 is not None)
-    betas = (1.0 if beta1 is None else float(beta1), 1.0 if beta2 is None else float(beta2))
     dt = _TL[z.dtype]
     tiles1, tiles2 = P * triton.cdiv(inter, gn), T * triton.cdiv(ell, gn2)
     progs = int(cfg.get("GPROG") or 0)      # > 0: that many programs stride over the tiles (else one a tile)

@@ -131,3 +131,45 @@ def _fit_bk(bk: int, K: int, mx: bool) -> int:
     while bk > (32 if mx else 16) and bk > K:
         bk //= 2
     return bk
+
+
+# ---- the per-pair decode path's operands (_moe_gemv.py) ----
+def _int32_view(q: torch.Tensor) -> torch.Tensor | None:
+    """Packed MXFP4 bytes [E, N, K/2] as int32 words [E, N, K/8], or None when not 4-byte aligned."""
+    try:
+        return None if q.shape[-1] % 4 or q.data_ptr() % 4 else q.view(torch.int32)
+    except RuntimeError:        # a stride or the storage offset is not a multiple of 4 bytes
+        return None
+
+
+def _gemv_weight(w, name: str, shape: tuple, mma: str | None, act_dtype):
+    """(MX, weight arg, scale arg, (stride_e, stride_n, scale stride_e, scale stride_n), W_FMT, WIDE) or None
+    when the packed bytes cannot be read as int32 words. mma: None (FFMA path: int32 words) or the DEQ
+    mode of _moe_host._kernel_weight whose operands the MMA step reads."""
+    fmt, q, s = _weight(w, name, shape)
+    if mma is not None:
+        code, qa, sa, st, wide = _kernel_weight(fmt, q, s, mma, act_dtype)
+        return fmt == "mxfp4", qa, sa, st, code, wide
+    if fmt == "dense":
+        return False, q, q, (q.stride(0), q.stride(1), 0, 0), 0, False
+    q32 = _int32_view(q)
+    if q32 is None:
+        return None
+    return True, q32, s, (q32.stride(0), q32.stride(1), s.stride(0), s.stride(1)), 0, False
+
+
+def gemv_supported(w1, w2, w3) -> bool:
+    """The GEMV path reads MXFP4 bytes as int32 words: every packed weight must allow that view."""
+    for w in (w1, w2, w3):
+        q = getattr(w, "packed", None)
+        if q is not None and (q.stride(-1) != 1 or _int32_view(q) is None):
+            return False
+    return True
+
+
+def _step(gk: int, K: int, least: int) -> int:
+    """K columns per step: GK (at least `least`), halved while a half still covers K."""
+    gk = max(least, int(gk))
+    while gk > least and gk // 2 >= K:
+        gk //= 2
+    return gk

@@ -1,7 +1,8 @@
 """Split-K reductions of the grouped expert GEMMs (moe_grouped_gemm.py, config SPLIT / SPLIT2 > 1): the
 gate-up kernel's fp32 partial sums of W1 z and W3 z reduced in split order before the activation, and
 the down kernel's fp32 partials reduced inside the weighted slot-order combine. Not a kernel family
-(no TEMPLATES).
+(no TEMPLATES). Both keep the PDL contract (codegen/triton/_pdl.py): they read only earlier kernels' outputs,
+so every program waits first.
 """
 
 from __future__ import annotations
@@ -11,14 +12,16 @@ import triton
 import triton.language as tl
 
 from codegen.triton._moe_tiles import _glu
+from codegen.triton._pdl import launch_kwargs, pdl_enter
 
 
 @triton.jit
 def _glu_splits_kernel(part_ptr, h_ptr, R, INTER, stride_split, up_off, stride_row, stride_h, beta1, beta2,
                        SPLIT: tl.constexpr, ACT: tl.constexpr, HAS_BETA2: tl.constexpr, BR: tl.constexpr,
-                       BI: tl.constexpr):
+                       BI: tl.constexpr, PDL: tl.constexpr):
     """h[r] = act(Σ_s a_s[r], Σ_s u_s[r]) in h's dtype, from the split gate-up kernel's fp32 partials
     (a_s at part[s·stride_split + r·stride_row], u_s up_off further; summed in split order)."""
+    pdl_enter(PDL)
     rr = tl.program_id(0) * BR + tl.arange(0, BR)
     ri = tl.program_id(1) * BI + tl.arange(0, BI)
     m = (rr < R)[:, None] & (ri < INTER)[None, :]
@@ -34,8 +37,10 @@ def _glu_splits_kernel(part_ptr, h_ptr, R, INTER, stride_split, up_off, stride_r
 
 @triton.jit
 def _combine_splits_kernel(o_ptr, w_ptr, ids_ptr, y_ptr, T, E, ELL, stride_os, stride_o, stride_y,
-                           TOPK: tl.constexpr, SPLIT: tl.constexpr, BT: tl.constexpr, BL: tl.constexpr):
+                           TOPK: tl.constexpr, SPLIT: tl.constexpr, BT: tl.constexpr, BL: tl.constexpr,
+                           PDL: tl.constexpr = False):     # default: moe_tail.combine's plain launch
     """y[t] = Σ_j w[t,j] · Σ_s o[s, t·k+j] (fp32; slots in order, splits in order; ids outside [0, E) add 0)."""
+    pdl_enter(PDL)
     rt = tl.program_id(0) * BT + tl.arange(0, BT)
     rl = tl.program_id(1) * BL + tl.arange(0, BL)
     t_ok = rt < T
@@ -68,5 +73,5 @@ def combine_pairs(o: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num
         bt, bl = min(4, triton.next_power_of_2(T)), min(1024, triton.next_power_of_2(ell))
         _combine_splits_kernel[(triton.cdiv(T, bt), triton.cdiv(ell, bl))](
             o, weights, ids, y, T, num_experts, ell, o.stride(0), o.stride(1), y.stride(0),
-            TOPK=K, SPLIT=o.shape[0], BT=bt, BL=bl, num_warps=4)
+            TOPK=K, SPLIT=o.shape[0], BT=bt, BL=bl, num_warps=4, **launch_kwargs())
     return y

@@ -1,5 +1,6 @@
 """Device helpers of the grouped expert GEMMs (moe_grouped_gemm.py): expert tile lookup, raster
-swizzle, MXFP4 decode (pure Triton, or PTX on byte pairs / on 16-bit words), the MMA step over dense
+swizzle, MXFP4 decode (pure Triton, or PTX on byte pairs / on 16-bit words / on the per-pair path's int32
+words: code c and c+4 of a word as fp32 E2M1 · 2^-14, `_codes`), the MMA step over dense
 or packed weights in the swapped orientation (weights as the MMA's M side, tokens as N), and the GLU
 epilogue. Not a kernel family (no TEMPLATES).
 
@@ -320,3 +321,63 @@ def _glu(a, u, beta1, beta2, ACT: tl.constexpr, HAS_BETA2: tl.constexpr):
     else:
         gate = a * tl.sigmoid(a)
     return gate * u
+
+
+# ---- int32 words of 8 E2M1 codes (the per-pair decode path, _moe_gemv.py) ----
+SIGN2 = tl.constexpr(0x80008000 - (1 << 32))     # bits 15 and 31 (as a signed int32)
+MAG2 = tl.constexpr(0x0E000E00)                   # bits 9..11 and 25..27
+UNBIAS = tl.constexpr(16384.0)                    # 2^14: the fp16 fields hold E2M1 · 2^-14
+
+
+def _code_pair_ptx(c: int) -> tl.constexpr:
+    """The same placement as _code_pair in PTX ($2 the word; $0, $1 codes c and c+4 as fp32): two shifts,
+    and-or, then each 16-bit half converted straight from its register half (cvt.f32.f16), where
+    Triton's int16 route re-packs halves of different words first (a PRMT per 2 codes)."""
+    sa, sb = 12 - 4 * c, 9 - 4 * c
+    sign = f"shl.b32 a, $2, {sa};\nand.b32 a, a, 0x80008000;" if sa else "and.b32 a, $2, 0x80008000;"
+    mag = (f"shl.b32 b, $2, {sb};" if sb > 0 else f"shr.b32 b, $2, {-sb};") + "\nand.b32 b, b, 0x0E000E00;"
+    return tl.constexpr("{\n.reg .b32 a, b;\n.reg .b16 l, h;\n" + sign + "\n" + mag + "\nor.b32 a, a, b;\n"
+                        "mov.b32 {l, h}, a;\ncvt.f32.f16 $0, l;\ncvt.f32.f16 $1, h;\n}")
+
+
+CODE_PAIR_PTX = (_PTX_0, _PTX_1, _PTX_2, _PTX_3) = tuple(_code_pair_ptx(c) for c in range(4))
+
+
+@triton.jit
+def _code_pair_asm(w, C: tl.constexpr):
+    """_code_pair by CODE_PAIR_PTX[C] (CUDA only)."""
+    if C == 0:
+        return tl.inline_asm_elementwise(_PTX_0, "=r,=r,r", [w], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+    elif C == 1:
+        return tl.inline_asm_elementwise(_PTX_1, "=r,=r,r", [w], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+    elif C == 2:
+        return tl.inline_asm_elementwise(_PTX_2, "=r,=r,r", [w], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(_PTX_3, "=r,=r,r", [w], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _codes(w, C: tl.constexpr, ASM: tl.constexpr):
+    if ASM:
+        return _code_pair_asm(w, C)
+    else:
+        return _code_pair(w, C)
+
+
+@triton.jit
+def _code_pair(w, C: tl.constexpr):
+    """Codes C and C+4 of int32 words w as fp32 (E2M1 value · 2^-14, exact): one shift per field."""
+    SA: tl.constexpr = 12 - 4 * C       # sign bit 4C+3 -> 15 (and 4C+19 -> 31)
+    SB: tl.constexpr = 9 - 4 * C        # e e m bits 4C..4C+2 -> 9..11 (and 25..27)
+    if SA > 0:
+        sgn = w << SA
+    else:
+        sgn = w
+    if SB > 0:
+        mag = w << SB
+    else:
+        mag = w >> (-SB)
+    h = (sgn & SIGN2) | (mag & MAG2)
+    lo = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (h >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi

@@ -1,5 +1,5 @@
-"""Exact top-k selection over unique 64-bit keys for the DSA indexer (`indexer_topk`): key encoding and
-the radix-select merge kernel.
+"""Exact top-k selection over unique 64-bit keys for the DSA indexer (`indexer_topk`): key encoding, the
+radix-select helpers and the serial radix-select merge kernel.
 
 A score s of position p becomes key = (orderable(s) << 32) | (2^32 - 1 - p) (`_score_keys`), so signed
 int64 order is exactly the selection order (score desc, position asc) and keys are unique. The merge
@@ -8,7 +8,10 @@ select (first 11-bit digit from the score pass's histogram, then 8-bit steps wit
 boundary bucket is taken whole), gathers the boundary bucket into a work row, and writes the keys
 >= theta in position order as positions or (through the block table) physical pool rows. PHASE 1 also
 flags rows whose overflow witnesses were selected; PHASE 2 re-selects those over candidates + rescored
-tiles. See `indexer_topk`'s docstring for the whole pipeline.
+tiles. The parallel kernels built on these helpers live in `_topk_parallel`: `_filter_kernel` (FILTER)
+pre-selects in parallel for the merge; `_select_kernel` + `_place_kernel` (SELECT) replace the merge's
+PHASE 1 by parts of a row in parallel, the last part to arrive finishing over the survivors. See
+`indexer_topk`'s docstring for the whole pipeline.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import triton
 import triton.language as tl
 
 from ._paging import rows_of
+from ._pdl import pdl_enter
 
 INVALID = tl.constexpr(-(2 ** 63))
 
@@ -160,11 +164,29 @@ def _collect(ptr, n, prefix, pmask, dst, cnt, tblrow, LIMIT, TILE: tl.constexpr,
 
 
 @triton.jit
+def _flag_overflow_tiles(tmin_ptr, ovf_ptr, row, ctx, NT, MAX_OVF, prefix, pmask, n_ovf, BLOCK_N: tl.constexpr,
+                         TILE: tl.constexpr):
+    """Append to the row's overflow list (at most MAX_OVF) every score tile whose smallest kept candidate (its
+    witness, tmin) is at or above the threshold (prefix, pmask): such a tile may hold more winners than it
+    kept. Returns the count of flagged tiles, n_ovf included (it may exceed MAX_OVF)."""
+    n_tiles = tl.cdiv(ctx, BLOCK_N)
+    for t0 in range(0, n_tiles, TILE):
+        tt = t0 + tl.arange(0, TILE)
+        m = tt < n_tiles
+        last = tl.load(tmin_ptr + row.to(tl.int64) * NT + tt, mask=m, other=INVALID)
+        ov = m & (last != INVALID) & ((last & pmask) >= prefix)
+        at = n_ovf + tl.cumsum(ov.to(tl.int32), 0) - 1
+        tl.store(ovf_ptr + row * MAX_OVF + at, tt, mask=ov & (at < MAX_OVF))
+        n_ovf += tl.sum(ov.to(tl.int32), 0)
+    return n_ovf
+
+
+@triton.jit
 def _merge_kernel(cand_ptr, tmin_ptr, hist_ptr, ext_ptr, ovf_ptr, novf_ptr, work_ptr, th_ptr, out_ptr, tbl_ptr, req_ptr,
                   MB, pos_ptr, ncomp_ptr,
                   NT, TOPK, MAX_OVF, BLOCK_N: tl.constexpr, KT: tl.constexpr, KP: tl.constexpr, KW: tl.constexpr,
                   PHASE: tl.constexpr, ROWS_OUT: tl.constexpr, TILE: tl.constexpr, LOG_BS: tl.constexpr,
-                  RESIDENT: tl.constexpr, COMPACT: tl.constexpr):
+                  RESIDENT: tl.constexpr, COMPACT: tl.constexpr, PDL: tl.constexpr):
     """PHASE 1 radix-selects theta over a row's candidates, flags overflowed tiles and, without overflow,
     writes the output; PHASE 2 redoes the selection over candidates + rescored tiles (8-bit digits).
     PHASE 1 takes its first digit (the top 11 bits) from the histogram the score kernel counted, copies
@@ -178,6 +200,7 @@ def _merge_kernel(cand_ptr, tmin_ptr, hist_ptr, ext_ptr, ovf_ptr, novf_ptr, work
     The work rows are KW keys apart; PHASE 1 uses the first KP of its row.
     COMPACT: cand_ptr holds `_filter_kernel`'s compacted rows (ncomp_ptr[row] keys, position order), which
     keep every candidate that can reach the selection: the passes above run over those instead."""
+    pdl_enter(PDL)
     row = tl.program_id(0)
     ctx = tl.load(pos_ptr + row) + 1
     tblrow = tbl_ptr + tl.load(req_ptr + row) * MB
@@ -257,15 +280,8 @@ def _merge_kernel(cand_ptr, tmin_ptr, hist_ptr, ext_ptr, ovf_ptr, novf_ptr, work
                                                             128 if p == 0 else 0)
         if PHASE == 1:
             if KT < BLOCK_N:  # tiles whose last candidate is selected may hold more winners
-                n_tiles = tl.cdiv(ctx, BLOCK_N)
-                for t0 in range(0, n_tiles, TILE):
-                    tt = t0 + tl.arange(0, TILE)
-                    m = tt < n_tiles
-                    last = tl.load(tmin_ptr + row.to(tl.int64) * NT + tt, mask=m, other=INVALID)
-                    ov = m & (last != INVALID) & ((last & pmask) >= prefix)
-                    at = n_ovf + tl.cumsum(ov.to(tl.int32), 0) - 1
-                    tl.store(ovf_ptr + row * MAX_OVF + at, tt, mask=ov & (at < MAX_OVF))
-                    n_ovf += tl.sum(ov.to(tl.int32), 0)
+                n_ovf = _flag_overflow_tiles(tmin_ptr, ovf_ptr, row, ctx, NT, MAX_OVF, prefix, pmask, n_ovf, BLOCK_N,
+                                             TILE)
             tl.store(novf_ptr + row, tl.minimum(n_ovf, MAX_OVF))
             tl.store(th_ptr + row.to(tl.int64) * 2, prefix)
             tl.store(th_ptr + row.to(tl.int64) * 2 + 1, pmask)
@@ -304,58 +320,3 @@ def _merge_kernel(cand_ptr, tmin_ptr, hist_ptr, ext_ptr, ovf_ptr, novf_ptr, work
             tl.debug_barrier()
             j = tl.arange(0, KP)
             _select_sorted(tl.load(wrow + j, mask=j < cnt, other=0), j < cnt, orow, tblrow, TOPK, KP, ROWS_OUT, LOG_BS)
-
-
-@triton.jit
-def _filter_kernel(cand_ptr, hist_ptr, hist2_ptr, cnt_ptr, comp_ptr, ncomp_ptr, pos_ptr, NT, TOPK,
-                   BLOCK_N: tl.constexpr, KT: tl.constexpr, PARTS: tl.constexpr, TILE: tl.constexpr,
-                   STEP: tl.constexpr):
-    """Parallel pre-selection of a row's candidates (grid: rows x PARTS; the serial merge then runs over the
-    survivors). Program (row, part) owns candidates [part*per, (part+1)*per), per = ceil(n_c / PARTS).
-    Every program first re-derives the boundary digit b0 (top 11 key bits) of the topk-th largest
-    candidate from the score pass's histogram (`_radix_step`), then
-      STEP 0: counts the next 11 bits (b1, bits 42..52) of its keys in bucket b0 into the row's second
-              histogram (global atomics);
-      STEP 1: takes b1 from that histogram and counts its keys whose top 22 bits are >= (b0, b1);
-      STEP 2: writes those keys to the compact row at the exclusive prefix of the parts' counts (position
-              order kept: parts are in order and each writes in order); part 0 stores the row's total.
-    Exactness: a dropped key ranks below the topk-th largest candidate, and the true top-k's threshold is
-    at least that (rescored keys are only added), so it can never be selected."""
-    row = tl.program_id(0)
-    part = tl.program_id(1)
-    ctx = tl.load(pos_ptr + row) + 1
-    if ctx > TOPK:
-        n_c = tl.cdiv(ctx, BLOCK_N) * KT
-        per = tl.cdiv(n_c, PARTS)
-        lo = part * per
-        n = tl.maximum(0, tl.minimum(per, n_c - lo))
-        src = cand_ptr + row.to(tl.int64) * NT * KT + lo
-        i11 = tl.arange(0, 2048)
-        need, prefix, pmask, done = _radix_step(tl.load(hist_ptr + row * 2048 + i11), i11, TOPK + tl.zeros([], tl.int32),
-                                                tl.zeros([], tl.int64), tl.zeros([], tl.int64), 53, 11, 1024)
-        if STEP == 0:
-            if done == 0:
-                for off in range(0, n, TILE):
-                    o = off + tl.arange(0, TILE)
-                    k = tl.load(src + o, mask=o < n, other=INVALID)
-                    hit = (o < n) & (k != INVALID) & ((k & pmask) == prefix)
-                    tl.atomic_add(hist2_ptr + row * 2048 + ((k >> 42) & 2047).to(tl.int32), 1, mask=hit, sem="relaxed")
-        else:
-            if done == 0:
-                need, prefix, pmask, done = _radix_step(tl.load(hist2_ptr + row * 2048 + i11), i11, need, prefix,
-                                                        pmask, 42, 11, 0)
-            if STEP == 1:
-                cnt = tl.zeros([], tl.int32)
-                for off in range(0, n, TILE):
-                    o = off + tl.arange(0, TILE)
-                    k = tl.load(src + o, mask=o < n, other=INVALID)
-                    cnt += tl.sum(((o < n) & (k != INVALID) & ((k & pmask) >= prefix)).to(tl.int32), 0)
-                tl.store(cnt_ptr + row * PARTS + part, cnt)
-            else:
-                pp = tl.arange(0, PARTS)
-                cnts = tl.load(cnt_ptr + row * PARTS + pp)
-                base = tl.sum(tl.where(pp < part, cnts, 0), 0)
-                _gather_ge(src, n, prefix, pmask, comp_ptr + row.to(tl.int64) * NT * KT, base, NT * KT, TILE)
-                if part == 0:
-                    tl.store(ncomp_ptr + row, tl.sum(cnts, 0))
-

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from codegen.kernel import KernelTemplate, Tunable, pow2_bucket
+from codegen.triton._pdl import launch_kwargs, pdl_enter
 
 MAX_BANK = 15
 MAX_BLOCK_D = 16384
@@ -57,12 +58,18 @@ def _bank_step(p, offs, ok, w, acc, m, l, d, eps, CDT: tl.constexpr):
 def _attn_res_kernel(b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13, b14,
                      last_ptr, part_ptr, prefix_ptr, proj_ptr, mnorm_ptr, g_ptr, x_ptr, h_ptr, T, d, eps, norm_eps,
                      N_BANK: tl.constexpr, PREFIX_ADD: tl.constexpr, STORE_X: tl.constexpr, NORM: tl.constexpr,
-                     CDT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr):
+                     CDT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr,
+                     PDL: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < d
     ok = (rows < T)[:, None] & col_ok[None, :]
     offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
+    w = (tl.load(proj_ptr + cols, mask=col_ok, other=0.0).to(CDT)  # weights: before the PDL wait
+         * tl.load(mnorm_ptr + cols, mask=col_ok, other=0.0).to(CDT))[None, :]
+    if NORM:
+        g = tl.load(g_ptr + cols, mask=col_ok, other=0.0).to(CDT)[None, :]
+    pdl_enter(PDL)
     # PREFETCH: the first min(N_BANK, PREFETCH) bank rows are loaded before any arithmetic, so their
     # memory latencies overlap (one round trip instead of one per source: the T = 1 decode row is latency-bound)
     if PREFETCH > 0 and N_BANK > 0:
@@ -77,8 +84,6 @@ def _attn_res_kernel(b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13,
     if PREFIX_ADD:  # prefix = prev + part, stored, and mixed as the stored (rounded) value
         v = (v.to(CDT) + tl.load(part_ptr + offs, mask=ok, other=0.0).to(CDT)).to(prefix_ptr.dtype.element_ty)
         tl.store(prefix_ptr + offs, v, mask=ok)
-    w = (tl.load(proj_ptr + cols, mask=col_ok, other=0.0).to(CDT)
-         * tl.load(mnorm_ptr + cols, mask=col_ok, other=0.0).to(CDT))[None, :]
     acc, m, l = _mix_step(v.to(CDT), w, 0.0, 0.0, 0.0, d, eps, True)
     if N_BANK > 0:
         if PREFETCH > 0:
@@ -128,7 +133,7 @@ def _attn_res_kernel(b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13,
     if NORM:
         xf = tl.where(ok, x.to(CDT), 0.0)
         h = xf / tl.sqrt(tl.sum(xf * xf, axis=1) / d + norm_eps)[:, None]
-        h = h * tl.load(g_ptr + cols, mask=col_ok, other=0.0).to(CDT)[None, :]
+        h = h * g
         tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=ok)
 
 
@@ -165,7 +170,7 @@ def attn_res_mix(bank, last, proj, mix_norm, eps: float, config: dict, *, part=N
             N_BANK=len(bank), PREFIX_ADD=part is not None, STORE_X=x is not None, NORM=norm_weight is not None,
             CDT=tl.float64 if dt == torch.float64 else tl.float32,
             BLOCK_R=config["BLOCK_R"], BLOCK_D=config["BLOCK_D"], PREFETCH=config.get("PREFETCH", 0),
-            num_warps=config["num_warps"])
+            num_warps=config["num_warps"], **launch_kwargs())
     lead = shape[:-1]
     shp = lambda t: None if t is None else t.reshape(*lead, d)  # noqa: E731
     return shp(prefix), shp(x), shp(h)

@@ -14,11 +14,14 @@ import triton
 import triton.language as tl
 
 from codegen.kernel import KernelTemplate, Tunable, pow2_bucket
+from codegen.triton._pdl import launch_kwargs, pdl_enter
 
 
 
 @triton.jit
-def _embedding_kernel(ids_ptr, table_ptr, y_ptr, T, V, D, stride_t, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def _embedding_kernel(ids_ptr, table_ptr, y_ptr, T, V, D, stride_t, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                      PDL: tl.constexpr):
+    pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     r_ok = rows < T
@@ -41,7 +44,8 @@ def embedding(table: torch.Tensor, ids: torch.Tensor, config: dict) -> torch.Ten
     if flat.numel():
         br, bd = config["BLOCK_R"], config["BLOCK_D"]
         _embedding_kernel[(triton.cdiv(flat.numel(), br), triton.cdiv(D, bd))](
-            flat, table, y, flat.numel(), V, D, table.stride(0), BLOCK_R=br, BLOCK_D=bd, num_warps=config["num_warps"])
+            flat, table, y, flat.numel(), V, D, table.stride(0), BLOCK_R=br, BLOCK_D=bd, num_warps=config["num_warps"],
+            **launch_kwargs())
     return y.reshape(*ids.shape, D)
 
 

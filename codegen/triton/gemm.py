@@ -45,6 +45,7 @@ from codegen.kernel import KernelTemplate, Tunable, pow2_bucket
 # gemm_tile, dot_numerics, interpreting: re-exported (kernels that fuse an epilogue onto a GEMM tile)
 from codegen.triton._gemv import (combine_in_launch, decode_dot_config, decode_gemv_config, dot_numerics,  # noqa: F401
                                   gemm_tile, gemv_tile, interpreting, k_chunk, reduce_partials, tile_counters)
+from codegen.triton._pdl import launch_kwargs, pdl_enter
 
 # Shared memory a program may use, per target (bytes). Unknown GPU targets get the conservative value.
 SMEM_BYTES = {"h100": 232448, "h200": 232448, "b200": 232448, "b300": 232448, "gb300": 232448, "rubin": 232448,
@@ -112,7 +113,8 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, K_CHUNK,
                  DOT_DTYPE: tl.constexpr, ACC_DTYPE: tl.constexpr, X_SPLITS: tl.constexpr,
                  PRECISION: tl.constexpr, EVEN_K: tl.constexpr, GEMV: tl.constexpr, SPLIT_K: tl.constexpr,
                  COMBINE: tl.constexpr, LOOP_STAGES: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                 PDL: tl.constexpr):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -135,8 +137,9 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, K_CHUNK,
     if GEMV:
         acc = gemv_tile(x_ptr, w_ptr, s_ptr, offs_m, offs_n, m_ok, n_ok, K, stride_xm, stride_xk, stride_wn,
                         stride_wk, stride_sn, stride_sk, SCALE_MODE, SCALE_GN, SCALE_GK, ACC_DTYPE, EVEN_K,
-                        BLOCK_M, BLOCK_N, BLOCK_K, LOOP_STAGES)
+                        BLOCK_M, BLOCK_N, BLOCK_K, LOOP_STAGES, PDL)  # waits for the previous kernel itself
     else:
+        pdl_enter(PDL)
         acc = gemm_tile(x_ptr, w_ptr, s_ptr, offs_m, offs_n, m_ok, n_ok, K, stride_xm, stride_xk, stride_wn,
                         stride_wk, stride_sn, stride_sk, SCALE_MODE, SCALE_GN, SCALE_GK, DOT_DTYPE, ACC_DTYPE,
                         X_SPLITS, PRECISION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
@@ -149,6 +152,19 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, K_CHUNK,
     else:
         y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :] * stride_yn
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def scale_args(w, config: dict, dummy: torch.Tensor) -> tuple:
+    """(SCALE_MODE, SCALE_GN, SCALE_GK, scales, scale strides) of a weight for the GEMM tiles: 0 plain (the
+    scales pointer is `dummy`), 1 FP8 per output channel, 2 FP8 per (gn x gk) block (BLOCK_K must divide gk)."""
+    if not isinstance(w, FP8Weight):
+        return 0, 1, 1, dummy, (0, 0)
+    scale_mode, (gn, gk) = (1, (1, 1)) if w.block is None else (2, w.block)
+    s = w.scale.to(torch.float32)
+    s_strides = (s.stride(0), 0) if s.dim() == 1 else (s.stride(0), s.stride(1))
+    if scale_mode == 2 and gk % config["BLOCK_K"]:
+        raise ValueError(f"gemm: BLOCK_K={config['BLOCK_K']} must divide the FP8 scale block {gk} along K")
+    return scale_mode, gn, gk, s, s_strides
 
 
 def gemm(x: torch.Tensor, w, config: dict, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -166,14 +182,7 @@ def gemm(x: torch.Tensor, w, config: dict, out: torch.Tensor | None = None) -> t
     out = torch.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out
     if M == 0 or N == 0 or K == 0:
         return out.zero_()
-    if fp8:
-        scale_mode, (gn, gk) = (1, (1, 1)) if w.block is None else (2, w.block)
-        s = w.scale.to(torch.float32)
-        s_strides = (s.stride(0), 0) if s.dim() == 1 else (s.stride(0), s.stride(1))
-        if scale_mode == 2 and gk % config["BLOCK_K"]:
-            raise ValueError(f"gemm: BLOCK_K={config['BLOCK_K']} must divide the FP8 scale block {gk} along K")
-    else:
-        scale_mode, gn, gk, s, s_strides = 0, 1, 1, out, (0, 0)
+    scale_mode, gn, gk, s, s_strides = scale_args(w, config, out)
     chunk, n_split = k_chunk(K, config["BLOCK_K"], int(config.get("SPLIT_K", 1)), gk if scale_mode == 2 else 0)
     numerics = dot_numerics(x.dtype, wq.dtype)
     p_dtype = torch.float64 if numerics["ACC_DTYPE"] == tl.float64 else torch.float32
@@ -187,7 +196,7 @@ def gemm(x: torch.Tensor, w, config: dict, out: torch.Tensor | None = None) -> t
         EVEN_K=K % config["BLOCK_K"] == 0, GEMV=int(config.get("GEMV", 0)), SPLIT_K=n_split, COMBINE=combine,
         LOOP_STAGES=max(1, int(config["num_stages"])),
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
-        num_warps=config["num_warps"], num_stages=config["num_stages"])
+        num_warps=config["num_warps"], num_stages=config["num_stages"], **launch_kwargs())
     if n_split > 1 and not combine:
         reduce_partials(partials, out)
     return out

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from codegen.kernel import KernelTemplate, Tunable, pow2_bucket
+from codegen.triton._pdl import launch_kwargs, pdl_enter
 
 ACTS = {"situ_glu": 0, "swiglu": 1, "add": 2}
 PLAIN = ("f32", "bf16", "f16", "f64")
@@ -54,14 +55,9 @@ def sigmoid_f(x):
 
 
 @triton.jit
-def _binary_kernel(a_ptr, u_ptr, y_ptr, R, C, stride_a, stride_u, stride_y, beta1, beta2,
-                   ACT: tl.constexpr, HAS_B2: tl.constexpr, CDT: tl.constexpr, SMALL: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    ok = (rows[:, None] < R) & (cols[None, :] < C)
-    a = tl.load(a_ptr + rows[:, None] * stride_a + cols[None, :], mask=ok, other=0.0).to(CDT)
-    u = tl.load(u_ptr + rows[:, None] * stride_u + cols[None, :], mask=ok, other=0.0).to(CDT)
+def binary_math(a, u, beta1, beta2, ACT: tl.constexpr, HAS_B2: tl.constexpr, SMALL: tl.constexpr):
+    """act(a, u) in the operands' (widened) dtype: ACT 0 situ_glu, 1 swiglu, 2 add (module docstring); shared
+    with the GEMM epilogue that applies a GLU to its own output (packed_glu.py), so both round alike."""
     if ACT == 0:
         y = beta1 * tanh_f(a / beta1, SMALL) * sigmoid_f(a)
         if HAS_B2:
@@ -71,6 +67,20 @@ def _binary_kernel(a_ptr, u_ptr, y_ptr, R, C, stride_a, stride_u, stride_y, beta
         y = a * sigmoid_f(a) * u
     else:
         y = a + u
+    return y
+
+
+@triton.jit
+def _binary_kernel(a_ptr, u_ptr, y_ptr, R, C, stride_a, stride_u, stride_y, beta1, beta2,
+                   ACT: tl.constexpr, HAS_B2: tl.constexpr, CDT: tl.constexpr, SMALL: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = (rows[:, None] < R) & (cols[None, :] < C)
+    a = tl.load(a_ptr + rows[:, None] * stride_a + cols[None, :], mask=ok, other=0.0).to(CDT)
+    u = tl.load(u_ptr + rows[:, None] * stride_u + cols[None, :], mask=ok, other=0.0).to(CDT)
+    y = binary_math(a, u, beta1, beta2, ACT, HAS_B2, SMALL)
     tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
@@ -97,7 +107,7 @@ def binary(act: str, a: torch.Tensor, u: torch.Tensor, config: dict, beta1=None,
     _binary_kernel[(triton.cdiv(R, br), triton.cdiv(C, bc))](
         a2, u2, y2, R, C, a2.stride(0), u2.stride(0), y2.stride(0), b1, 1.0 if beta2 is None else float(beta2),
         ACT=ACTS[act], HAS_B2=beta2 is not None, CDT=tl.float64 if fp64 else tl.float32, SMALL=1e-3 if fp64 else 0.25,
-        BLOCK_R=br, BLOCK_C=bc, num_warps=config["num_warps"])
+        BLOCK_R=br, BLOCK_C=bc, num_warps=config["num_warps"], **launch_kwargs())
     return y
 
 

@@ -19,6 +19,7 @@ import triton.language as tl
 from codegen.kernel import KernelTemplate, Tunable, pow2_bucket
 from codegen.triton import _precision as precision
 from codegen.triton._paging import paging_args, pool_strides, row_offsets, rows_of
+from codegen.triton._pdl import launch_kwargs, pdl_enter
 from codegen.triton.gemm import dot_numerics, gemm_tile
 from codegen.triton.norm_quant import AMAX_FLOOR, _hadamard_tile, _quantize_rows, hadamard_matrix
 
@@ -27,9 +28,11 @@ from codegen.triton.norm_quant import AMAX_FLOOR, _hadamard_tile, _quantize_rows
 def _indexer_query_kernel(x_ptr, w_ptr, q_ptr, s_ptr, T, K, HEADS, stride_xm, stride_wn,
                           DOT_DTYPE: tl.constexpr, ACC_DTYPE: tl.constexpr, X_SPLITS: tl.constexpr,
                           PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
-                          BLOCK_M: tl.constexpr, DI: tl.constexpr, BLOCK_K: tl.constexpr, HPREC: tl.constexpr):
+                          BLOCK_M: tl.constexpr, DI: tl.constexpr, BLOCK_K: tl.constexpr, HPREC: tl.constexpr,
+                          PDL: tl.constexpr):
     """Program (token block, head j): acc = c_q @ W_Iq[j]^T (one head = one DI-wide tile), then rotate
     and quantise each (token, head) row in registers: q8[t, j, :], q_scale[t, j]."""
+    pdl_enter(PDL)
     head = tl.program_id(1)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = head * DI + tl.arange(0, DI)
@@ -79,8 +82,9 @@ def _indexer_key_rows(prog, ik_ptr, g_ptr, b_ptr, iw_ptr, w_ptr, kpool_ptr, spoo
 def _indexer_key_kernel(ik_ptr, g_ptr, b_ptr, iw_ptr, w_ptr, kpool_ptr, spool_ptr, req_ptr, pos_ptr, tbl_ptr, MB,
                         T, HEADS, stride_ik, stride_iw, k_sblk, k_srow, s_sblk, s_srow, eps, weight_scale,
                         BLOCK_R: tl.constexpr, DI: tl.constexpr, BLOCK_H: tl.constexpr, LOG_BS: tl.constexpr,
-                        HPREC: tl.constexpr):
+                        HPREC: tl.constexpr, PDL: tl.constexpr):
     """One program per BLOCK_R token rows: `_indexer_key_rows`."""
+    pdl_enter(PDL)
     _indexer_key_rows(tl.program_id(0), ik_ptr, g_ptr, b_ptr, iw_ptr, w_ptr, kpool_ptr, spool_ptr, req_ptr, pos_ptr,
                       tbl_ptr, MB, T, HEADS, stride_ik, stride_iw, k_sblk, k_srow, s_sblk, s_srow, eps, weight_scale,
                       BLOCK_R, DI, BLOCK_H, LOG_BS, HPREC)
@@ -123,13 +127,14 @@ def _indexer_front_split_kernel(x_ptr, w_ptr, qbuf_ptr, cnt_ptr, q_ptr, s_ptr,
                                 PRECISION: tl.constexpr, EVEN_K: tl.constexpr, GEMV: tl.constexpr,
                                 SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, DI: tl.constexpr, BLOCK_K: tl.constexpr,
                                 BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, LOG_BS: tl.constexpr,
-                                HPREC: tl.constexpr):
+                                HPREC: tl.constexpr, PDL: tl.constexpr):
     """Programs [0, NQ): (token block, head j, part p) computes the DI / SPLIT query columns
     [p * DI / SPLIT, +DI / SPLIT) of head j (dot-free GEMV at BLOCK_M = 1, tensor cores otherwise) into the
     fp32 scratch qbuf, then counts itself in cnt[token block, j]; the last of the SPLIT parts to arrive
     (release/acquire atomic) reads the whole head back, rotates and quantises it, and resets the counter.
     Every query value is produced by exactly one program, so the result does not depend on arrival order.
     Programs [NQ, ...): the key rows (`_indexer_key_rows`)."""
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     if pid < NQ:
         DP: tl.constexpr = DI // SPLIT
@@ -215,7 +220,7 @@ def indexer_front(ops: list, attrs: dict, config: dict):
         _indexer_query_kernel[(triton.cdiv(T, bm), hi)](
             x, wq, q8, qs, T, K, hi, x.stride(0), wq.stride(0), **dot_numerics(x.dtype, wq.dtype),
             EVEN_K=K % bk == 0, BLOCK_M=bm, DI=di, BLOCK_K=bk, HPREC=precision.precise_fp32(), num_warps=config["num_warps"],
-            num_stages=config["num_stages"])
+            num_stages=config["num_stages"], **launch_kwargs())
         ikc = ik if ik.stride(-1) == 1 else ik.contiguous()
         iwc = iw if iw.stride(-1) == 1 else iw.contiguous()
         br = config["BLOCK_R"]
@@ -227,7 +232,7 @@ def indexer_front(ops: list, attrs: dict, config: dict):
             ikc, g, b, iwc, w, key_pool.view(torch.uint8), scale_pool, req, token_pos, tbl, mb,
             T, hi, ikc.stride(0), iwc.stride(0), *k_strides, *s_strides, float(attrs["eps"]), float(attrs["weight_scale"]),
             BLOCK_R=br, DI=di, BLOCK_H=pow2_bucket(hi), LOG_BS=log_bs, HPREC=precision.precise_fp32(),
-            num_warps=config["num_warps"])
+            num_warps=config["num_warps"], **launch_kwargs())
     return q8.view(torch.float8_e4m3fn), qs, w, key_pool, scale_pool
 
 
@@ -260,7 +265,8 @@ def _indexer_front_split(c_q, wq_b, ik, g, b, iw, key_pool, scale_pool, token_re
         *k_strides, *s_strides, float(attrs["eps"]), float(attrs["weight_scale"]),
         **dot_numerics(x.dtype, wq.dtype), EVEN_K=K % bk == 0, GEMV=int(config.get("GEMV", 0)), SPLIT=split,
         BLOCK_M=bm, DI=di, BLOCK_K=bk, BLOCK_R=br, BLOCK_H=pow2_bucket(hi), LOG_BS=log_bs,
-        HPREC=precision.precise_fp32(), num_warps=config["num_warps"], num_stages=config["num_stages"])
+        HPREC=precision.precise_fp32(), num_warps=config["num_warps"], num_stages=config["num_stages"],
+        **launch_kwargs())
 
 
 def _front_key(a, attrs) -> dict:

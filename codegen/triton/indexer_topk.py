@@ -34,6 +34,13 @@ FILTER 1 inserts between 1 and 2 a parallel pre-selection (`_filter_kernel`, gri
 launches): the boundary's next 11 key bits are counted, and only candidates whose top 22 bits reach the
 topk-th largest candidate's are compacted (in position order) for the merges, which then stream a few
 thousand keys instead of every candidate (exact: the dropped keys rank below a key the selection beats).
+SELECT 1 replaces 2 (and FILTER) by two launches over grid rows x SELECT_PARTS (`_select_kernel`,
+`_place_kernel`), no program passing over all of a row's candidates: each part derives the boundary digit b0
+from the score pass's histogram, appends its keys of digit >= b0 (the survivors) to a survivor row and counts
+bucket b0's next 11 bits; the last part to arrive at the row's counter (atomic acq_rel) takes that digit, then
+8-bit digits over the survivors (in registers when they fit SELECT_RES) to the exact threshold, flags
+overflowed tiles, and stores each part's output offset; `_place_kernel` writes every part's selected keys
+from its offset (position order: the output ascending). Merge 2 then re-selects over the survivors.
 Workspace per row 8 B x (NT*(KT+1) + (topk/KT)*BLOCK_N + 2 pow2(topk) + 2); prefill runs in row chunks.
 Pools: flat [N, ...] or block views [NB, block_size, ...] of a packed pool (`_paging.pool_strides`), read
 in place through `row_offsets`.
@@ -41,7 +48,9 @@ in place through `row_offsets`.
 API: `indexer_topk(...)` (positions: the IR op), `output="rows"` (the positions' pool rows, -1
 padded: what attention kernels read), `key_format="mxfp4"`. Tunables: BLOCK_N, KT, SPLITS (programs
 per row), CAND, DOT, PREFETCH (score kernel: next tile in flight), num_warps / num_stages (score kernel),
-MERGE_TILE, MERGE_WARPS, FILTER / FILTER_PARTS. Batch invariant (each row
+MERGE_TILE, MERGE_WARPS, FILTER / FILTER_PARTS, SELECT / SELECT_PARTS / SELECT_RES, HIST (score kernel:
+per-program first-digit histogram). Every kernel keeps the PDL contract (`_pdl`: `pdl_enter` first, the
+caches they read are written earlier in the step). Batch invariant (each row
 on its own).
 """
 
@@ -57,7 +66,9 @@ import triton.language as tl
 from ..kernel import KernelTemplate, Tunable, pow2_bucket
 from ._paging import context_bound, paging_args, pool_strides
 from ._indexer_tiles import _rescore_kernel, _score_kernel
-from ._topk_select import _filter_kernel, _merge_kernel
+from ._pdl import launch_kwargs
+from ._topk_parallel import _filter_kernel, _place_kernel, _select_kernel
+from ._topk_select import _merge_kernel
 
 WORKSPACE_BYTES = 1 << 28
 RESCORE_PROGRAMS = 16   # programs per row rescoring overflowed tiles
@@ -90,8 +101,9 @@ def heuristic(key: dict, target: str) -> dict:
     Short contexts (L <= ~8 topk: a 128-key tile then holds >= 32 winners on average, so per-tile candidates
     would be a large share of the keys anyway): every key is a candidate (KT = BLOCK_N: no per-tile sort,
     no witness, never a rescore), one tile per program, the merge streams 2048 keys at a time.
-    Long contexts: the best two of each group of consecutive positions (CAND 1, `default_kt_pairs`), a
-    four-deep pipeline; the few tiles that hold more winners are rescored exactly.
+    Long contexts: the best two of each group of consecutive positions (CAND 1, `default_kt_pairs`), fp16
+    dots (DOT 3) at num_stages 1; the few tiles that hold more winners are rescored exactly. FILTER once a row
+    holds more than 4 x 2048 candidates (32K and up at batch 1, every long context).
     H200 2026-11-29 (benches/bench_attention_decode.py, FP8 keys, 32 x 128 heads, top-2048, rows out,
     graph replay): batch 1 at 8K: 25.7 us (MERGE_TILE 2048; 4096: 26.2, 8192 resident: 30.1 (spills); the
     previous KT 64 candidates + rescore path 43.8; the score kernel alone 6.8); batch 32 at 128K: 646 us
@@ -107,7 +119,19 @@ def heuristic(key: dict, target: str) -> dict:
     DOT is numerics, not a tunable: SPEC §5.6 asks fp32 accumulation, which DOT 0 and DOT 3 (e4m3 codes widened
     exactly to bf16 / fp16, fp32-accumulating tensor-core dots) give. DOT 1 (FP8 tensor-core dots, reduced-precision
     sums promoted to fp32 every 32-deep step) differs from the reference at near-ties within 1e-4; DOT 2 (no
-    promotion) fails the check: both kept for an explicit config only."""
+    promotion) fails the check: both kept for an explicit config only.
+    H200 2026-11-29 session 7 (same bench, PDL on): FILTER 1 (pre-selection, the merges over its survivors) pays once
+    a row holds more than 4 merge tiles of candidates: batch 1 at 32K 34.1 us vs 73.7 (serial merge over 32768 keys;
+    score pass 11.1), at 8K 27.5 vs 24.6 (so off there); batch 32 at 128K 424 us (29.4% of read bandwidth) with
+    DOT 3 / num_stages 1 vs 494 without FILTER and 590 for the session-5/6 default (DOT 0, num_stages 4); the
+    score pass alone 316 us. SELECT 1 (`_select_kernel`: parallel threshold, the last program to arrive
+    finishes over the survivors, `_place_kernel` writes in parallel; 3 launches after the score pass, no
+    single-program pass over all candidates; 227 registers at 8 warps, ptxas sm_90a, Triton 3.6) and HIST 1
+    (per-program histogram: 252 registers at 4 warps against 136 without) compile for sm_90.
+    Then timed (same bench, the lead's second call, every variant exact against the IR reference): SELECT 1 with
+    16 parts and SELECT_RES 2048 at batch 1: 8K 21.1 us vs 24.3 (parts 8 / 32 / 64: 21.2 / 22.0 / 22.2), 32K
+    (with FILTER) 27.1 vs 34.2; batch 32 at 128K 427 vs 426 (neutral, so the long-context branch keeps the
+    merges). The short-context branch takes it (measured at batch 1; larger batches follow the same rule)."""
     L, K, T = max(1, key["L"]), key["K"], max(1, key["T"])
     if target == "cpu":
         bn = 32 if L <= 256 else 128
@@ -117,10 +141,11 @@ def heuristic(key: dict, target: str) -> dict:
     nt = -(-L // bn)
     if default_kt(bn, K, L) * 4 >= bn:
         return dict(BLOCK_N=bn, KT=bn, SPLITS=max(1, min(nt, round(8 * 132 / T))), num_warps=4, num_stages=1,
-                    CAND=0, DOT=3, MERGE_TILE=2048)
+                    CAND=0, DOT=3, MERGE_TILE=2048, FILTER=int(nt * bn > 4 * 2048), FILTER_PARTS=16,
+                    SELECT=1, SELECT_PARTS=16, SELECT_RES=2048)
     splits = max(1, min(max(1, nt // 4), round(8 * 132 / T)))
-    return dict(BLOCK_N=bn, KT=default_kt_pairs(bn, K, L), SPLITS=splits, num_warps=4, num_stages=4, CAND=1, DOT=0,
-                MERGE_TILE=2048)
+    return dict(BLOCK_N=bn, KT=default_kt_pairs(bn, K, L), SPLITS=splits, num_warps=4, num_stages=1, CAND=1, DOT=3,
+                MERGE_TILE=2048, FILTER=1, FILTER_PARTS=16)
 
 
 def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_table, block_size: int, topk: int, *,
@@ -196,41 +221,63 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_tab
     imprecise = (32 if dot == 1 else DI) if fp8_dot else 0
     HP = max(16, _pow2(HI))
     mt = int(cfg.get("MERGE_TILE", 1024))
-    filt, parts = bool(cfg.get("FILTER", 0)) and L > topk, int(cfg.get("FILTER_PARTS", 16))
-    if parts & (parts - 1) or not 1 <= parts <= 1024:
-        raise ValueError(f"indexer_topk: config {cfg}: FILTER_PARTS must be a power of two in 1..1024")
+    sel_mode = bool(cfg.get("SELECT", 0)) and L > topk
+    filt, parts = bool(cfg.get("FILTER", 0)) and L > topk and not sel_mode, int(cfg.get("FILTER_PARTS", 16))
+    sparts, res = int(cfg.get("SELECT_PARTS", 16)), int(cfg.get("SELECT_RES", 4096))
+    if parts & (parts - 1) or not 1 <= parts <= 1024 or sparts & (sparts - 1) or not 1 <= sparts <= 1024 or \
+            res & (res - 1) or res < 16:
+        raise ValueError(f"indexer_topk: config {cfg}: FILTER_PARTS / SELECT_PARTS must be powers of two in 1..1024, "
+                         f"SELECT_RES a power of two >= 16")
+    pdl = launch_kwargs()
     for r0 in range(0, T, chunk):
         r1 = min(T, r0 + chunk)
         n = r1 - r0
         cand, tmin, ext, work, th = (torch.empty(n, m, dtype=torch.int64, device=dev)
                                      for m in (NT * kt, NT, max_ovf * bn, KW, 2))
         ovf = torch.empty(n, max_ovf, dtype=torch.int32, device=dev)
-        # one memset: first-digit histograms (counted while scoring), overflow counts, second-digit histograms
-        zeroed = torch.zeros(n * (2049 + 2048 * filt), dtype=torch.int32, device=dev)
-        hist, novf = zeroed[:n * 2048].view(n, 2048), zeroed[n * 2048:n * 2049]
-        hist2 = zeroed[n * 2049:].view(n, 2048) if filt else hist
+        # one memset: first-digit histograms (counted while scoring), overflow counts, second-digit histograms,
+        # survivor counts and arrival counters (SELECT)
+        seg = [2048, 1] + [2048] * (filt or sel_mode) + [1, 1] * sel_mode
+        zeroed = torch.zeros(n * sum(seg), dtype=torch.int32, device=dev)
+        views = [zeroed[n * sum(seg[:i]):n * sum(seg[:i + 1])].view(n, w_) for i, w_ in enumerate(seg)]
+        hist, novf = views[0], views[1].view(n)
+        hist2 = views[2] if len(views) > 2 else hist
         cnt, ncomp = (torch.empty(n, parts, dtype=torch.int32, device=dev),
                       torch.empty(n, dtype=torch.int32, device=dev)) if filt else (novf, novf)
+        if sel_mode:
+            ncomp, arrive = views[3].view(n), views[4].view(n)
         qc, wc, sc, rc, pc, oc = q8[r0:r1], w[r0:r1], q_scale[r0:r1], req[r0:r1], pos[r0:r1], out[r0:r1]
         common = dict(HI=HI, DI=DI, HP=HP, BLOCK_N=bn, KT=kt, KEY_FMT=fmt, DOT_DT=dot_dt, LOG_BS=log_bs,
-                      IMPRECISE=imprecise)
+                      IMPRECISE=imprecise, **pdl)
         pools = (k8, ks, k_sb, k_sr, s_sb, s_sr)
         splits = max(1, min(int(cfg["SPLITS"]), NT))
         _score_kernel[(n, splits)](qc, wc, sc, *pools, tbl, rc, MB, pc, cand, tmin, hist, NT, topk, splits,
                                    num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
-                                   CAND=cand_mode, PREFETCH=int(cfg.get("PREFETCH", 0)), **common)
+                                   CAND=cand_mode, PREFETCH=int(cfg.get("PREFETCH", 0)), HIST=int(cfg.get("HIST", 0)),
+                                   **common)
         if stop_after == "score":
             continue
         merge = dict(BLOCK_N=bn, KT=kt, KP=KP, KW=KW, ROWS_OUT=output == "rows", TILE=mt, LOG_BS=log_bs,
-                     COMPACT=filt, num_warps=int(cfg.get("MERGE_WARPS", 8 if mt >= 1024 else 4)))
+                     COMPACT=filt or sel_mode, num_warps=int(cfg.get("MERGE_WARPS", 8 if mt >= 1024 else 4)), **pdl)
         src = cand
-        if filt:   # parallel pre-selection: the merges then run over the survivors only
+        if sel_mode:   # parallel threshold (last arriver) + parallel placement; PHASE 2 reads the survivors
             src = torch.empty_like(cand)
-            for step in range(3):
-                _filter_kernel[(n, parts)](cand, hist, hist2, cnt, src, ncomp, pc, NT, topk, BLOCK_N=bn, KT=kt,
-                                           PARTS=parts, TILE=mt, STEP=step, num_warps=4)
-        _merge_kernel[(n,)](src, tmin, hist, ext, ovf, novf, work, th, oc, tbl, rc, MB, pc, ncomp, NT, topk, max_ovf,
-                            PHASE=1, RESIDENT=NT * kt <= mt, **merge)
+            poff = torch.empty(n, sparts, dtype=torch.int32, device=dev)
+            _select_kernel[(n, sparts)](cand, tmin, hist, hist2, ncomp, arrive, src, poff, ovf, novf, th, oc, tbl, rc,
+                                        MB, pc, NT, topk, max_ovf, BLOCK_N=bn, KT=kt, PARTS=sparts, TILE=mt, RES=res,
+                                        ROWS_OUT=output == "rows", LOG_BS=log_bs,
+                                        num_warps=int(cfg.get("MERGE_WARPS", 8)), **pdl)
+            _place_kernel[(n, sparts)](cand, novf, th, poff, oc, tbl, rc, MB, pc, NT, topk, BLOCK_N=bn, KT=kt,
+                                       PARTS=sparts, TILE=mt, ROWS_OUT=output == "rows", LOG_BS=log_bs, num_warps=4,
+                                       **pdl)
+        else:
+            if filt:   # parallel pre-selection: the merges then run over the survivors only
+                src = torch.empty_like(cand)
+                for step in range(3):
+                    _filter_kernel[(n, parts)](cand, hist, hist2, cnt, src, ncomp, pc, NT, topk, BLOCK_N=bn, KT=kt,
+                                               PARTS=parts, TILE=mt, STEP=step, num_warps=4, **pdl)
+            _merge_kernel[(n,)](src, tmin, hist, ext, ovf, novf, work, th, oc, tbl, rc, MB, pc, ncomp, NT, topk, max_ovf,
+                                PHASE=1, RESIDENT=NT * kt <= mt, **merge)
         if kt < bn and L > topk:
             _rescore_kernel[(n, min(max_ovf, RESCORE_PROGRAMS))](qc, wc, sc, *pools, tbl, rc, MB, pc, ovf, novf, ext,
                                                                   max_ovf, num_warps=int(cfg["num_warps"]),
@@ -240,7 +287,7 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_tab
         if stats is not None:
             stats["overflowed_rows"] = stats.get("overflowed_rows", 0) + int((novf > 0).sum())
             stats["overflowed_tiles"] = stats.get("overflowed_tiles", 0) + int(novf.sum())
-            if filt:   # candidates kept by the pre-selection, of those written (rows with context > topk)
+            if filt or sel_mode:   # candidates kept by the pre-selection, of those written (rows with context > topk)
                 big = pc + 1 > topk
                 stats["filter_kept"] = stats.get("filter_kept", 0) + int(ncomp[big].sum())
                 stats["filter_candidates"] = stats.get("filter_candidates", 0) + \
@@ -294,9 +341,10 @@ TUNABLES = (Tunable("BLOCK_N", (64, 128, 256)), Tunable("KT", (4, 8, 16, 32, 64)
             Tunable("SPLITS", (1, 2, 4, 8, 16, 24, 32, 48, 64, 128)), Tunable("num_warps", (4, 8)),
             Tunable("num_stages", (1, 2, 3, 4)), Tunable("MERGE_TILE", (512, 1024, 2048, 4096, 8192)),
             Tunable("CAND", (0, 1)), Tunable("PREFETCH", (0, 1)), Tunable("FILTER", (0, 1)),
-            Tunable("FILTER_PARTS", (16, 32)))
-# DOT fixes the numerics (see `heuristic`): never searched; MERGE_WARPS (measured worse off its default, session 6)
-# only by an explicit config
+            Tunable("FILTER_PARTS", (16, 32)), Tunable("SELECT", (0, 1)))
+# DOT fixes the numerics (see `heuristic`): never searched; MERGE_WARPS (measured worse off its default, session 6),
+# SELECT_PARTS / SELECT_RES (the search space stays under the tuner's enumeration limit) and HIST (252 registers in
+# the score kernel at sm_90, 136 without) only by an explicit config
 
 TEMPLATES = [
     KernelTemplate(family="indexer_topk", backend="triton", ops=("indexer_topk",), launch=_launch, key_dims=_key,

@@ -44,6 +44,7 @@ import triton.language as tl
 from ..kernel import KernelTemplate, Tunable, pow2_bucket
 from ._kda_common import _counters, _gate_gemm, _rows, kda_gate_math
 from codegen.triton import _precision as precision
+from codegen.triton._pdl import launch_kwargs, pdl_enter
 
 FUSED_OP = "fused.kda_decode"
 OPERANDS = ("q", "k", "v", "q_conv", "k_conv", "v_conv", "conv_state", "f_a", "f_b", "A_log", "dt_bias", "b",
@@ -102,7 +103,9 @@ def _kda_decode_kernel(q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, fa, s_fa, fb,
                        H: tl.constexpr, D: tl.constexpr, KW: tl.constexpr, KWP: tl.constexpr, RL: tl.constexpr,
                        RB: tl.constexpr, BV: tl.constexpr, SPLIT: tl.constexpr, GATE: tl.constexpr,
                        HAS_BIAS: tl.constexpr, HAS_NW: tl.constexpr, KEEP: tl.constexpr, LOWRANK: tl.constexpr,
-                       MAXT: tl.constexpr, PREFETCH: tl.constexpr, PREC: tl.constexpr, GEMV: tl.constexpr):
+                       MAXT: tl.constexpr, PREFETCH: tl.constexpr, PREC: tl.constexpr, GEMV: tl.constexpr,
+                       PDL: tl.constexpr):
+    pdl_enter(PDL)
     r, h, vs = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(cu + r).to(tl.int64)
     n = tl.load(cu + r + 1).to(tl.int64) - bos
@@ -299,7 +302,8 @@ def kda_decode(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_
                 RB=max(16, min(rank_block, triton.next_power_of_2(RL))), GATE=1 if lower_bound is not None else 2,
                 HAS_BIAS=dt_bias is not None, HAS_NW=o_norm_w is not None, KEEP=bool(keep_states),
                 LOWRANK=f_b is not None, MAXT=group, PREFETCH=bool(prefetch),
-                PREC=precision.fast_fp32() if low else "ieee", GEMV=bool(gemv), num_warps=num_warps, **cap)
+                PREC=precision.fast_fp32() if low else "ieee", GEMV=bool(gemv), num_warps=num_warps, **cap,
+                **launch_kwargs())
         except BaseException:
             if split > 1:  # an interrupted launch (time-out, error) must not leave arrivals counted
                 ctr.zero_()

@@ -34,6 +34,7 @@ import triton.language as tl
 
 from codegen.kernel import KernelTemplate, Tunable, pow2_bucket
 from codegen.triton._paging import paging_args, pool_strides, row_offsets, rows_of
+from codegen.triton._pdl import launch_kwargs, pdl_enter
 from codegen.triton.gemm import dot_numerics, gemm_tile, gemv_tile
 from codegen.triton.norm_quant import e4m3_code
 
@@ -58,10 +59,11 @@ def _mla_query_kernel(cq_ptr, w_ptr, q_ptr, kva_ptr, g_ptr, pool_ptr, req_ptr, p
                       BLOCK_R: tl.constexpr, LOG_BS: tl.constexpr, FP8: tl.constexpr,
                       DOT_DTYPE: tl.constexpr, ACC_DTYPE: tl.constexpr, X_SPLITS: tl.constexpr,
                       PRECISION: tl.constexpr, EVEN_K: tl.constexpr, GEMV: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     n_lat = tl.cdiv(T, BLOCK_R)
     if pid < n_lat:  # latent rows: RMSNorm | k_pe -> pool dtype -> paged row
+        pdl_enter(PDL)
         rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < T
         src = kva_ptr + rows.to(tl.int64)[:, None] * stride_kva
@@ -86,10 +88,11 @@ def _mla_query_kernel(cq_ptr, w_ptr, q_ptr, kva_ptr, g_ptr, pool_ptr, req_ptr, p
         offs_n = (tile % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
         m_ok = offs_m < T
         n_ok = offs_n < N
-        if GEMV:
+        if GEMV:  # waits for the previous kernel itself, after loading its first weight tile
             acc = gemv_tile(cq_ptr, w_ptr, w_ptr, offs_m, offs_n, m_ok, n_ok, K, stride_cq, 1, stride_w, 1, 0, 0,
-                            0, 1, 1, ACC_DTYPE, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
+                            0, 1, 1, ACC_DTYPE, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, 1, PDL)
         else:
+            pdl_enter(PDL)
             acc = gemm_tile(cq_ptr, w_ptr, w_ptr, offs_m, offs_n, m_ok, n_ok, K, stride_cq, 1, stride_w, 1, 0, 0,
                             0, 1, 1, DOT_DTYPE, ACC_DTYPE, X_SPLITS, PRECISION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
         tl.store(q_ptr + offs_m.to(tl.int64)[:, None] * stride_q + offs_n[None, :], acc.to(q_ptr.dtype.element_ty),
@@ -133,7 +136,8 @@ def mla_query(ops: list, attrs: dict, config: dict):
             T, N, K, mb, x.stride(0), w.stride(0), q.stride(0), kva.stride(0), stride_blk, stride_row,
             float(attrs["eps"]), KV=kv, DR=dr, BLOCK_KV=pow2_bucket(kv), BLOCK_DR=pow2_bucket(dr), BLOCK_R=br,
             LOG_BS=log_bs, FP8=fp8, **dot_numerics(x.dtype, w.dtype), EVEN_K=K % bk == 0, GEMV=config["GEMV"],
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=config["num_warps"], num_stages=config["num_stages"])
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=config["num_warps"], num_stages=config["num_stages"],
+            **launch_kwargs())
     q3 = q.view(T, H, dn + dr)
     return q3[:, :, :dn], q3[:, :, dn:], pool
 

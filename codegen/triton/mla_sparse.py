@@ -2,7 +2,7 @@
 
 Math, per token t (request r, position p) and head h, over its context rows c(s) = [c_KV(s); k_pe(s)]
 (the selected positions Sel(t), or every s <= p without a selection):
-    q~ = [W_UK^h^T q_nope ; q_pe]                          (`_absorb_kernel`, one launch, before)
+    q~ = [W_UK^h^T q_nope ; q_pe]                          (`_absorb_kernel`, one launch, before: _mla_combine.py)
     z(s) = scale * q~ . c(s),   lse = log sum_s e^z(s),   o~ = sum_s e^(z(s)-lse) c_KV(s)
     o^h = W_UV^h o~                                         (batched matmul after; form="latent" stops at o~)
 The kernel does the attention over latent rows: one program per (token, block of BLOCK_H heads,
@@ -11,7 +11,8 @@ row is read once per token, not once per head), online softmax in fp32 (exp2), t
 Two orientations (ORIENT): 1 = `_mla_heads_kernel` here (heads are the dots' M, one pass per step over
 whole rows: the default, FP8 pools), 0 = `_mla_sparse_kernel` in _mla_rows.py (rows are M, optional column
 blocks: the previous path, kept for bf16 / NVFP4 pools). Both gather and dequantise rows through
-_mla_tiles.py. Chunks of the same token are merged by `_combine_kernel` (_mla_tiles.py) with their
+_mla_tiles.py. Chunks of the same token are merged by `_combine_kernel` (_mla_tiles.py, launched by
+_mla_combine.py's `combine_chunks`, which also holds the query absorption) with their
 log-sum-exps, in a fixed order (o~ i = sum_i e^(lse_i - lse) o~_i, lse = log sum_i e^lse_i). The number
 of chunks is L / CHUNK with L the number of selected rows (sparse) or the context bound (dense): never the
 context for a selection. Chunk boundaries depend only on CHUNK and the token's own rows; CHUNK follows the
@@ -36,25 +37,22 @@ num_warps, num_stages.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from ..kernel import KernelTemplate, Tunable, pow2_bucket
+from ._mla_combine import _interpreting, absorb_queries, combine_chunks, split_kv_b
 from ._mla_rows import _mla_sparse_kernel
-from ._mla_tiles import (_LN2, _combine_kernel, _fp8_to, _k_pe, _k_pe_raw, _rows_at, _sub_deq, _sub_raw,  # noqa: F401
+from ._mla_tiles import (_LN2, _fp8_to, _k_pe, _k_pe_raw, _rows_at, _sub_deq, _sub_raw,  # noqa: F401
                          _sub_tile, e2m1_to_f32, e8m0_to_f32)
 from ._paging import context_bound, paging_args, pool_strides
+from ._pdl import launch_kwargs, pdl_enter
 from codegen.triton import _precision as precision
 
 LOG2E = 1.4426950408889634
 LATENT_FORMATS = ("bf16", "fp32", "fp8", "nvfp4")
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -62,7 +60,7 @@ def _mla_heads_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, po
                       H, KSEL, NSPLIT, CHUNK, sb, sr, qk_scale, v_scale, pe_scale,
                       KV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                       FMT: tl.constexpr, SPARSE: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr,
-                      PAGED: tl.constexpr, LOG_BS: tl.constexpr, PREFETCH: tl.constexpr):
+                      PAGED: tl.constexpr, LOG_BS: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
     """ORIENT 1 (heads-major): the program's BLOCK_H heads are the M dimension of both dots, the
     BLOCK_N context rows of a step the N (logits) and K (values) dimension, one pass per step:
         S = [q~ ; q_pe] [c_KV ; k_pe]^T   [BLOCK_H, BLOCK_N]  (q~ and q_pe held in registers, loaded once)
@@ -75,6 +73,7 @@ def _mla_heads_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, po
     (selected rows, or its causal context) into CHUNK-row pieces merged by `_combine_kernel`; with one
     piece the program writes the final o~ (in o_ptr's dtype) and lse itself. Same partial layout and
     numerics contract as `_mla_sparse_kernel` (fp32 accumulation, exp2 online softmax)."""
+    pdl_enter(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     sp = tl.program_id(2)
@@ -134,23 +133,6 @@ def _mla_heads_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, po
     tl.store(lse_ptr + th * NSPLIT + sp, lse, mask=hm)
 
 
-@triton.jit
-def _absorb_kernel(qn_ptr, w_ptr, out_ptr, T, H, s_qt, s_qh, s_wh, s_wn, DN: tl.constexpr, KV: tl.constexpr,
-                   BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr):
-    """q~[t, h, k] = sum_n q_nope[t, h, n] W_UK[h, n, k] for BLOCK_T tokens x BLOCK_K latent columns of one
-    head (grid: token blocks, heads, column blocks); fp32 accumulation, stored in out's dtype (the
-    einsum it replaces ran in q_nope's dtype). q_nope and W_UK are read through their strides."""
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    h = tl.program_id(1).to(tl.int64)
-    kk = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
-    n = tl.arange(0, DN)
-    tm = t < T
-    q = tl.load(qn_ptr + t.to(tl.int64)[:, None] * s_qt + h * s_qh + n[None, :], mask=tm[:, None], other=0.0)
-    w = tl.load(w_ptr + h * s_wh + n[:, None] * s_wn + kk[None, :])
-    acc = tl.dot(q.to(DOT_DT), w.to(DOT_DT), input_precision=PREC)
-    tl.store(out_ptr + (t.to(tl.int64)[:, None] * H + h) * KV + kk[None, :], acc, mask=tm[:, None])
-
-
 # ------------------------------------------------------------------------------------ host API
 PARTIAL_BYTES = 1 << 30  # split partials held at once (see sparse_latent_attention)
 
@@ -178,6 +160,15 @@ def heuristic(key: dict, target: str) -> dict:
     the mma.sync M replicate the 576-wide query operand in every warp), so 2 programs of 4 warps per SM and
     one step's rows in flight each: the batch-64 gap to bandwidth. A column-blocked variant that re-read query
     blocks per step (fewer live registers in theory) measured 158-240 us at batch 64 and was dropped.
+    Session 7 (same bench, PDL on): batch 1 12.1 us with BLOCK_N 32 / 4 warps / CHUNK 32 (the batch-64 rule's config)
+    vs 12.5 for BLOCK_N 64 / 8 warps / CHUNK 64 (the same order as session 6's 14.6 / 14.9: one rule for every
+    batch now); PDL off 15.0 us. Batch 64: 104.1 us (17.1%); CHUNK 512 103.7, num_stages 2 110.5, BLOCK_N 64 / 8
+    warps 131-139, PREFETCH 0 114.3: the 255-register bound stands (see above). ptxas (Triton 3.6 for sm_90a,
+    compiled without a GPU: triton.compile for GPUTarget("cuda", 90, 32) with the 16-byte divisibility hints real
+    launches get, cuobjdump -res-usage): 255 registers and no stack at the default, 8 B of stack at PREFETCH 0,
+    239 registers at 8 warps (BLOCK_N 32: not timed at batch 64 yet, the bench sweeps it), 255 + 72 B stack at
+    BLOCK_N 64 / 8 warps. The replicated [BLOCK_H, kv] bf16 query operand (128 registers per thread) and the
+    [BLOCK_H, kv] fp32 accumulator (64 at 4 warps) leave little for a step's rows in flight.
     bf16 and NVFP4 pools keep the rows-major kernel's configs (measured 2026-11-29 s3: 0.087 / 0.185 ms at
     batch 64), with the same split rule."""
     H = max(1, key.get("H", 16))
@@ -194,8 +185,6 @@ def heuristic(key: dict, target: str) -> dict:
     if fmt != 1:   # bf16 / NVFP4 pools: the previous rows-major configs (ORIENT 1 not yet measured on them)
         cfg = dict(ORIENT=0, BLOCK_H=bh, BLOCK_N=32, num_warps=4, num_stages=2, SUB=1, PREFETCH=1) if fmt == 0 else \
             dict(ORIENT=0, BLOCK_H=bh, BLOCK_N=64, num_warps=4, num_stages=1, SUB=4, PREFETCH=1)
-    elif not key.get("bi", 0) and 0 < T <= 8:
-        cfg = dict(ORIENT=1, BLOCK_H=bh, BLOCK_N=64, num_warps=8, num_stages=2, PREFETCH=1)
     else:
         cfg = dict(ORIENT=1, BLOCK_H=bh, BLOCK_N=32, num_warps=4, num_stages=1, PREFETCH=1)
     cfg["CHUNK"] = min(16384, max(cfg["BLOCK_N"], _pow2(-(-L // pieces))))
@@ -268,7 +257,8 @@ def sparse_latent_attention(q_abs, q_pe, latent, token_pos, paging, scale: float
     qa, qp = q_abs.contiguous(), q_pe.contiguous()
     common = dict(KV=KV, DR=DR, BLOCK_H=bh, BLOCK_N=bn, FMT=fmt, SPARSE=selection is not None, DOT_DT=dot_dt,
                   PREC="ieee" if f32 else precision.low_bits(), PAGED=paging is not None, LOG_BS=log_bs,
-                  PREFETCH=prefetch, num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
+                  PREFETCH=prefetch, num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
+                  **launch_kwargs())
     if orient == 0:
         common["SUB"] = int(cfg.get("SUB", 1))
     kernel = _mla_heads_kernel if orient == 1 else _mla_sparse_kernel
@@ -281,38 +271,8 @@ def sparse_latent_attention(q_abs, q_pe, latent, token_pos, paging, scale: float
             po, plse, H, sel.shape[1] if selection is not None else 0, nsplit, chunk, sb, sr, scale * LOG2E,
             vs, ps, **common)
         if nsplit > 1:
-            cb = min(KV, 128)
-            _combine_kernel[((t1 - t0) * H, KV // cb)](po, plse, o[t0:t1], lse[t0:t1], nsplit, KV=KV, CB=cb,
-                                                       SB=min(64, _pow2(nsplit)), num_warps=4)
+            combine_chunks(po, plse, o[t0:t1], lse[t0:t1])
     return o, lse
-
-
-def absorb_queries(q_nope: torch.Tensor, W_UK: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """q~ = W_UK^T q_nope per head: [T, H, kv] in `dtype` from q_nope [T, H, dn] and W_UK [H, dn, kv] (strided
-    views allowed: unit inner strides), one `_absorb_kernel` launch with fp32 accumulation; dn must be a
-    power of two >= 16 (else the einsum in `dtype`)."""
-    T, H, DN = q_nope.shape
-    KV = W_UK.shape[2]
-    if DN & (DN - 1) or DN < 16 or KV % 32 or q_nope.stride(2) != 1 or W_UK.stride(2) != 1:
-        return torch.einsum("thn,hnk->thk", q_nope.to(dtype), W_UK.to(dtype))
-    out = torch.empty(T, H, KV, dtype=dtype, device=q_nope.device)
-    if T == 0:
-        return out
-    f32 = _interpreting() or dtype == torch.float32
-    bk = min(KV, 128)
-    _absorb_kernel[(-(-T // 16), H, KV // bk)](q_nope, W_UK, out, T, H, q_nope.stride(0), q_nope.stride(1),
-                                               W_UK.stride(0), W_UK.stride(1), DN=DN, KV=KV, BLOCK_T=16,
-                                               BLOCK_K=bk, DOT_DT=tl.float32 if f32 else tl.bfloat16,
-                                               PREC="ieee" if f32 else precision.low_bits(), num_warps=4)
-    return out
-
-
-def split_kv_b(kv_b: torch.Tensor, H: int, dn: int):
-    """kv_b_proj [H*(dn+dv), kv] -> (W_UK [H, dn, kv], W_UV [H, dv, kv])."""
-    if kv_b.shape[0] % H:
-        raise ValueError(f"mla: kv_b {tuple(kv_b.shape)} rows are not a multiple of H={H}")
-    w = kv_b.view(H, kv_b.shape[0] // H, kv_b.shape[1])
-    return w[:, :dn], w[:, dn:]
 
 
 def mla_sparse_decode(q_nope, q_pe, latent, kv_b, token_pos, token_req, block_table, block_size: int, scale: float,

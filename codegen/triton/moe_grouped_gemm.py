@@ -4,14 +4,16 @@
     act = SiTU-GLU  β1·tanh(a/β1)·sigmoid(a) · β2·tanh(u/β2)   (β2 absent: · u)   | SwiGLU silu(a)·u
 
 Two paths (config PATH). "gemv" (decode, up to GEMV_MAX_PAIRS routed pairs: _moe_gemv.py): one
-program per (pair, row block) for gate-up and per (token, row block) for down + slot-order combine, no
-permutation, two launches; inner product by FFMA (T=1) or the MMA step below (T=8). "grouped", below
-(many tokens per expert; batch-invariant mode always). H200, graph replay, session 6: T=1 top-2 39.0 us
-(4.8x the 8.2 us byte floor; session 5's grouped split-4: 45.3, 5 launches of ~2.3 us each in a graph);
-T=8 top-2 185 us (grouped unsplit 190). At T=1 the FFMA loop costs ~5.5 instructions a weight element
-(decode 2, fp16->fp32 1, FFMA 1, addressing, activation loads): ~11.5 us of issue at full rate, and its
-bytes in flight sit in registers (no cp.async for loads feeding no dot), too few to cover HBM latency;
-the MMA variant (cp.async stages, ~4.3 an element) has one warp per 16 rows: ~3 warps an SM (51 us).
+program per (pair, row block) for gate-up and per (pair, row block) for down, the slot-order combine done
+in the down launch by the last slot of each token to finish, no permutation, two launches; FFMA inner
+product on the MXFP4 words (GV=2; session 6's kernels, GV=1 with an MMA-step option, stay callable).
+"grouped", below (many tokens per expert; batch-invariant mode always). H200, graph replay, PDL launches,
+session 7: T=1 top-2 27.7 us (3.4x the 8.2 us byte floor; session 6: 38.4), T=8 top-2 183.7 us (3.6x;
+session 6's MMA step 185, grouped unsplit 189). Where the T=1 time goes: the K loop costs ~36-40 SASS
+instructions per int32 word of 8 weights (sm_90, static count: decode 4 LOP3/SHF + 2 fp16->fp32 per code
+pair, 8 FFMA, activation loads): ~9 per weight byte, above the ~7.8 an SM can issue per byte it streams
+at 4.3 TB/s (128 lanes x ~1.75 GHz / 16.5 B a clock), so the loop is issue-bound at ~2.5-3x the floor;
+the rest is the two launches' ramp and tail.
 
 Grouped pipeline (no host sync, deterministic, no atomics):
   1. `permute_tokens` (moe_router.py): routed pairs p = t·k + j grouped by expert (one program up to
@@ -41,7 +43,8 @@ dequantised in registers by the decode that config DEQ names (formats, decodes a
 _moe_host.py, whose `_kernel_weight` gives the kernels' W_FMT and WIDE; device code: _moe_tiles.py).
 Scale bytes are below cp.async's 4 bytes, so they are plain loads in the K loop: SL=1 issues both
 weights' at the top of the step (latencies overlap), SL=0 each after its weight tile; PF=1 adds an L1
-prefetch of the next step's (CUDA only). Host-side operand, storage and target helpers: _moe_host.py.
+prefetch of the next step's (CUDA only). Host-side operand, storage and target helpers: _moe_host.py;
+the heuristic's named configs, the split-K rule and the config constraints: _moe_configs.py.
 H200, bf16, E=112, top-16, l=3584, I=3072 (bench_moe.py): decode T=64 reads 1.9 GB of MXFP4 weights
 (108 live experts) in 1.109 ms under graph replay (session 5: asm16, BN=64 on 2 warps, mma.sync, MAXNREG
 168; 36.5% of the read ceiling; 128-row wgmma tiles 31%, bf16 weights 92%: a register-operand wgmma
@@ -60,12 +63,16 @@ import triton
 import triton.language as tl
 
 from codegen.kernel import KernelTemplate, Tunable, pow2_bucket
+from codegen.triton._moe_configs import (BATCH_INVARIANT_CONFIG, DECODE_MAXNREG, GEMV_FFMA_S6,  # noqa: F401
+                                         GEMV_MAX_PAIRS, GEMV_MMA_S6, GEMV_T1, GEMV_T8, GEMV_TILES,
+                                         GPU_SLOTS, constraints, decode_split)
 from codegen.triton._moe_host import (DEQ_MODES, _BYTE_DECODE, _TL, _fit_bk, _int16_view,  # noqa: F401
                                       _kernel_weight, _weight, max_tiles, storage, target_cc)
 from codegen.triton._moe_gemv import gemv_experts, gemv_supported
 from codegen.triton._moe_splits import _combine_splits_kernel, _glu_splits_kernel, combine_pairs  # noqa: F401
 from codegen.triton._moe_tiles import (_glu, _k_range, _load_bt, _locate_tile, _mma_step_t, _step_scales,
                                       _swizzle)
+from codegen.triton._pdl import launch_kwargs, pdl_enter
 from codegen.triton.moe_router import ExpertSegments, permute_tokens
 
 
@@ -75,7 +82,9 @@ def _moe_gate_up_kernel(z_ptr, pair_ptr, counts_ptr, offsets_ptr, w1_ptr, w3_ptr
                         up_off, beta1, beta2, N_TILES, TOPK: tl.constexpr, E_PAD: tl.constexpr,
                         W_FMT: tl.constexpr, ACT: tl.constexpr, HAS_BETA2: tl.constexpr, IEEE: tl.constexpr,
                         DT: tl.constexpr, WIDE: tl.constexpr, PF: tl.constexpr, SL: tl.constexpr, BM: tl.constexpr,
-                        BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr):
+                        BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr,
+                        PDL: tl.constexpr):
+    pdl_enter(PDL)      # the tile's expert comes from the permutation's counts: nothing to load before
     pid = tl.program_id(0)
     sk = pid % SPLIT
     tid, nb = _swizzle(pid // SPLIT, N_TILES, tl.cdiv(INTER, BN), GROUP_M)
@@ -120,7 +129,8 @@ def _moe_down_kernel(h_ptr, pair_ptr, counts_ptr, offsets_ptr, w2_ptr, s2_ptr, o
                      E, ELL, INTER, stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o, stride_os, N_TILES,
                      E_PAD: tl.constexpr, W_FMT: tl.constexpr, IEEE: tl.constexpr, DT: tl.constexpr,
                      WIDE: tl.constexpr, PF: tl.constexpr, SL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr):
+                     BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     sk = pid % SPLIT
     tid, nb = _swizzle(pid // SPLIT, N_TILES, tl.cdiv(ELL, BN), GROUP_M)
@@ -194,7 +204,7 @@ def expert_pair_outputs(z: torch.Tensor, ids: torch.Tensor, w1, w2, w3, act: str
     n_tiles = max_tiles(P, E, bm)
     # PF: inline PTX, not in the interpreter
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], SL=int(cfg.get("SL", 0)),
-                  PF=int(cfg.get("PF", 0)) if z.is_cuda else 0)
+                  PF=int(cfg.get("PF", 0)) if z.is_cuda else 0, **launch_kwargs())
     if cfg.get("MAXNREG") and z.is_cuda:    # a register cap: more programs per SM (the decode tiles take ~220)
         launch["maxnreg"] = int(cfg["MAXNREG"])
     glu = dict(ACT=0 if act == "situ" else 1, HAS_BETA2=act == "situ" and beta2 is not None)
@@ -213,7 +223,8 @@ def expert_pair_outputs(z: torch.Tensor, ids: torch.Tensor, w1, w2, w3, act: str
         #             through shared memory (2·SPLIT fp32 tiles a stage: 1 program per SM on the H200)
         br, bi = min(16, triton.next_power_of_2(P)), min(1024, triton.next_power_of_2(inter))
         _glu_splits_kernel[(triton.cdiv(P, br), triton.cdiv(inter, bi))](
-            part, h, P, inter, *h_st[1:], h_st[0], h.stride(0), *betas, SPLIT=split, BR=br, BI=bi, num_warps=4, **glu)
+            part, h, P, inter, *h_st[1:], h_st[0], h.stride(0), *betas, SPLIT=split, BR=br, BI=bi, num_warps=4, **glu,
+            **launch_kwargs())
     c2, a2, b2, st2, wide2 = _kernel_weight(f2, q2, s2, cfg["DEQ"], z.dtype)
     _moe_down_kernel[(n_tiles * triton.cdiv(ell, cfg["BN2"]) * split2,)](
         h, seg.pair_ids, seg.counts, seg.offsets, a2, b2, o, E, ell, inter, h.stride(0), *st2, o.stride(-2),
@@ -241,20 +252,7 @@ def moe_experts(z, weights, ids, w1, w2, w3, act: str, beta1=None, beta2=None, c
 
 
 # --------------------------------------------------------------------------------------- template
-BATCH_INVARIANT_CONFIG = {"BM": 64, "BN": 64, "BK": 64, "BN2": 64, "BK2": 64, "num_warps": 4, "num_stages": 3,
-                          "GROUP_M": 8, "SPLIT": 1}
-GEMV_MAX_PAIRS = 16        # routed pairs up to which the per-pair path runs (heuristic)
-GEMV_FFMA_MAX_PAIRS = 4    # ... with the FFMA inner product; above, the MMA step
-# per-pair tiles measured best on the H200 (session 6, bench_moe.py, graph replay, l=3584, I=3072, MXFP4):
-# T=1 top-2: FFMA 8 rows x 1024 columns a step, 4 warps 39.0 us (16 x 512: 51.6; MMA 16 x 128, 1 warp,
-# 4 stages: 51.3); T=8 top-2: that MMA tile 185 us (FFMA 8 x 1024: 220; grouped unsplit: 190)
-GEMV_FFMA = {"GN": 8, "GK": 1024, "GN2": 8, "GK2": 1024, "GMMA": 0, "num_warps": 4, "num_stages": 1}
-GEMV_MMA = {"GN": 16, "GK": 128, "GN2": 16, "GK2": 128, "GMMA": 1, "num_warps": 1, "num_stages": 4}
-GEMV_TILES = {k: v for k, v in GEMV_FFMA.items() if k not in ("num_warps", "num_stages")}
-GPU_SLOTS = 528             # 4 decode programs on each of the H200's 132 SMs (219 registers a thread)
-DECODE_MAXNREG = 168        # the cap that fits 6 when the programs fill several waves (T=64: 1.11 vs 1.16 ms)
-
-
+# the heuristic's named configs (GEMV_T1, GEMV_T8, ...), `decode_split` and `constraints`: _moe_configs.py
 def _key(T, E, K, ell, inter, mx: bool, dtype, attrs) -> dict:
     return {"T": int(T), "E": int(E), "K": int(K), "L": int(ell), "I": int(inter), "MX": int(mx),
             "BF16": int(dtype == torch.bfloat16), "BI": int(bool(attrs.get("batch_invariant", False)))}
@@ -274,8 +272,8 @@ def bucket(key: dict) -> dict:
 
 def heuristic(key: dict, target=None) -> dict:
     """Path and tiles measured on the H200 (benches/bench_moe.py). Up to GEMV_MAX_PAIRS routed pairs (T=1
-    top-2, T=8 top-2): the per-pair path, two launches, FFMA up to GEMV_FFMA_MAX_PAIRS pairs (T=1: 39.0 us,
-    session 5's grouped split-4 45.3), else the MMA step (T=8: 185 us). Grouped decode (<= 16 tokens per
+    top-2, T=8 top-2): the per-pair path (_moe_gemv.py GV=2: two launches, FFMA on the MXFP4 words) with the
+    GEMV_T1 tiles (T=1: 27.7 us, session 6's 38.4; T=8: 168.3 us, GEMV_T8 186.3, session 6's 204.1). Dense expert weights run the GV=1 kernels with the same tiles. Grouped decode (<= 16 tokens per
     expert): a 16-token tile x 64 weight rows on 2 warps (mma.sync, see the module doc), K steps of 128,
     asm16, scales first (SL): 1.14 ms vs 1.37 for 128-row wgmma tiles; when the routed tiles fill the
     GPU (T=64, top-16) a register cap (DECODE_MAXNREG) raises occupancy from 4 to 6 programs per SM.
@@ -309,7 +307,7 @@ def heuristic(key: dict, target=None) -> dict:
     cfg.update(GEMV_TILES, GASM=int(cc is not None))     # on both paths, so a tuner flipping PATH has them
     cfg["PATH"] = "gemv" if not key.get("BI") and key["T"] * key["K"] <= GEMV_MAX_PAIRS else "grouped"
     if cfg["PATH"] == "gemv":
-        cfg.update(GEMV_FFMA if key["T"] * key["K"] <= GEMV_FFMA_MAX_PAIRS else GEMV_MMA)
+        cfg.update(GEMV_T1)
         if cc is None:              # the interpreter pays per program: fewer, taller row blocks
             cfg.update(GN=32, GN2=32)
         return cfg
@@ -321,48 +319,6 @@ def heuristic(key: dict, target=None) -> dict:
         cfg["SPLIT"] = min(decode_split(tiles * -(-key["I"] // cfg["BN"]), -(-key["L"] // cfg["BK"])),
                            decode_split(tiles * -(-key["L"] // cfg["BN2"]), -(-key["I"] // cfg["BK2"])))
     return cfg
-
-
-def decode_split(programs: int, k_steps: int, most: int = 8) -> int:
-    """K slices per output tile: doubled while the programs still fit GPU_SLOTS and every slice keeps at
-    least 4 K steps (measured on the H200: 4 at T=1 top-2 of 112 experts, 1 at T=64 top-16)."""
-    s = 1
-    while 2 * s <= most and programs * 2 * s <= GPU_SLOTS and k_steps >= 4 * 2 * s:
-        s *= 2
-    return s
-
-
-def constraints(config: dict, key: dict, target=None) -> list[str]:
-    out = []
-    mx = key["MX"]
-    for bk in ("BK", "BK2"):
-        if mx and config[bk] % 32:
-            out.append(f"{bk}={config[bk]} must be a multiple of the MXFP4 block (32)")
-    if config["DEQ"] in ("dot_scaled", "asm", "asm16"):
-        cc = target_cc(target)
-        if not (mx and key["BF16"]):
-            out.append(f"DEQ={config['DEQ']} needs MXFP4 weights and bf16 activations")
-        if cc is None or cc < 90:
-            out.append(f"DEQ={config['DEQ']} needs a CUDA target of compute capability >= 9.0, found {cc}")
-    if key.get("BI") and any(config.get(k, 1 if k == "SPLIT" else None) != v for k, v in BATCH_INVARIANT_CONFIG.items()):
-        out.append("batch_invariant: tiles are fixed to BATCH_INVARIANT_CONFIG (no split-K)")
-    if key.get("BI") and config.get("PATH", "grouped") != "grouped":
-        out.append("batch_invariant: the grouped path (PATH='grouped') with BATCH_INVARIANT_CONFIG")
-    if config.get("GASM") and target_cc(target) is None:
-        out.append("GASM=1 (inline PTX decode) needs a CUDA target")
-    for g in ("GN", "GK", "GN2", "GK2"):
-        v = config.get(g, 16)
-        if v < 1 or v & (v - 1) or (g.startswith("GK") and mx and v < 8):
-            out.append(f"{g}={v} must be a power of two (GK, GK2 >= 8 for MXFP4 words)")
-    if key.get("BI") and config.get("SPLIT2", 1) != 1:
-        out.append("batch_invariant: no split-K (SPLIT2 must be 1)")
-    # per stage: the activation tile (twice for MXFP4: as loaded and split into even/odd columns) and the
-    # w1, w3 tiles (MXFP4 half a byte per element, bf16 weights two)
-    stage = config["BM"] * config["BK"] * 2 * (2 if mx else 1) + config["BN"] * config["BK"] * (1 if mx else 4)
-    smem = config["num_stages"] * stage
-    if smem > 220 * 1024:
-        out.append(f"gate-up pipeline needs ~{smem // 1024} KiB of shared memory (> 220)")
-    return out
 
 
 def supports(a, attrs, target=None):
@@ -396,7 +352,7 @@ TEMPLATES = [KernelTemplate(
               Tunable("num_stages", (2, 3, 4)), Tunable("PATH", ("gemv", "grouped")), Tunable("SL", (0, 1)),
               Tunable("DEQ", ("asm16", "asm", "bytes", "bytes16", "dot_scaled")), Tunable("SPLIT", (1, 2, 4, 8))),
     # 233,280 configs (the tuner enumerates up to 250,000; PATH took GROUP_M's place, now fixed at 8).
-    # Explicit-config options: SPLIT2, MAXNREG, PF (grouped) and the per-pair path's GN, GK, GN2, GK2, GMMA,
-    # GASM, GW2, GPROG (heuristic values measured on the H200, session 6)
+    # Explicit-config options: SPLIT2, MAXNREG, PF (grouped) and the per-pair path's GV, GN, GK, GN2, GK2, GW2,
+    # PREF, XV, HX (GV=2), GMMA, GASM, GPROG (GV=1) (heuristic values measured on the H200, session 7)
     doc="routed experts: per-pair GEMVs (decode) or grouped GEMMs with permutation, fused SiTU-GLU/SwiGLU, "
         "fp32 slot-order combine; MXFP4 dequantised in registers (or tl.dot_scaled)")]

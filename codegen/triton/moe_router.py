@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from codegen.kernel import KernelTemplate, Tunable, pow2_bucket
+from codegen.triton._pdl import launch_kwargs, pdl_enter
 
 NEG_INF = tl.constexpr(float("-inf"))
 
@@ -46,7 +47,7 @@ def _moe_router_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, stride_t, scalin
                        PER: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                        G_PAD: tl.constexpr, P_PAD: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr,
                        BLOCK_T: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       RENORM: tl.constexpr):
+                       RENORM: tl.constexpr, PDL: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     g = tl.arange(0, G_PAD)
     g3 = g[None, :, None]
@@ -55,6 +56,9 @@ def _moe_router_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, stride_t, scalin
     lane = (g3 < N_GROUP) & (p3 < PER)                               # real expert lanes
     r3 = rows[:, None, None]
     live = (r3 < T) & lane
+    if HAS_BIAS:    # a parameter (never written by a step): loaded before the wait
+        bias = tl.load(bias_ptr + eid, mask=lane, other=0.0).to(tl.float32)
+    pdl_enter(PDL)  # the logits are the previous kernel's output
     x = tl.load(logits_ptr + r3.to(tl.int64) * stride_t + eid, mask=live, other=0.0).to(tl.float32)
     if SOFTMAX:
         mx = tl.max(tl.max(tl.where(lane, x, NEG_INF), 2), 1)
@@ -65,7 +69,7 @@ def _moe_router_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, stride_t, scalin
         s = tl.sigmoid(x)
     c = s
     if HAS_BIAS:
-        c = s + tl.load(bias_ptr + eid, mask=lane, other=0.0).to(tl.float32)
+        c = s + bias
     c = tl.where(lane, c, NEG_INF)
     if N_GROUP > 1:
         m1 = tl.max(c, 2)                                            # [BT, G]
@@ -141,7 +145,7 @@ def router(logits: torch.Tensor, bias: torch.Tensor | None, topk: int, activatio
             x, bias if bias is not None else x, w, ids, T, x.stride(0), float(scaling),
             PER=per, N_GROUP=n_group, TOPK_GROUP=topk_group, G_PAD=g_pad, P_PAD=p_pad, TOPK=topk,
             K_PAD=triton.next_power_of_2(topk), BLOCK_T=bt, SOFTMAX=activation == "softmax",
-            HAS_BIAS=bias is not None, RENORM=bool(renormalize), num_warps=num_warps)
+            HAS_BIAS=bias is not None, RENORM=bool(renormalize), num_warps=num_warps, **launch_kwargs())
     return w, ids
 
 
@@ -157,7 +161,9 @@ def _router_config(lanes: int, tokens: int) -> tuple[int, int]:
 
 # ------------------------------------------------------------------------------------ permutation
 @triton.jit
-def _count_chunks_kernel(ids_ptr, chunk_counts_ptr, P, E, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+def _count_chunks_kernel(ids_ptr, chunk_counts_ptr, P, E, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl_enter(PDL)
     c = tl.program_id(0)
     p = c * CHUNK + tl.arange(0, CHUNK)
     e = tl.load(ids_ptr + p, mask=p < P, other=-1).to(tl.int32)
@@ -168,7 +174,8 @@ def _count_chunks_kernel(ids_ptr, chunk_counts_ptr, P, E, E_PAD: tl.constexpr, C
 
 @triton.jit
 def _scan_chunks_kernel(chunk_counts_ptr, chunk_base_ptr, counts_ptr, NCHUNK, E,
-                        BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr):
+                        BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     ev = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     emask = ev < E
     carry = tl.zeros([BLOCK_E], dtype=tl.int32)
@@ -184,7 +191,8 @@ def _scan_chunks_kernel(chunk_counts_ptr, chunk_base_ptr, counts_ptr, NCHUNK, E,
 
 @triton.jit
 def _scatter_pairs_kernel(ids_ptr, chunk_base_ptr, counts_ptr, offsets_ptr, pair_ids_ptr, P, E,
-                          E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+                          E_PAD: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     c = tl.program_id(0)
     ev = tl.arange(0, E_PAD)
     emask = ev < E
@@ -204,10 +212,11 @@ def _scatter_pairs_kernel(ids_ptr, chunk_base_ptr, counts_ptr, offsets_ptr, pair
 
 @triton.jit
 def _permute_one_program_kernel(ids_ptr, counts_ptr, offsets_ptr, pair_ids_ptr, P, E, E_PAD: tl.constexpr,
-                                CHUNK: tl.constexpr):
+                                CHUNK: tl.constexpr, PDL: tl.constexpr):
     """count, scan and scatter in one program: pass 1 sums the one-hot counts over chunks of CHUNK pairs;
     offsets = exclusive cumsum; pass 2 places chunk c's pairs at offsets[e] + (pairs of e in earlier
     chunks) + rank in the chunk."""
+    pdl_enter(PDL)
     ev = tl.arange(0, E_PAD)
     emask = ev < E
     cnt = tl.zeros([E_PAD], dtype=tl.int32)
@@ -274,17 +283,18 @@ def permute_tokens(ids: torch.Tensor, num_experts: int, chunk: int | None = None
     if fused if fused is not None else P <= FUSED_MAX_PAIRS:
         ch = chunk or min(_perm_chunk(e_pad), max(16, triton.next_power_of_2(P)))
         _permute_one_program_kernel[(1,)](flat, counts, offsets, pair_ids, P, E, E_PAD=e_pad, CHUNK=ch,
-                                          num_warps=4)
+                                          num_warps=4, **launch_kwargs())
         return ExpertSegments(counts, offsets, pair_ids, E, K, T)
     ch = chunk or _perm_chunk(e_pad)
     nchunk = max(1, triton.cdiv(P, ch))
     chunk_counts = torch.empty(nchunk, E, dtype=torch.int32, device=dev)
     chunk_base = torch.empty(nchunk, E, dtype=torch.int32, device=dev)
-    _count_chunks_kernel[(nchunk,)](flat, chunk_counts, P, E, E_PAD=e_pad, CHUNK=ch)
+    _count_chunks_kernel[(nchunk,)](flat, chunk_counts, P, E, E_PAD=e_pad, CHUNK=ch, **launch_kwargs())
     block_e = min(e_pad, 128)
-    _scan_chunks_kernel[(triton.cdiv(E, block_e),)](chunk_counts, chunk_base, counts, nchunk, E,
-                                                     BLOCK_E=block_e, BLOCK_C=max(1, min(64, 8192 // block_e)))
-    _scatter_pairs_kernel[(nchunk,)](flat, chunk_base, counts, offsets, pair_ids, P, E, E_PAD=e_pad, CHUNK=ch)
+    _scan_chunks_kernel[(triton.cdiv(E, block_e),)](chunk_counts, chunk_base, counts, nchunk, E, BLOCK_E=block_e,
+                                                     BLOCK_C=max(1, min(64, 8192 // block_e)), **launch_kwargs())
+    _scatter_pairs_kernel[(nchunk,)](flat, chunk_base, counts, offsets, pair_ids, P, E, E_PAD=e_pad, CHUNK=ch,
+                                     **launch_kwargs())
     return ExpertSegments(counts, offsets, pair_ids, E, K, T)
 
 

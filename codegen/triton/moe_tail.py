@@ -34,6 +34,7 @@ from codegen.kernel import KernelTemplate, Tunable, pow2_bucket
 from codegen.triton import _moe_tiles as tiles
 from codegen.triton import moe_grouped_gemm as gg
 from codegen.triton._moe_splits import _combine_splits_kernel
+from codegen.triton._pdl import launch_kwargs, pdl_enter
 
 TAIL_OP = "fused.latent_moe_tail"
 TAIL_OPERANDS = ("y", "norm_w", "w_up", "shared")
@@ -42,8 +43,9 @@ TAIL_OPERANDS = ("y", "norm_w", "w_up", "shared")
 # ---------------------------------------------------------------------------------------- kernels
 @triton.jit
 def _latent_norm_kernel(y_ptr, g_ptr, out_ptr, T, ELL, stride_y, stride_out, eps,
-                        BT: tl.constexpr, BL: tl.constexpr):
+                        BT: tl.constexpr, BL: tl.constexpr, PDL: tl.constexpr):
     """out = y / sqrt(mean(y²) + eps) · g over whole rows (BL >= ℓ), stored in out's dtype."""
+    pdl_enter(PDL)
     rt = tl.program_id(0) * BT + tl.arange(0, BT)
     rl = tl.arange(0, BL)
     ok = (rt < T)[:, None] & (rl < ELL)[None, :]
@@ -56,8 +58,9 @@ def _latent_norm_kernel(y_ptr, g_ptr, out_ptr, T, ELL, stride_y, stride_out, eps
 @triton.jit
 def _up_proj_add_kernel(y_ptr, w_ptr, sh_ptr, out_ptr, T, D, ELL, stride_y, stride_w, stride_sh, stride_out,
                         IEEE: tl.constexpr, DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        GROUP_M: tl.constexpr):
+                        GROUP_M: tl.constexpr, PDL: tl.constexpr):
     """out[t, n] = Σ_k y[t, k]·W[n, k] + shared[t, n] (fp32 accumulation, K in BK steps, one program)."""
+    pdl_enter(PDL)
     pm, pn = tiles._swizzle(tl.program_id(0), tl.cdiv(T, BM), tl.cdiv(D, BN), GROUP_M)
     rm = pm * BM + tl.arange(0, BM)
     rn = pn * BN + tl.arange(0, BN)
@@ -81,18 +84,20 @@ def _up_proj_add_kernel(y_ptr, w_ptr, sh_ptr, out_ptr, T, D, ELL, stride_y, stri
 @triton.jit
 def _latent_tail_gemv_kernel(y_ptr, g_ptr, w_ptr, sh_ptr, out_ptr, D, ELL, stride_y, stride_w, stride_sh, stride_out,
                              eps, YN_DT: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr):
+                             BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """One token row t = program_id(1), outputs n in one BLOCK_N slice, no tensor cores (dot-free GEMV):
         r      = sqrt(mean(y[t]²) + eps)                       (whole row, every program: 14 KB from L2)
         yn[k]  = YN_DT(y[t, k] / r · g[k])                      (rounded where the reference's cast rounds)
         out[n] = Σ_j P[n, j] + shared[t, n],  P[n, j] = Σ_i yn[k0_i + j]·W[n, k0_i + j]   (fp32, k0_i in order)
-    The first W tile is requested before the norm's reduction so the stream starts at once."""
+    The first W tile is requested before the norm's reduction (and before the PDL wait: `_pdl.py`) so the
+    stream starts at once."""
     t = tl.program_id(1).to(tl.int64)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < D
     w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_w + rk[None, :]
     w_next = tl.load(w_ptrs, mask=n_ok[:, None] & (rk < ELL)[None, :], other=0.0)
+    pdl_enter(PDL)
     rl = tl.arange(0, BLOCK_L)
     yr = tl.load(y_ptr + t * stride_y + rl, mask=rl < ELL, other=0.0).to(tl.float32)
     rs = tl.sqrt(tl.sum(yr * yr, 0) / ELL + eps)
@@ -124,7 +129,8 @@ def combine(o: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_exper
     w = weights if weights.is_contiguous() else weights.contiguous()
     i = ids if ids.is_contiguous() else ids.contiguous()
     _combine_splits_kernel[(triton.cdiv(T, bt), triton.cdiv(ell, bl))](  # one "split": the plain weighted sum
-        o, w, i, y, T, num_experts, ell, 0, o.stride(0), y.stride(0), TOPK=K, SPLIT=1, BT=bt, BL=bl, num_warps=4)
+        o, w, i, y, T, num_experts, ell, 0, o.stride(0), y.stride(0), TOPK=K, SPLIT=1, BT=bt, BL=bl, num_warps=4,
+        **launch_kwargs())
     return y
 
 
@@ -148,18 +154,18 @@ def latent_tail(y: torch.Tensor, norm_w: torch.Tensor, w_up: torch.Tensor, share
         _latent_tail_gemv_kernel[(triton.cdiv(D, config["G_BN"]), T)](
             y, norm_w, w, sh, out, D, ell, y.stride(0), w.stride(0), sh.stride(0), out.stride(0), float(eps),
             YN_DT=gg._TL[shared.dtype], BLOCK_L=triton.next_power_of_2(ell), BLOCK_N=config["G_BN"],
-            BLOCK_K=config["G_BK"], num_warps=config["G_warps"])
+            BLOCK_K=config["G_BK"], num_warps=config["G_warps"], **launch_kwargs())
         return out
     yn = torch.empty(T, ell, dtype=shared.dtype, device=y.device)
     bl = triton.next_power_of_2(ell)
     bt = max(1, min(16, 4096 // bl))
     _latent_norm_kernel[(triton.cdiv(T, bt),)](y, norm_w, yn, T, ell, y.stride(0), yn.stride(0), float(eps),
-                                               BT=bt, BL=bl, num_warps=4 if bl <= 4096 else 8)
+                                               BT=bt, BL=bl, num_warps=4 if bl <= 4096 else 8, **launch_kwargs())
     bm, bn = config["U_BM"], config["U_BN"]
     _up_proj_add_kernel[(triton.cdiv(T, bm) * triton.cdiv(D, bn),)](
         yn, w, sh, out, T, D, ell, yn.stride(0), w.stride(0), sh.stride(0), out.stride(0),
         IEEE=yn.dtype == torch.float32, DT=gg._TL[yn.dtype], BM=bm, BN=bn, BK=config["U_BK"],
-        GROUP_M=config["U_group"], num_warps=config["U_warps"], num_stages=config["U_stages"])
+        GROUP_M=config["U_group"], num_warps=config["U_warps"], num_stages=config["U_stages"], **launch_kwargs())
     return out
 
 

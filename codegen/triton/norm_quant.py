@@ -24,6 +24,7 @@ import triton.language as tl
 
 from codegen.kernel import KernelTemplate, Tunable, pow2_bucket
 from codegen.triton import _precision as precision
+from codegen.triton._pdl import launch_kwargs, pdl_enter
 
 MAX_BLOCK_D = 32768
 AMAX_FLOOR = tl.constexpr(1e-4)
@@ -84,7 +85,8 @@ def _quantize_rows(y, col_ok, AMAX_FLOOR: tl.constexpr):
 def _norm_rot_quant_kernel(x_ptr, w_ptr, b_ptr, y_ptr, q_ptr, s_ptr, R, D, stride_x, stride_y, stride_q, eps,
                            NORM: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROTATE: tl.constexpr,
                            QUANT: tl.constexpr, STORE_Y: tl.constexpr, CDT: tl.constexpr,
-                           BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HPREC: tl.constexpr):
+                           BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HPREC: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
     row_ok = rows < R
@@ -145,7 +147,7 @@ def norm_rot_quant(x: torch.Tensor, config: dict, *, norm: str | None = None, we
             R, D, x2.stride(0), D, D, float(eps),
             NORM={None: 0, "rms": 1, "layer": 2}[norm], HAS_W=weight is not None, HAS_B=bias is not None,
             ROTATE=rotate, QUANT=quant, STORE_Y=store_y, CDT=_cdt(x), HPREC=precision.precise_fp32(),
-            BLOCK_R=config["BLOCK_R"], BLOCK_D=bd, num_warps=config["num_warps"])
+            BLOCK_R=config["BLOCK_R"], BLOCK_D=bd, num_warps=config["num_warps"], **launch_kwargs())
     return (None if y is None else y.reshape(*lead, D),
             None if q is None else q.view(torch.float8_e4m3fn).reshape(*lead, D),
             None if s is None else s.reshape(lead))

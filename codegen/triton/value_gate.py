@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from codegen.kernel import KernelTemplate, Tunable, pow2_bucket
+from codegen.triton._pdl import launch_kwargs, pdl_enter
 from codegen.triton.gemm import dot_numerics, gemm_tile
 
 
@@ -30,7 +31,8 @@ def _value_gate_kernel(o_ptr, w_ptr, g_ptr, y_ptr, T, KV, DV, stride_ot, stride_
                        stride_yt, ROWS_PER_HEAD, NOPE,
                        GATE: tl.constexpr, DOT_DTYPE: tl.constexpr, ACC_DTYPE: tl.constexpr,
                        X_SPLITS: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
-                       BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     head = tl.program_id(1)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -87,7 +89,7 @@ def value_gate(o_latent: torch.Tensor, kv_b: torch.Tensor, nope_dim: int, config
         o, w, g if g is not None else y, y, T, kv, dv, o.stride(0), o.stride(1), w.stride(0),
         g.stride(0) if g is not None else 0, y.stride(0), rows, nope_dim, GATE=g is not None,
         **dot_numerics(o.dtype, w.dtype), EVEN_K=kv % bk == 0, BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk,
-        num_warps=config["num_warps"], num_stages=config["num_stages"])
+        num_warps=config["num_warps"], num_stages=config["num_stages"], **launch_kwargs())
     return y
 
 

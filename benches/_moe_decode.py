@@ -1,0 +1,240 @@
+"""The decode section's machinery of the MoE bench (bench_moe.py's `decode` section runs it): the shapes,
+the session-3 config, the per-pair sweep (GEMV_SWEEP) and named variants, the routings and checks of each
+shape, the timed variants under graph replay (PDL on / off, bitwise graph-vs-eager check), the launch floor,
+the torch._grouped_mm peer, the wide-scale check and the summary. Shared setup: _moe_common.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+from _moe_common import (ACT, B1, B2, DECODE_DEADLINE, DEV, DOC, E, ELL, INTER, REPORT, T_DECODE, TINY, K, W, _cfg,
+                         gg, graph_ms, mr, ms, mx_bytes, pdl_mod, record, ref_experts, rel_err, situ_glu, to_bf16, tl,
+                         triton, PackedMXFP4)
+
+
+def wide_check(z, w, ids, cfg, tag=""):
+    """Scale bytes above 128 switch the bf16 decodes to an extra multiply (WIDE): check it once."""
+    sc = [x.scales.clone() for x in (W["w1"], W["w2"], W["w3"])]
+    for s in sc:
+        s[:, ::7, ::3] += 9                               # some block scales 2^1 .. 2^3
+    w1, w2, w3 = (PackedMXFP4(x.packed, s) for x, s in zip((W["w1"], W["w2"], W["w3"]), sc))
+    exp = ref_experts(z, w, ids, *(to_bf16(x) for x in (w1, w2, w3)))
+    deqs = ("asm", "asm16", "bytes16") if DEV == "cuda" else ("bytes", "bytes16")
+    for deq in deqs if cfg.get("PATH") != "gemv" else deqs[:1]:     # the dot-free path has one decode
+        try:
+            err = rel_err(gg.moe_experts(z, w, ids, w1, w2, w3, "situ", B1, B2, {**cfg, "DEQ": deq}), exp)
+            DOC["measurements"].append({"name": f"decode_{tag}wide_scales_check_{deq}", "rel_err": err,
+                                        "ok": err < 2e-2, "path": cfg.get("PATH")})
+        except Exception as e:
+            DOC["errors"].append({"section": f"wide_check_{deq}", "error": f"{type(e).__name__}: {str(e)[:300]}"})
+
+
+# decode, (T, top-k): the rank preset's step (1 token, top-2; batch 8) and issue 5's (64 tokens, top-16)
+DECODE_SHAPES = ((1, 2), (8, 2)) if TINY else ((1, 2), (8, 2), (T_DECODE, K))
+if os.environ.get("MOE_BENCH_DECODE_SHAPES"):     # e.g. "1x2,8x2": a subset, in that order
+    DECODE_SHAPES = tuple(tuple(int(v) for v in sk.split("x")) for sk in os.environ["MOE_BENCH_DECODE_SHAPES"].split(","))
+# the session-3 decode config (1.14 ms at T=64): one program per (tile, column block), K unsplit, grouped
+PREVIOUS = {**_cfg(16, 64, 128, 2, 3, sl=1), "DEQ": "asm16", "GROUP_M": 8, "SPLIT": 1, "PATH": "grouped"}
+DECODE_VARIANTS = {      # (T, k) -> named overrides of the heuristic's config, timed after every shape's base
+    # H200 2026-11-29 (session 5, graph replay): T=64 MAXNREG 168 1.109 ms vs 1.161, 128 1.365, BK 64 4 stages
+    # 1.142, 4-warp wgmma 1.456, PF 1.196, 2 stages 1.169. Session 6: the dot-free path at T=1 and 8 (GEMV_SWEEP)
+    (1, 2): {},
+    (64, 16): {"no_maxnreg": {"MAXNREG": 0}, "bk64_s4": {"BK": 64, "BK2": 64, "num_stages": 4}},
+}
+def _gemv(gn, gk, warps, stages=1, mma=0, gasm=1, **more):
+    return {"PATH": "gemv", "GV": more.pop("GV", 1), "GN": gn, "GK": gk, "GN2": more.pop("GN2", gn),
+            "GK2": more.pop("GK2", gk), "num_warps": warps, "num_stages": stages, "GMMA": mma, "GASM": gasm, **more}
+
+
+def _v2(gn, gk, warps, gn2, gk2, gw2, pref=1, xv=0, hx=1):
+    return _gemv(gn, gk, warps, GV=2, GN2=gn2, GK2=gk2, GW2=gw2, PREF=pref, XV=xv, HX=hx)
+
+
+# H200 session 7 (graph replay, PDL on; benches/results: moe_decode_helper.json of s7), us, T=1 / T=8 top-2:
+# s6's GV=1 FFMA gn8 gk1024 38.4 / 234.8; s6's MMA step (GW2 leaked as 4 there: 354) 185 in s6; GV=2 (4-word
+# scale groups, the next step's words loaded ahead, h as fp32 words, down split by slot with the in-launch
+# combine): up 8x1024 w4 16-byte x / down 8x512 w4 30.7 / 183.7, 2-byte x 34.3, no prefetch 33.7, bf16 h 32.8,
+# up 8x512 w4 37.3 / 185.1, up 8x512 w2 / down 8x512 w2 29.9, up 4x1024 w2 / down 8x1024 w1 27.9 (27.7 again:
+# the T=1 heuristic), up 16x512 / down 32x512 w4 36.3 / 184.6, down 16x1024 w4 31.5, 8x256 w2 41.6
+GEMV_SWEEP = {           # (T, k) -> name -> config overrides; the heuristic's own config is timed separately
+    (1, 2): {"v1_ffma_gn8_gk1024": {"PATH": "gemv", **gg.GEMV_FFMA_S6, "GASM": 1},
+             "v2_up8x1024w4xv1_dn8x512w4": _v2(8, 1024, 4, 8, 512, 4, xv=1),
+             "v2_up8x512w2_dn8x512w2": _v2(8, 512, 2, 8, 512, 2),
+             "v2_up4x1024w2_dn8x1024w1_nopref": _v2(4, 1024, 2, 8, 1024, 1, pref=0, xv=1),
+             "v2_up4x1024w1_dn8x1024w1": _v2(4, 1024, 1, 8, 1024, 1, xv=1),
+             "v2_up4x2048w2_dn8x1024w1": _v2(4, 2048, 2, 8, 1024, 1, xv=1),
+             "v2_up8x1024w2_dn8x1024w1": _v2(8, 1024, 2, 8, 1024, 1, xv=1),
+             "v2_up4x1024w2_dn4x1024w1": _v2(4, 1024, 2, 4, 1024, 1, xv=1),
+             "v2_up4x1024w2_dn16x1024w2": _v2(4, 1024, 2, 16, 1024, 2, xv=1),
+             "v2_up4x1024w2xv0_dn8x512w1": _v2(4, 1024, 2, 8, 512, 1, xv=0)},
+    (8, 2): {"v1_mma_gn16_w1_gk128_s4": {"PATH": "gemv", **gg.GEMV_MMA_S6, "GASM": 1},
+             "v1_ffma_gn8_gk1024": {"PATH": "gemv", **gg.GEMV_FFMA_S6, "GASM": 1},
+             "v2_t1_tiles": {"PATH": "gemv", **gg.GEMV_T1},
+             "v2_up16x512w4xv1_dn32x512w4": _v2(16, 512, 4, 32, 512, 4, xv=1),
+             "v2_up8x512w2_dn8x512w2": _v2(8, 512, 2, 8, 512, 2)},
+}
+if DEV != "cuda":
+    PREVIOUS = {**PREVIOUS, "DEQ": "bytes16", "BK": 64, "BK2": 64}
+    DECODE_VARIANTS = {(8, 2): {"split2_bytes16": {"SPLIT": 2, "DEQ": "bytes16", "PATH": "grouped"}}}
+    GEMV_SWEEP = {sk: {"ffma_gk32": _gemv(16, 32, 4, gasm=0), "mma_gk64": _gemv(16, 64, 4, mma=1, gasm=0),
+                       "v2_gk64": _v2(8, 64, 4, 16, 64, 2, xv=1), "v2_gk32_bf16h": _v2(4, 32, 2, 8, 32, 1, hx=0)}
+                  for sk in ((1, 2), (8, 2))}
+
+
+def decode_routings(T, k, n):
+    """n routings of T tokens (z, w, ids): T=1 routes call i to experts k·i .. k·i+k-1 (disjoint, so the
+    graph's calls read distinct weights); otherwise the router on random logits."""
+    g = torch.Generator(device=DEV).manual_seed(100 * T + k)
+    out = []
+    for i in range(n):
+        z = torch.randn(T, ELL, generator=g, device=DEV).to(ACT)
+        if T == 1:
+            ids = (torch.arange(k, device=DEV) + k * i).remainder(E).view(1, k)
+            w = torch.rand(1, k, generator=g, device=DEV) + 0.1
+            out.append((z, w / w.sum(), ids))
+        else:
+            logits = torch.randn(T, E, generator=g, device=DEV)
+            out.append((z, *mr.router(logits, torch.randn(E, generator=g, device=DEV) * 0.1, k, "sigmoid", True, 1.0)))
+    return out
+
+
+def peer_grouped_mm(z, w, ids, w1, w2, w3):
+    """torch eager peer on bf16 weights: permutation by argsort, torch._grouped_mm per expert segment."""
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+    x = z[order // k]
+    h = situ_glu(torch._grouped_mm(x, w1.transpose(1, 2), offs=offs), torch._grouped_mm(x, w3.transpose(1, 2), offs=offs))
+    o = torch.empty_like(x)
+    o[order] = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
+    return (w.unsqueeze(-1) * o.view(*ids.shape, ELL).float()).sum(1)
+
+
+def graph_equal(op, calls, reps=20):
+    """PDL race check: every call of `calls` captured back to back in one CUDA graph, replayed `reps` times;
+    True when every replay's outputs equal the eager outputs bitwise. CPU: None."""
+    if DEV != "cuda":
+        return None
+    want = [op(*a).clone() for a in calls]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for a in calls:
+            op(*a)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [op(*a) for a in calls]
+    same = True
+    for _ in range(reps):
+        graph.replay()
+        torch.cuda.synchronize()
+        same = same and all(torch.equal(o, w) for o, w in zip(outs, want))
+    return bool(same)
+
+
+def decode_variant(T, k, name, cfg, case, fused_max=None, pdl=True, bitwise=False):
+    """Check the whole op against the reference (and, `bitwise`, graph replay against eager), time it under graph
+    replay with PDL launches on or off, record; -> (ms, ok) | None."""
+    calls, exp, wbytes, floor_ms, live = case
+    tag = f"decode_T{T}_k{k}_{name}"
+    if time.time() - REPORT.t0 > DECODE_DEADLINE:
+        DOC["notes"].append(f"{tag} skipped: time budget")
+        return None
+    keep, pdl_before = mr.FUSED_MAX_PAIRS, pdl_mod.set_enabled(pdl)
+    same = None
+    try:
+        if fused_max is not None:
+            mr.FUSED_MAX_PAIRS = fused_max          # the previous path: count/scan/scatter
+        op = lambda z, w, ids: gg.moe_experts(z, w, ids, W["w1"], W["w2"], W["w3"], "situ", B1, B2, cfg)  # noqa: E731
+        err = rel_err(op(*calls[0]), exp)
+        t = graph_ms([lambda a=a: op(*a) for a in calls])
+        same = graph_equal(op, calls) if bitwise else None
+    except Exception as e:
+        DOC["errors"].append({"section": tag, "config": cfg, "error": f"{type(e).__name__}: {str(e)[:500]}"})
+        print(f"!! {tag}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        return None
+    finally:
+        mr.FUSED_MAX_PAIRS = keep
+        pdl_mod.set_enabled(pdl_before)
+    bw = wbytes / t / 1e9
+    prev = DOC.setdefault("decode_previous_ms", {}).get(f"T{T}_k{k}")
+    m = record(tag, t, config=cfg, rel_err=err, ok=err < 2e-2, live_experts=live, weight_bytes=int(wbytes),
+               floor_ms=round(floor_ms, 5), ratio_vs_floor=round(t / floor_ms, 2), TBps=round(bw, 3),
+               ratio_vs_read_bw=round(bw / DOC["ceilings"]["read_TBps"], 3),
+               speedup_vs_previous=round(prev / t, 2) if prev else None,
+               timing="cuda graph, distinct routings", pdl=pdl, graph_equals_eager=same)
+    if name == "previous":
+        DOC["decode_previous_ms"][f"T{T}_k{k}"] = t
+    elif m["ok"] and pdl and same is not False:
+        best = DOC.setdefault("decode_best", {}).get(f"T{T}_k{k}")
+        if best is None or t < best["ms"]:
+            DOC["decode_best"][f"T{T}_k{k}"] = {"name": name, "ms": t, "config": cfg}
+    return t, m["ok"]
+
+
+def decode_case(T, k):
+    calls = decode_routings(T, k, 8 if T == 1 else 2)
+    z, w, ids = calls[0]
+    exp = ref_experts(z, w, ids, W["w1_bf16"], W["w2_bf16"], W["w3_bf16"])
+    live = sum(int(torch.unique(i).numel()) for _, _, i in calls) / len(calls)
+    wbytes = live * sum(mx_bytes(W[n], 1) for n in ("w1", "w2", "w3"))
+    return calls, exp, wbytes, wbytes / (DOC["ceilings"]["copy_TBps_read_plus_write"] * 1e9), live
+
+
+def decode_side_measurements(T, k, case):
+    """A torch._grouped_mm peer on bf16 weights (eager)."""
+    calls, exp, _, floor_ms, live = case
+    try:
+        wb = (W["w1_bf16"], W["w2_bf16"], W["w3_bf16"])
+        err = rel_err(peer_grouped_mm(*calls[0], *wb), exp)
+        # eager: the offsets of torch._grouped_mm pass through the host, so the peer cannot be captured
+        t, how = ms(lambda: [peer_grouped_mm(*a, *wb) for a in calls]) / len(calls), "eager (do_bench)"
+        best = DOC.get("decode_best", {}).get(f"T{T}_k{k}")
+        record(f"decode_T{T}_k{k}_peer_torch_grouped_mm_bf16", t, rel_err=err, ok=err < 2e-2, timing=how,
+               weight_bytes=int(live * 3 * ELL * INTER * 2), ratio_vs_floor=round(t / floor_ms, 2),
+               speedup_of_best=round(t / best["ms"], 2) if best else None)
+    except Exception as e:
+        DOC["errors"].append({"section": f"peer_T{T}", "error": f"{type(e).__name__}: {str(e)[:300]}"})
+
+
+S6_NAMES = {"T1_k2": "gemv_v1_ffma_gn8_gk1024", "T8_k2": "gemv_v1_mma_gn16_w1_gk128_s4"}   # session 6's heuristic
+
+
+def summarize_decode():
+    """Per shape: best vs session 6's configuration and vs the byte floor; PDL on vs off (heuristic, best)."""
+    by = {m["name"]: m for m in DOC["measurements"] if "median_ms" in m}
+    out = DOC.setdefault("decode_summary", {})
+    for sk, best in DOC.get("decode_best", {}).items():
+        pre = f"decode_{sk}_"
+        s6 = by.get(pre + S6_NAMES.get(sk, ""), {}).get("median_ms")
+        row = {"best": best["name"], "best_us": round(best["ms"] * 1e3, 2), "s6_config_us": s6 and round(s6 * 1e3, 2),
+               "speedup_vs_s6": s6 and round(s6 / best["ms"], 2),
+               "ratio_vs_floor": by.get(pre + best["name"], {}).get("ratio_vs_floor")}
+        for tag in ("heuristic", "best"):
+            on = by.get(pre + ("heuristic" if tag == "heuristic" else best["name"]), {}).get("median_ms")
+            off = by.get(pre + tag + "_pdl_off", {}).get("median_ms")
+            if on and off:
+                row[f"{tag}_pdl_on_off_us"] = (round(on * 1e3, 2), round(off * 1e3, 2))
+        out[sk] = row
+    print(json.dumps({"decode_summary": out}), flush=True)
+
+
+@triton.jit
+def _noop_kernel(x_ptr):
+    tl.store(x_ptr + tl.program_id(0), 1.0)
+
+
+def launch_floor():
+    """One empty-ish Triton launch per call under graph replay: the per-launch cost inside a graph."""
+    x = torch.zeros(1, device=DEV)
+    try:
+        record("graph_launch_floor_one_kernel", graph_ms([lambda: _noop_kernel[(1,)](x)] * 8))
+    except Exception as e:
+        DOC["errors"].append({"section": "launch_floor", "error": f"{type(e).__name__}: {str(e)[:300]}"})

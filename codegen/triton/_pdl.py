@@ -1,0 +1,93 @@
+"""Programmatic dependent launch (PDL): the next kernel on a stream starts while this one finishes.
+
+On CUDA devices of compute capability 9.0 and later a kernel launched with the launch attribute
+`programmaticStreamSerialization` (Triton: `launch_pdl=True`) may be scheduled as soon as every program of
+the kernel before it has executed `griddepcontrol.launch_dependents` (or exited), instead of after that
+kernel has finished and flushed. Stream capture turns the attribute into a programmatic edge of the CUDA
+graph, so a decode step's ~60 kernels overlap each one's launch, prologue and weight loads with the tail
+of the previous one. The cost is a contract every kernel launched this way keeps:
+
+    every program executes `pdl_wait(PDL)` exactly once, before its first load of anything an earlier
+    kernel of the step writes (activations, caches, metadata, counters) and before its first store;
+    loads of weights (never written while steps run) may come before it. Then it calls
+    `pdl_launch_dependents(PDL)`.
+
+`griddepcontrol.wait` returns once the previous kernel has completed and its memory is visible. Since
+that kernel, too, waited for its own predecessor before completing, the wait covers every earlier kernel
+on the stream (and one that exits without waiting would break that chain: hence "every program, every
+path"). Triggering after the wait keeps at most one kernel's programs parked ahead of the running one.
+
+What may come before the wait: a decode GEMV loads its first weight tile there, so its weight stream starts
+while the previous kernel finishes. (Asking L2 for the next tiles there as well, `prefetch.global.L2`, was
+measured slower on the H200: 710 vs 696 µs per rank decode graph, session 7; it was removed.)
+
+A template launches with `**launch_kwargs()`: {PDL: True, launch_pdl: True} when the device Triton
+compiles for is CUDA sm_90+ (the live GPU, or the build target while an AOT build records launches) and
+PDL is enabled, else {PDL: False}: the kernel is then compiled without the instructions (the interpreter
+never sees them) and launched plainly. `K31C_PDL=0` or `set_enabled(False)` turns PDL off (benches compare both); the choice is read at
+launch time, so graphs captured after the switch follow it.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+import triton
+import triton.language as tl
+
+_ON = {"PDL": True, "launch_pdl": True}
+_OFF = {"PDL": False}
+_enabled = os.environ.get("K31C_PDL", "1") != "0"
+_by_driver: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def set_enabled(on: bool) -> bool:
+    """Turn PDL launches on or off for this process; returns the previous setting."""
+    global _enabled
+    before, _enabled = _enabled, bool(on)
+    return before
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def _target_supports() -> bool:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    drv = triton.runtime.driver.active
+    hit = _by_driver.get(drv)
+    if hit is None:
+        target = drv.get_current_target()
+        arch = target.arch if isinstance(target.arch, int) else 0
+        hit = _by_driver[drv] = target.backend == "cuda" and arch >= 90
+    return hit
+
+
+def launch_kwargs() -> dict:
+    """Keyword arguments of a launch of a kernel that keeps the contract above (a `PDL: tl.constexpr`
+    parameter, `pdl_wait` / `pdl_launch_dependents` called as described)."""
+    return _ON if _enabled and _target_supports() else _OFF
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Wait until the previous kernel on the stream has completed and its writes are visible."""
+    if PDL:
+        tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def pdl_launch_dependents(PDL: tl.constexpr):
+    """Allow the next kernel on the stream to be scheduled (its programs wait in their own `pdl_wait`)."""
+    if PDL:
+        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """`pdl_wait` then `pdl_launch_dependents`: the prologue of a kernel that loads nothing before waiting."""
+    pdl_wait(PDL)
+    pdl_launch_dependents(PDL)

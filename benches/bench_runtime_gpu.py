@@ -333,7 +333,8 @@ def main():
                 torch.cuda.empty_cache()
 
     def replay_us(rt, b, n=30):
-        """Median device time (µs, CUDA events) of n replays of the captured decode graph of batch b."""
+        """(median device time (µs, CUDA events) of n replays of the captured decode graph of batch b, that
+        graph, its block-table width bucket)."""
         toks = {f"r{i}": (7 * i + 3) % cfg.vocab_size for i in range(b)}
         rt.replays.clear()
         rt.decode(toks)  # captures the bucket's graph and fills its static inputs
@@ -347,7 +348,7 @@ def main():
             e_.record()
             e_.synchronize()
             out.append(s_.elapsed_time(e_) * 1e3)
-        return sorted(out)[n // 2]
+        return sorted(out)[n // 2], g, W
 
     @rep.section
     def pdl():
@@ -363,7 +364,7 @@ def main():
                 for label, on in (("on", True), ("off", False)):
                     _pdl.set_enabled(on)
                     rt.drop_graphs()
-                    us = replay_us(rt, b)
+                    us = replay_us(rt, b)[0]
                     reset(rt, ctx)
                     m = {"name": f"graph_replay_pdl_{label}", "context": ctx, "batch": b, "round": rnd, "replay_us": us}
                     doc["measurements"].append(m)
@@ -385,9 +386,7 @@ def main():
         rt = runtime(ctx, 8)
         eng = rt.interp
         for b in (1, 8):
-            replay = replay_us(rt, b)
-            (B, W), = rt.replays
-            g = rt.graphs[(B, W)]
+            replay, g, W = replay_us(rt, b)
             eng.static_context = W * rt.block_size
             try:
                 rows, ahead = node_times(eng, lambda: eng.run("decode", {**g.inputs, **rt.pools}), head_start_ms=80)

@@ -4,7 +4,8 @@ One record per line, a self-describing JSON object:
 
     schema          1
     family          kernel template family ("gemm")
-    template_sha256 sha256 of the template module's source text (`KernelTemplate.source()`)
+    template_sha256 sha256 of the code the template runs: its module and the kernel-backend modules it reaches,
+                    docstrings and comments left out (`KernelTemplate.code()`)
     k31c_version    "0.1.0"
     triton, tvm, cuda  toolchain versions (null when absent)
     device, arch    device name and compute capability ("9.0"), gfx arch ("gfx950") or "cpu"
@@ -61,7 +62,7 @@ def sha256_text(text: str) -> str:
 
 
 def template_sha256(template) -> str:
-    return sha256_text(template.source())
+    return sha256_text(template.code())
 
 
 def device_slug(device: str) -> str:

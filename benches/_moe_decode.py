@@ -24,7 +24,9 @@ def wide_check(z, w, ids, cfg, tag=""):
     w1, w2, w3 = (PackedMXFP4(x.packed, s) for x, s in zip((W["w1"], W["w2"], W["w3"]), sc))
     exp = ref_experts(z, w, ids, *(to_bf16(x) for x in (w1, w2, w3)))
     deqs = ("asm", "asm16", "bytes16") if DEV == "cuda" else ("bytes", "bytes16")
-    for deq in deqs if cfg.get("PATH") != "gemv" else deqs[:1]:     # the dot-free path has one decode
+    if cfg.get("PATH") == "gemv" or cfg.get("DEQ") in deqs:     # the dot-free path has one decode; else the config's
+        deqs = (cfg["DEQ"],) if cfg.get("PATH") != "gemv" else deqs[:1]
+    for deq in deqs:
         try:
             err = rel_err(gg.moe_experts(z, w, ids, w1, w2, w3, "situ", B1, B2, {**cfg, "DEQ": deq}), exp)
             DOC["measurements"].append({"name": f"decode_{tag}wide_scales_check_{deq}", "rel_err": err,
@@ -41,10 +43,29 @@ if os.environ.get("MOE_BENCH_DECODE_SHAPES"):     # e.g. "1x2,8x2": a subset, in
 PREVIOUS = {**_cfg(16, 64, 128, 2, 3, sl=1), "DEQ": "asm16", "GROUP_M": 8, "SPLIT": 1, "PATH": "grouped"}
 DECODE_VARIANTS = {      # (T, k) -> named overrides of the heuristic's config, timed after every shape's base
     # H200 2026-11-29 (session 5, graph replay): T=64 MAXNREG 168 1.109 ms vs 1.161, 128 1.365, BK 64 4 stages
-    # 1.142, 4-warp wgmma 1.456, PF 1.196, 2 stages 1.169. Session 6: the dot-free path at T=1 and 8 (GEMV_SWEEP)
+    # 1.142, 4-warp wgmma 1.456, PF 1.196, 2 stages 1.169 (all SL=1). Session 6: the dot-free path at T=1 and 8
+    # (GEMV_SWEEP). Session 8, the scale reads (SL): 1 bytes at the top of the step (s7's heuristic), 2 int32
+    # words through cp.async, 3 bytes a step ahead
     (1, 2): {},
-    (64, 16): {"no_maxnreg": {"MAXNREG": 0}, "bk64_s4": {"BK": 64, "BK2": 64, "num_stages": 4}},
+    # H200 session 8 (graph replay, PDL on), T=64 top-16, ms: SL=1 (the heuristic) 1.111, SL=0 BK 64 4 stages
+    # 1.116, SL=2 2.035 (BK 64 4 stages 1.821), SL=3 as first written 2.110 (no MAXNREG 2.091, 4 stages 2.273,
+    # BK 64 4 stages 1.780 / MAXNREG 128 1.864 / 5 stages 1.949, down BN 128 1.947, BN 128 on 4 warps 2.641): its
+    # decoded tiles went through shared memory (Triton 3.6 at those specialisations). Not yet measured: SL=3
+    # decoding in registers (moe_grouped_gemm.SCALE_NO_SPEC; BK 64 / 4 stages: 155 registers, no spill), and
+    # 128-row tiles on 2 warps (mma.sync), which halve the activation tiles re-read from L2 per weight byte (the
+    # down kernel reads as many activation bytes as weight bytes at BN2=64; BN2=128 gained 8% in the first SL=3):
+    # down 128 x 64 (138 registers, no spill), gate-up 128 x 64 too (214 registers: 4 programs an SM)
+    (64, 16): {"sl3": {"SL": 3},
+               "sl3_bk64_s4": {"SL": 3, "BK": 64, "BK2": 64, "num_stages": 4},
+               "sl3_bk64_s4_dn128": {"SL": 3, "BK": 64, "BK2": 64, "BN2": 128, "num_stages": 4},
+               "dn128_bk64": {"BN2": 128, "BK2": 64},
+               "up128_dn128_bk64_s4": {"BN": 128, "BK": 64, "BN2": 128, "BK2": 64, "num_stages": 4, "MAXNREG": 0},
+               # 32-token tiles: the bench's routings give ~102 live experts but ~121 16-token tiles (an expert's
+               # second tile decodes its weights again), ~103 32-token tiles (210 registers, no spill)
+               "bm32_sl3_bk64_s4": {"BM": 32, "SL": 3, "BK": 64, "BK2": 64, "num_stages": 4, "MAXNREG": 0}},
 }
+
+
 def _gemv(gn, gk, warps, stages=1, mma=0, gasm=1, **more):
     return {"PATH": "gemv", "GV": more.pop("GV", 1), "GN": gn, "GK": gk, "GN2": more.pop("GN2", gn),
             "GK2": more.pop("GK2", gk), "num_warps": warps, "num_stages": stages, "GMMA": mma, "GASM": gasm, **more}
@@ -79,11 +100,15 @@ GEMV_SWEEP = {           # (T, k) -> name -> config overrides; the heuristic's o
 }
 if DEV != "cuda":
     PREVIOUS = {**PREVIOUS, "DEQ": "bytes16", "BK": 64, "BK2": 64}
-    DECODE_VARIANTS = {(8, 2): {"split2_bytes16": {"SPLIT": 2, "DEQ": "bytes16", "PATH": "grouped"}}}
+    DECODE_VARIANTS = {(8, 2): {"split2_bytes16": {"SPLIT": 2, "DEQ": "bytes16", "PATH": "grouped"},
+                                "grouped_sl2": {"SL": 2, "DEQ": "bytes16", "PATH": "grouped"},
+                                "grouped_sl3": {"SL": 3, "DEQ": "bytes", "PATH": "grouped"}}}
     GEMV_SWEEP = {sk: {"ffma_gk32": _gemv(16, 32, 4, gasm=0), "mma_gk64": _gemv(16, 64, 4, mma=1, gasm=0),
                        "v2_gk64": _v2(8, 64, 4, 16, 64, 2, xv=1), "v2_gk32_bf16h": _v2(4, 32, 2, 8, 32, 1, hx=0)}
                   for sk in ((1, 2), (8, 2))}
 
+if os.environ.get("MOE_BENCH_GEMV_SWEEP") == "0":     # the per-pair tiles unchanged: their heuristic only
+    GEMV_SWEEP = {}
 
 def decode_routings(T, k, n):
     """n routings of T tokens (z, w, ids): T=1 routes call i to experts k·i .. k·i+k-1 (disjoint, so the
@@ -187,6 +212,29 @@ def decode_case(T, k):
     wbytes = live * sum(mx_bytes(W[n], 1) for n in ("w1", "w2", "w3"))
     return calls, exp, wbytes, wbytes / (DOC["ceilings"]["copy_TBps_read_plus_write"] * 1e9), live
 
+
+def decode_parts(T, k, cfg, case):
+    """Where the grouped path's time goes: the permutation, the gate-up kernel, the down kernel (pre-permuted;
+    alone, the down kernel reads an unwritten h: timing only) and the weighted combine, each alone under
+    graph replay, on the routings of the whole op (checked before)."""
+    calls = case[0]
+    try:
+        segs = [mr.permute_tokens(ids, E) for _, _, ids in calls]
+        outs = [gg.expert_pair_outputs(z, ids, W["w1"], W["w2"], W["w3"], "situ", B1, B2, cfg, sg)[0]
+                for (z, _, ids), sg in zip(calls, segs)]
+
+        def gemms(kernels):
+            return [lambda a=a, sg=sg: gg.expert_pair_outputs(a[0], a[2], W["w1"], W["w2"], W["w3"], "situ", B1, B2,
+                                                              cfg, sg, kernels=kernels) for a, sg in zip(calls, segs)]
+        parts = {"permute": [lambda i=i: mr.permute_tokens(i, E) for _, _, i in calls],
+                 "gate_up": gemms(("gate_up",)), "down": gemms(("down",)),
+                 "gate_up_and_down": gemms(("gate_up", "down")),
+                 "combine": [lambda o=o, a=a: gg.combine_pairs(o, a[1], a[2], E) for o, a in zip(outs, calls)]}
+        for name, fns in parts.items():
+            record(f"decode_T{T}_k{k}_part_{name}", graph_ms(fns), timing="cuda graph, distinct routings",
+                   config=cfg if name not in ("permute", "combine") else None)
+    except Exception as e:
+        DOC["errors"].append({"section": f"parts_T{T}", "error": f"{type(e).__name__}: {str(e)[:300]}"})
 
 def decode_side_measurements(T, k, case):
     """A torch._grouped_mm peer on bf16 weights (eager)."""

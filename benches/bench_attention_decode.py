@@ -18,7 +18,10 @@ so caches come from HBM, not L2):
 Every new default is also timed with PDL off (`_pdl.set_enabled(False)` before capture) and checked: the indexer's
 selection vs the IR reference (exact, ties to the lower position), MLA o~ / lse vs float64, and graph replay vs
 eager bitwise over 50 replays with PDL on (a kernel breaking the PDL contract races). Ratios: bytes the call must
-read / time vs the measured bandwidth (`frac_of_measured_bw`), and previous / new (`summary`).
+read / time vs the measured bandwidth (`frac_of_measured_bw`), and previous / new (`summary`; MLA also the best
+opt-in F16 variant vs the default, checked the same way). Breakdowns: the indexer's best config up to its score
+pass and up to its first selection (`stop_after`), MLA's best without the query absorption. `kernels`: registers,
+spills, shared memory of every compiled indexer / MLA specialisation (`_attention_checks.kernel_inventory`).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ if SMOKE:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 import bench_attention as ba  # noqa: E402  (inputs, paging, indexer check; reads BENCH_SMOKE itself)
 from codegen.triton import _pdl  # noqa: E402
+from _attention_checks import graph_vs_eager, kernel_inventory  # noqa: E402
 
 BS, SCALE = ba.BLOCK_SIZE, ba.SCALE
 T0 = time.time()
@@ -104,32 +108,6 @@ def check(name, fn):
     _save()
 
 
-def _same(a, b):
-    a, b = (a if isinstance(a, tuple) else (a,)), (b if isinstance(b, tuple) else (b,))
-    return all(torch.equal(x, y) for x, y in zip(a, b))
-
-
-def graph_vs_eager(fn, replays=50):
-    """Eager result vs the result of `replays` replays of one captured call (PDL on: a contract break races)."""
-    if SMOKE:
-        return {"ok": _same(fn(), fn()), "replays": 1}
-    want = fn()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        got = fn()
-    bad = 0
-    for _ in range(replays):
-        g.replay()
-        torch.cuda.synchronize()
-        bad += not _same(got, want)
-    return {"ok": bad == 0, "replays": replays, "mismatched_replays": bad, "pdl": _pdl.launch_kwargs().get("PDL", False)}
-
-
 def _summarize(tag, prev, new, ms):
     best = min((m for m in ms if m), key=lambda m: m["median_us"], default=None)
     if prev and best:
@@ -163,20 +141,20 @@ def _idx_prev(T, L):
 
 
 def _idx_variants(T, L, K):
-    """(heuristic's config, variants): SELECT 1 (parallel threshold, last arriver: not yet timed on the GPU) with
-    its part counts and resident size, FILTER flipped, HIST 1 (per-program first-digit histogram), PREFETCH."""
+    """(heuristic's config, variants): SELECT part counts, BLOCK_N 64 (batch 1 at 8K); SPLITS halved / doubled,
+    PREFETCH 1, 8 warps, SELECT 1, 16 / 64 candidates per tile (long contexts)."""
     from codegen.triton.indexer_topk import heuristic
     base = heuristic({"T": T, "L": L, "K": K, "HI": 32, "DI": 128}, "cpu" if SMOKE else "h200")
     if SMOKE:
         return base, [base, dict(base, SELECT=1, SELECT_PARTS=4, HIST=1), dict(base, SELECT=0, FILTER=1, FILTER_PARTS=4)]
-    sel = dict(base, SELECT=1, SELECT_PARTS=16)
-    if T == 1:
-        out = [sel, dict(sel, SELECT_PARTS=8), dict(sel, SELECT_PARTS=32), dict(sel, SELECT_PARTS=64),
-               dict(sel, SELECT_RES=2048), dict(base, FILTER=1 - base.get("FILTER", 0)),
-               dict(sel, BLOCK_N=64, KT=64, SPLITS=2 * base["SPLITS"])]
+    if T == 1 and L <= 8192:
+        out = [dict(base, SELECT_PARTS=8), dict(base, BLOCK_N=64, KT=64, SPLITS=2 * base["SPLITS"])]
+    elif T == 1:
+        out = [dict(base, SPLITS=base["SPLITS"] // 2)]
     else:
-        out = [sel, dict(sel, SELECT_PARTS=32), dict(base, PREFETCH=1), dict(base, num_warps=8), dict(sel, PREFETCH=1),
-               dict(base, FILTER_PARTS=32), dict(sel, HIST=1, num_warps=8)]
+        sp = base["SPLITS"]
+        out = [dict(base, SPLITS=2 * sp), dict(base, SPLITS=max(1, sp // 2)), dict(base, SELECT=1, SELECT_PARTS=16),
+               dict(base, KT=16)]
     seen, uniq = [], []
     for c in [base] + out:
         if c not in seen:
@@ -229,6 +207,9 @@ def sec_idx(tag, warm=None):
             st = {}
             ba._indexer_call(sets[0], K, cfg, output="rows", stats=st)()
             ms[i + 1]["stats"] = st
+    if best is not None and not SMOKE:
+        measure(f"{tag}_best_to_merge1", [ba._indexer_call(d, K, best["config"], stop_after="merge1")
+                                          for d in sets], nbytes, config=best["config"])
     if best is not None:
         measure(f"{tag}_best_score_pass_only", [ba._indexer_call(d, K, best["config"], stop_after="score")
                                                  for d in sets], nbytes, config=best["config"])
@@ -269,13 +250,20 @@ def _mla_check(d, cfg):
 
 
 def _mla_variants(T):
+    """(heuristic's config, variants): F16 1 (fp16 dots with per-head power-of-two query scaling; e4m3 rows widened
+    in registers before any re-layout: 701 SASS instructions per step-thread in the loop against 1611, Triton 3.7
+    build) with its step / chunk / pipelining options, and the session-7 sweep's best (CHUNK 512)."""
     from codegen.triton.mla_sparse import heuristic
     base = heuristic({"H": 12, "L": 2048, "KV": 512, "fmt": 1, "sparse": 1, "T": T, "bi": 0}, "cpu" if SMOKE else "h200")
     if SMOKE:
-        return base, [base]
-    alt = [dict(base, BLOCK_N=64, num_warps=8, num_stages=2, CHUNK=64)] if T == 1 else \
-        [dict(base, num_stages=2), dict(base, CHUNK=512), dict(base, BLOCK_N=64, num_warps=8, num_stages=1),
-         dict(base, PREFETCH=0), dict(base, num_warps=8), dict(base, num_warps=8, CHUNK=512)]
+        return base, [base, dict(base, F16=1)]
+    f16 = dict(base, F16=1)
+    if T == 1:
+        alt = [f16, dict(f16, num_stages=2), dict(base, BLOCK_N=64, num_warps=8, num_stages=2, CHUNK=64)]
+    else:
+        alt = [dict(base, CHUNK=512), f16, dict(f16, CHUNK=512), dict(f16, num_stages=2), dict(f16, CHUNK=512, num_stages=2),
+               dict(f16, CHUNK=512, num_stages=3), dict(f16, PREFETCH=0, num_stages=2, CHUNK=512),
+               dict(f16, BLOCK_N=64, num_warps=8, CHUNK=512), dict(f16, BLOCK_N=16, CHUNK=512), dict(f16, CHUNK=128)]
     return base, [base] + [c for c in alt if c != base]
 
 
@@ -305,10 +293,24 @@ def sec_mla(tag, warm=None):
     ms = [new] + [measure(f"{tag}_variant{i}", [_mla_call(d, cfg) for d in sets], nbytes, config=cfg)
                   for i, cfg in enumerate(variants[1:])]
     best = _summarize(tag, prev, new, ms)
+    f16 = [m for m in ms if m and m.get("config", {}).get("F16")]
+    best16 = min(f16, key=lambda m: m["median_us"], default=None)
+    if new and best16 and tag in DOC["summary"]:   # F16 is opt-in until measured: the heuristic's default vs it
+        DOC["summary"][tag].update(best_f16_us=best16["median_us"], best_f16_config=best16["config"],
+                                   speedup_best_f16_vs_default=new["median_us"] / best16["median_us"])
+        check(f"{tag}_best_f16_vs_float64", lambda: _mla_check(sets[0], best16["config"]))
+        check(f"{tag}_best_f16_graph_vs_eager", lambda: graph_vs_eager(_mla_call(sets[0], best16["config"])))
     if tag in DOC["summary"] and off:
         DOC["summary"][tag]["new_default_pdl_off_us"] = off["median_us"]
     if best is not None and best is not new:
         check(f"{tag}_best_vs_float64", lambda: _mla_check(sets[0], best["config"]))
+    if best is not None and not SMOKE:   # without the query absorption (and o~ kept in bf16): kernel + combine
+        from codegen.triton.mla_sparse import sparse_latent_attention, split_kv_b
+        d = sets[0]
+        qa = torch.einsum("thn,hnk->thk", d["qn"], split_kv_b(d["kvb"], 12, 128)[0]).contiguous()
+        measure(f"{tag}_best_latent_attention_only", [lambda: sparse_latent_attention(
+            qa, d["qp"], d["pool"], d["pos"], None, SCALE, d["rows"], latent_format="fp8", latent_scale=d["ls"],
+            config=best["config"], block_size=BS, out_dtype=torch.bfloat16)], nbytes, config=best["config"])
     del sets
     if not SMOKE:
         torch.cuda.empty_cache()
@@ -335,7 +337,7 @@ def sec_chain():
                                       "pdl_gain_us": off["median_us"] - on["median_us"]}
 
 
-SECTIONS = ("idx_b1", "idx_b32", "mla_b64", "idx_b1_32k", "chain", "mla_b1")
+SECTIONS = ("mla_b64", "idx_b32", "mla_b1", "idx_b1", "idx_b1_32k", "chain")
 WARM_N = 4          # compile processes per section
 WARM_CAP_S = 50     # measuring starts by then (anything not compiled yet compiles on first use)
 
@@ -374,6 +376,10 @@ def main():
             _run(tag)
         except Exception as e:  # noqa: BLE001
             DOC["errors"].append(f"{tag}: {e!r}\n{traceback.format_exc()[-1500:]}")
+    try:
+        DOC["kernels"] = kernel_inventory()
+    except Exception as e:  # noqa: BLE001
+        DOC["errors"].append(f"kernel inventory: {e!r}")
     DOC["seconds"] = time.time() - T0
     print(_save())
 

@@ -21,7 +21,8 @@ reference on bf16-exact weights before it is timed.
     MOE_BENCH_SECTIONS=prefill,layer,decode MOE_BENCH_LAYER_T=8192 python benches/bench_moe.py   # a subset
 
 Knobs: MOE_BENCH_SECTIONS (order kept), MOE_BENCH_LAYER_T (the layer's token counts),
-MOE_BENCH_DECODE_SHAPES ("1x2,8x2,64x16": decode (T, top-k) in that order), and
+MOE_BENCH_DECODE_SHAPES ("1x2,8x2,64x16": decode (T, top-k) in that order), MOE_BENCH_GEMV_SWEEP=0 (per-pair
+tiles: the heuristic's only), and
 MOE_BENCH_{DECODE,COMPILE,PREFILL}_DEADLINE: seconds into the run after which no further decode variant,
 torch.compile peer (the reference layer's took 76 s at T=64) or prefill variant is started.
 """
@@ -39,7 +40,8 @@ from _moe_common import (ACT, B1, B2, COMPILE_DEADLINE, D, DEV, DOC, E, ELL, EPS
                          PackedMXFP4, _cfg, gg, graph_ms, mr, ms, mt, mx_bytes, pdl_mod, rand_mx, record, ref_experts,
                          rel_err, routing, save, section, situ_glu, tl, to_bf16, triton)
 from _moe_decode import (DECODE_SHAPES, DECODE_VARIANTS, GEMV_SWEEP, PREVIOUS, decode_case,  # noqa: E402
-                         decode_side_measurements, decode_variant, launch_floor, summarize_decode, wide_check)
+                         decode_parts, decode_side_measurements, decode_variant, launch_floor, summarize_decode,
+                         wide_check)
 
 
 # ------------------------------------------------------------------------------------- ceilings
@@ -156,6 +158,9 @@ def decode():
         decode_variant(T, k, "heuristic", heur[T, k], case, bitwise=True)
         decode_variant(T, k, "heuristic_pdl_off", heur[T, k], case, pdl=False)
     launch_floor()
+    for (T, k), case in cases.items():
+        if heur[T, k]["PATH"] == "grouped" or T == T_DECODE:     # the permutation / GEMMs / combine split
+            decode_parts(T, k, {**heur[T, k], "PATH": "grouped"}, case)
     for (T, k), case in cases.items():
         for name, over in GEMV_SWEEP.get((T, k), {}).items():
             decode_variant(T, k, "gemv_" + name, {**heur[T, k], **over}, case)
@@ -323,10 +328,10 @@ def main():
         keys = ("ratio_vs_floor", "TBps", "ratio_vs_read_bw", "pdl", "graph_equals_eager", "TFLOPs", "ratio_vs_bf16_matmul", "ratio_vs_fp8_matmul", "rel_err", "ok",
                 "speedup_vs", "rel_err_vs_ours")
         cfg = m.get("config") or {}
-        keys = (("PATH", "GV", "GMMA", "GASM", "GN", "GK", "GN2", "GK2", "num_warps", "GW2", "num_stages", "PREF", "XV", "HX")
-                if cfg.get("PATH") == "gemv" else ("DEQ", "BM", "BN", "BK", "BN2", "BK2", "num_warps", "num_stages",
-                                                   "SPLIT", "PF"))
-        tag = "/".join(f"{k}={cfg[k]}" for k in keys if k in cfg)
+        ckeys = (("PATH", "GV", "GMMA", "GASM", "GN", "GK", "GN2", "GK2", "num_warps", "GW2", "num_stages", "PREF", "XV",
+                  "HX") if cfg.get("PATH") == "gemv" else ("DEQ", "BM", "BN", "BK", "BN2", "BK2", "num_warps",
+                                                           "num_stages", "SPLIT", "PF", "SL", "MAXNREG"))
+        tag = "/".join(f"{k}={cfg[k]}" for k in ckeys if k in cfg)
         print(f"{m['name']:<44} {m.get('median_ms', '')!s:>10} ms  {tag:<60} "
               + " ".join(f"{k}={m[k]:.3g}" if isinstance(m.get(k), float) else f"{k}={m[k]}" for k in keys if k in m),
               file=sys.stderr)

@@ -31,9 +31,12 @@ reduction may be split by it).
 
 from __future__ import annotations
 
+import ast
 import inspect
-import sys
+import io
 import math
+import sys
+import tokenize
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -75,9 +78,15 @@ class KernelTemplate:
 
     def source(self) -> str:
         """Source text of the module defining the template and of every project module its code reaches
-        (`codegen.triton.*` / `codegen.tvm.*` helpers such as `_paging` or `_moe_tiles`), hashed into tuning-record keys: a change in
-        any code the kernel runs stales its records."""
+        (`codegen.triton.*` / `codegen.tvm.*` helpers such as `_paging` or `_moe_tiles`): what an artifact
+        copies into kernels/<family>.py."""
         return "\n".join(inspect.getsource(m) for m in code_modules(inspect.getmodule(self.launch)))
+
+    def code(self) -> str:
+        """`source()` with docstrings, comments and blank lines removed (`code_only`, module by module): what
+        tuning-record keys hash, so a change in any code the kernel runs stales its records and a documentation
+        edit does not."""
+        return "\n".join(code_only(inspect.getsource(m)) for m in code_modules(inspect.getmodule(self.launch)))
 
     def space_size(self) -> int:
         return math.prod(len(t.values) for t in self.tunables)
@@ -96,3 +105,37 @@ def code_modules(module, prefix: tuple = ("codegen.triton.", "codegen.tvm.")) ->
                 seen[dep.__name__] = dep
                 stack.append(dep)
     return [module] + sorted((m for n, m in seen.items() if n != module.__name__), key=lambda m: m.__name__)
+
+
+def code_only(source: str) -> str:
+    """Python source without its docstrings (module, class and function), comments, trailing blanks and
+    empty lines. Positions come from `ast` (docstring spans) and `tokenize` (comments), whose coordinates
+    are the same on every Python 3.11+, so the result (and a hash of it) does not depend on the
+    interpreter, unlike `ast.dump` or `ast.unparse`."""
+    lines = source.splitlines()
+    cut: dict[int, list[tuple[int, int]]] = {}   # 0-based row -> [(start char, end char)] to blank
+
+    def blank(r0, c0, r1, c1):   # rows 1-based, columns in characters, end exclusive
+        for r in range(r0, r1 + 1):
+            cut.setdefault(r - 1, []).append((c0 if r == r0 else 0, c1 if r == r1 else len(lines[r - 1])))
+
+    def chars(row, byte_col):   # ast columns are UTF-8 byte offsets
+        return len(lines[row - 1].encode()[:byte_col].decode(errors="ignore"))
+
+    for node in ast.walk(ast.parse(source)):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body \
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                and isinstance(body[0].value.value, str):
+            d = body[0]
+            blank(d.lineno, chars(d.lineno, d.col_offset), d.end_lineno, chars(d.end_lineno, d.end_col_offset))
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            blank(tok.start[0], tok.start[1], tok.end[0], tok.end[1])
+    out = []
+    for i, line in enumerate(lines):
+        for c0, c1 in sorted(cut.get(i, ()), reverse=True):
+            line = line[:c0] + line[c1:]
+        if line.strip():
+            out.append(line.rstrip())
+    return "\n".join(out)

@@ -19,12 +19,12 @@ H200 = Environment(device="NVIDIA H200", arch="9.0", k31c_version="0.1.0", trito
 
 
 class FakeTemplate:
-    """The parts of a KernelTemplate the store uses; `src` stands for the template module's source."""
+    """The parts of a KernelTemplate the store uses; `src` stands for the code the template runs."""
 
     def __init__(self, family="gemm", src="def kernel(): pass\n", backend="triton"):
         self.family, self.src, self.backend = family, src, backend
 
-    def source(self):
+    def code(self):
         return self.src
 
     def bucket(self, key):
@@ -272,7 +272,8 @@ def _load_as(name: str, path):
 
 
 def test_template_hash_covers_the_helper_modules_its_kernel_uses(tmp_path):
-    """A kernel's record key hashes the helpers it calls (e.g. `_paging`), not only its own file."""
+    """A kernel's record key hashes the helpers it calls (e.g. `_paging`), not only its own file; their
+    docstrings and comments are not part of it."""
     import sys
 
     from autotune_cache.records import template_sha256
@@ -284,7 +285,8 @@ def test_template_hash_covers_the_helper_modules_its_kernel_uses(tmp_path):
                     "def launch(a, attrs, config):\n    return scale(a)\n")
     hashes = []
     try:
-        for body in ("def scale(x):\n    return 2 * x\n", "def scale(x):\n    return 3 * x\n"):
+        for body in ("def scale(x):\n    return 2 * x\n", "def scale(x):\n    return 3 * x\n",
+                     '"""Module doc."""\n\n\ndef scale(x):\n    """Doubles."""\n    # a comment\n    return 2 * x  # why\n'):
             helper.write_text(body)
             _load_as("codegen.triton._hash_probe_helper", helper)
             mod = _load_as("codegen.triton._hash_probe_main", main)
@@ -295,4 +297,15 @@ def test_template_hash_covers_the_helper_modules_its_kernel_uses(tmp_path):
     finally:
         sys.modules.pop("codegen.triton._hash_probe_helper", None)
         sys.modules.pop("codegen.triton._hash_probe_main", None)
-    assert hashes[0] != hashes[1]
+    assert hashes[0] != hashes[1], "a code change in a helper stales the records"
+    assert hashes[0] == hashes[2], "a docstring or comment edit does not"
+
+
+def test_code_only_drops_docstrings_and_comments_but_keeps_strings():
+    from codegen.kernel import code_only
+
+    src = ('"""Module.\n\nMore."""\n\nimport os  # why\n\n\nclass A:\n    """Class doc."""\n\n'
+           '    def f(self, x):\n        \'\'\'Method doc.\'\'\'\n        s = "# kept"  # dropped\n'
+           '        return f"{x!r} # {s}", """not a docstring"""\n')
+    assert code_only(src) == ('import os\nclass A:\n    def f(self, x):\n        s = "# kept"\n'
+                              '        return f"{x!r} # {s}", """not a docstring"""')

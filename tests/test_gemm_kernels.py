@@ -115,7 +115,7 @@ def test_batch_invariant_row_alone_equals_row_in_batch(which):
 
 def test_batch_invariant_config_ignores_batch_size():
     for target in ("cpu", "h200"):
-        cfgs = {str(gemm.heuristic(gemm._bucket(dict(M=m, N=14560, K=7168, x="bf16", w="bf16", gk=0, bi=1)), target))
+        cfgs = {str(gemm.heuristic(gemm.gemm_bucket(dict(M=m, N=14560, K=7168, x="bf16", w="bf16", gk=0, bi=1)), target))
                 for m in (1, 6, 64, 4096)}
         assert len(cfgs) == 1, f"{target}: batch-invariant configs depend on M: {cfgs}"
 
@@ -235,7 +235,7 @@ def test_decode_heuristic_configs_and_buckets():
             key = dict(M=m, N=n, K=k, x=xd, w="bf16", gk=0, bi=0)
             cfg = gemm.heuristic(key, "h200")
             assert gemm.constraints(cfg, key, "h200") == [], (key, cfg)
-            assert cfg["BLOCK_M"] >= gemm._bucket(key)["M"], "one M tile covers the whole bucket"
+            assert cfg["BLOCK_M"] >= gemm.gemm_bucket(key)["M"], "one M tile covers the whole bucket"
             assert cfg["COMBINE"] == 1, "split-K partials are added in the launch"
             if m == 1:
                 assert cfg["GEMV"] == 1 and cfg["BLOCK_M"] == 1, (key, cfg)
@@ -251,7 +251,7 @@ def test_decode_heuristic_configs_and_buckets():
     head = gemm.heuristic(dict(M=1, N=20480, K=7168, x="f32", w="bf16", gk=0, bi=0), "h200")
     assert head["SPLIT_K"] == 1 and head["GEMV"] == 1
     assert gemm.heuristic(dict(M=8, N=112, K=7168, x="f32", w="bf16", gk=0, bi=0), "h200")["SPLIT_K"] > 1
-    assert len({gemm._bucket(dict(M=m, N=1, K=1, x="f32", w="bf16", gk=0, bi=0))["M"] for m in (1, 2, 8, 16)}) == 4
+    assert len({gemm.gemm_bucket(dict(M=m, N=1, K=1, x="f32", w="bf16", gk=0, bi=0))["M"] for m in (1, 2, 8, 16)}) == 4
 
 
 def test_batch_invariant_mode_declines_decode_paths():

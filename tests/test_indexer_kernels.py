@@ -342,11 +342,11 @@ def test_every_kernel_of_both_families_keeps_the_pdl_contract():
     replays vs eager)."""
     import inspect
 
-    from codegen.triton import (_indexer_tiles, _mla_combine, _mla_rows, _mla_tiles, _topk_parallel, _topk_select,
-                                mla_sparse)
-    kernels = [getattr(m, n) for m in (_indexer_tiles, _topk_select, _topk_parallel, _mla_rows, _mla_tiles, _mla_combine,
-                                       mla_sparse)
-               for n in dir(m) if n.endswith("_kernel") and n.startswith("_")]
+    from codegen.triton import (_indexer_tiles, _mla_combine, _mla_heads, _mla_rows, _mla_tiles, _topk_parallel,
+                                _topk_select)
+    kernels = {getattr(m, n) for m in (_indexer_tiles, _topk_select, _topk_parallel, _mla_heads, _mla_rows, _mla_tiles,
+                                       _mla_combine)
+               for n in dir(m) if n.endswith("_kernel") and n.startswith("_")}
     assert len(kernels) >= 10, [k for k in kernels]
     for k in kernels:
         fn = getattr(k, "fn", k)

@@ -1,18 +1,16 @@
-"""KDA kernels (codegen/triton/kda_prefill.py, kda_decode.py, _kda_common.py) against the literal
-references: `ir.ref.kda` (recurrence, chunked form, gate, conv), fla-core's naive KDA, and for the fused
-decode the unfused op sequence of `passes/kda_decode_fusion.py`. CPU: Triton interpreter, fp32, tiny
-shapes (chunk 64 kept); the bf16 full-shape check runs on a GPU only (benches/bench_kda.py times it)."""
+"""KDA chunked prefill and gate kernels (codegen/triton/kda_prefill.py, _kda_common.py, _kda_wu.py) against
+the literal references: `ir.ref.kda` (recurrence, chunked form, gate) and fla-core's naive KDA; the tiny model
+through both KDA kernels; the H200 heuristics. The fused decode's own tests: tests/test_kda_decode_kernels.py.
+CPU: Triton interpreter, fp32, tiny shapes (chunk 64 kept); the bf16 full-shape check runs on a GPU only
+(benches/bench_kda.py times it)."""
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import pytest
 import torch
 from fla.ops.kda.naive import naive_chunk_kda, naive_recurrent_kda
 
 from codegen.triton.kda_decode import TEMPLATES as DECODE_TEMPLATES
-from codegen.triton.kda_decode import kda_decode
 from codegen.triton.kda_prefill import TEMPLATES as PREFILL_TEMPLATES
 from codegen.triton.kda_prefill import kda_gate, kda_prefill
 from ir.core import TensorType
@@ -20,10 +18,7 @@ from ir.ops import OPS
 from ir.ref import kda as ref
 from ir.ref.basic import l2_norm
 from tests.helpers import assert_close_rel
-from tests.kda_decode_case import conv_tails as _conv_tails
 from tests.kda_decode_case import cu as _cu
-from tests.kda_decode_case import decode_operands
-from tests.kda_decode_case import unfused_decode as _unfused
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -237,64 +232,6 @@ def test_prefill_and_gate_templates_drop_in():
     assert_close_rel(out, OPS["kda_gate"].reference(a, attrs), 1e-6, "kda_gate template")
 
 
-# ------------------------------------------------------------------------------------------ decode
-@pytest.mark.parametrize("H,D,lengths,lb,rank,block_v,split,prefetch", [
-    (2, 16, [1, 3, 8, 2], -5.0, 3, 16, 1, True),          # verification: 1..8 tokens per request, K3 gate
-    (2, 32, [1, 2, 0, 5, 7, 4, 6, 8], None, 32, 16, 1, True),  # q_len 0..8, Kimi-Linear softplus gate
-    (1, 64, [2, 1], -5.0, 64, 32, 1, False),               # the tiny model's head size, no prefetch
-    (1, 16, [17, 1], -5.0, 16, 16, 1, True),               # more tokens than one group of 8
-    (2, 32, [1, 3, 0, 8], -5.0, 32, 8, 2, True),           # head columns split over 2 programs (2 blocks each)
-    (2, 32, [2, 8], -5.0, 32, 8, 2, False),                # the same without the one-block-ahead loads
-    (1, 64, [1, 9], None, None, 16, 4, True),              # split 4, gate input f given whole (f_b None)
-    (1, 64, [1, 1, 2], -5.0, 64, 8, 8, True),              # split 8 (the rank preset's B=1 heuristic form)
-])
-def test_decode_vs_unfused_sequence(H, D, lengths, lb, rank, block_v, split, prefetch):
-    g = _gen(7)
-    S = len(lengths) + 2
-    ops = decode_operands(g, H, D, lengths, rank or 8, S, bias=lb is not None)
-    if rank is None:  # the kernel's f input: f = f_a f_b^T computed outside
-        ops[7], ops[8] = ops[7] @ ops[8].T, None
-    mine = [x.clone() if isinstance(x, torch.Tensor) else x for x in ops]
-    want = [x.clone() if isinstance(x, torch.Tensor) else x for x in ops]
-    out, conv, state, states, tails = kda_decode(*mine, scale=D ** -0.5, lower_bound=lb, norm_eps=1e-5,
-                                                  keep_states=True, block_v=block_v, split=split,
-                                                  prefetch=prefetch)
-    y_ref, states_ref = _unfused(want, D ** -0.5, lb, 1e-5)
-    assert conv is mine[6] and state is mine[12]
-    assert_close_rel(out, y_ref, 1e-5, "fused decode output")
-    assert_close_rel(state, want[12], 1e-5, "kda state pool")
-    assert torch.equal(conv, want[6]), "conv state pool"
-    others = [s for s in range(S) if s not in ops[15].tolist()]
-    assert torch.equal(state[others], ops[12][others]) and torch.equal(conv[others], ops[6][others])
-    assert_close_rel(states, states_ref, 1e-5, "per-token states")
-    assert torch.equal(tails, _conv_tails(ops, lengths)), "per-token conv tails"
-    q, k, v, qc, kc, vc, conv0 = ops[:7]  # the reference conv's own per-token tails (ir.ref keep_states)
-    _, ref_tails = ref.causal_conv1d(torch.cat([q, k, v], 1), torch.cat([qc, kc, vc], 0), conv0.clone(), ops[15],
-                                     ops[16], keep_states=True)
-    assert torch.equal(ref_tails, tails), "ir.ref causal_conv1d keep_states tails"
-
-
-def test_decode_template_drop_in():
-    g = _gen(8)
-    H, D, lengths = 2, 16, [1, 1, 1]
-    ops = decode_operands(g, H, D, lengths, 16, 4)
-    (t,) = DECODE_TEMPLATES
-    attrs = {"heads": H, "head_dim": D, "scale": D ** -0.5, "lower_bound": -5.0, "l2_eps": 1e-6, "norm_eps": 1e-5,
-             "batch_invariant": False}
-    a = SimpleNamespace(operands=[x.clone() if isinstance(x, torch.Tensor) else x for x in ops])
-    key = t.key_dims(a, attrs)
-    assert key == {"H": H, "D": D, "T": 3, "R": 3} and t.supports(a, attrs, "cpu") is None
-    out = t.launch(a, attrs, t.heuristic(key, "cpu"))
-    assert len(out) == 3 and out[1] is a.operands[6] and out[2] is a.operands[12]
-    want = [x.clone() if isinstance(x, torch.Tensor) else x for x in ops]
-    y_ref, _ = _unfused(want, D ** -0.5, -5.0, 1e-5)
-    assert_close_rel(out[0], y_ref, 1e-5, "template output")
-    assert_close_rel(out[2], want[12], 1e-5, "template state")
-    types = SimpleNamespace(operands=[TensorType.of("f32", ("T", 6))] + [None] * 8 + [TensorType.of("f32", (2,))]
-                            + [None] * 7)
-    assert "power of two" in t.supports(types, attrs, "cpu")
-
-
 def test_tiny_model_prefill_decode_verify_through_the_kernels():
     """k31-tiny (D=64) after passes/kda_decode_fusion.py: the compiled executor runs every `kda` of
     prefill through kda_prefill and every fused.kda_decode of decode/verify through kda_decode; logits of
@@ -345,75 +282,6 @@ def test_bf16_full_shape_gpu():
     assert_close_rel(mine, want, 1e-2, "bf16 prefill states")
 
 
-def test_interrupted_split_launch_leaves_no_arrivals_counted(monkeypatch):
-    """Split-V programs count arrivals on a per-device buffer that each launch leaves zero. A launch cut
-    short (the tuner's per-candidate time-out, an error) must reset it, or the next launch would apply the
-    gated norm from the wrong program."""
-    from codegen.triton import kda_decode as mod
-
-    g = _gen(9)
-    H, D, lengths = 2, 32, [1, 1]
-    ops = decode_operands(g, H, D, lengths, 8, 4)
-
-    class Interrupted(Exception):
-        pass
-
-    class CutShort:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                args[-5].add_(1)  # some programs arrived (the counter buffer), then the launch was cut short
-                raise Interrupted()
-            return launch
-
-    real = mod._kda_decode_kernel
-    monkeypatch.setattr(mod, "_kda_decode_kernel", CutShort())
-    with pytest.raises(Interrupted):
-        kda_decode(*[x.clone() if isinstance(x, torch.Tensor) else x for x in ops], scale=D ** -0.5, lower_bound=-5.0,
-                   norm_eps=1e-5, block_v=8, split=2)
-    monkeypatch.setattr(mod, "_kda_decode_kernel", real)
-    assert int(mod._counters(ops[0].device, len(lengths) * H).abs().sum()) == 0
-    want = [x.clone() if isinstance(x, torch.Tensor) else x for x in ops]
-    out = kda_decode(*[x.clone() if isinstance(x, torch.Tensor) else x for x in ops], scale=D ** -0.5,
-                     lower_bound=-5.0, norm_eps=1e-5, block_v=8, split=2)[0]
-    assert_close_rel(out, _unfused(want, D ** -0.5, -5.0, 1e-5)[0], 1e-5, "launch after an interrupted one")
-
-
-@pytest.mark.parametrize("gate_mm,rank_block,split", [(True, 32, 1), (False, 16, 1), (False, 128, 2)])
-def test_decode_gate_gemm_and_rank_blocks(gate_mm, rank_block, split):
-    """f = f_a f_b^T as one GEMM before the kernel (GATE_MM), or per program in rank blocks of RB: the same
-    outputs and states as the unfused sequence."""
-    g = _gen(11)
-    H, D, lengths = 2, 16, [1, 2, 1]
-    ops = decode_operands(g, H, D, lengths, 40, 5)
-    want = [x.clone() if isinstance(x, torch.Tensor) else x for x in ops]
-    out, _, state = kda_decode(*[x.clone() if isinstance(x, torch.Tensor) else x for x in ops], scale=D ** -0.5,
-                               lower_bound=-5.0, norm_eps=1e-5, block_v=8, gate_mm=gate_mm, rank_block=rank_block,
-                               split=split)
-    y_ref, _ = _unfused(want, D ** -0.5, -5.0, 1e-5)
-    assert_close_rel(out, y_ref, 1e-5, f"output gate_mm={gate_mm} RB={rank_block}")
-    assert_close_rel(state, want[12], 1e-5, f"states gate_mm={gate_mm} RB={rank_block}")
-
-
-@pytest.mark.parametrize("H,D,rank,rank_block,split,bias", [
-    (2, 16, 40, 16, 2, False),    # rank 40 in 3 masked blocks of 16, split 2, Kimi-Linear softplus gate
-    (1, 64, 64, 128, 4, True),    # split 4, the whole rank in one block, K3 gate
-])
-def test_decode_dot_free_gate_gemv(H, D, rank, rank_block, split, bias):
-    """GEMV (one token per request): f_c = sum_j f_b[c, j] f_a[j] as a multiply-and-sum instead of 16-row
-    dots; the same outputs and states as the unfused sequence. Several tokens per request fall back to the dots."""
-    g = _gen(12)
-    lb = -5.0 if bias else None
-    for lengths in ([1, 1, 1], [1, 3]):
-        ops = decode_operands(g, H, D, lengths, rank, 5, bias=bias)
-        want = [x.clone() if isinstance(x, torch.Tensor) else x for x in ops]
-        out, _, state = kda_decode(*[x.clone() if isinstance(x, torch.Tensor) else x for x in ops], scale=D ** -0.5,
-                                   lower_bound=lb, norm_eps=1e-5, block_v=8, rank_block=rank_block, split=split,
-                                   gemv=True)
-        y_ref, _ = _unfused(want, D ** -0.5, lb, 1e-5)
-        assert_close_rel(out, y_ref, 1e-5, f"GEMV gate output, lengths {lengths}")
-        assert_close_rel(state, want[12], 1e-5, f"GEMV gate states, lengths {lengths}")
-
-
 def test_prefill_state_kernel_smem_matches_the_h200():
     """Kernel 2's shared-memory model equals what Triton 3.6 allocated on the H200 (benches/bench_kda.py,
     session 6), so the constraints reject the one variant that failed there (BV 128 x 3 stages) and keep the rest."""
@@ -427,17 +295,23 @@ def test_prefill_state_kernel_smem_matches_the_h200():
 
 
 def test_gpu_heuristics_are_the_measured_configs():
-    """The H200 heuristics pick what benches/bench_kda.py measured fastest (session 5), and satisfy the
-    templates' constraints: prefill bf16 products with BK 64; decode split until ~one program per SM."""
+    """The H200 heuristics pick what benches/bench_kda.py measured fastest (session 8), and satisfy the
+    templates' constraints: prefill bf16 products with BK 64, kernel 2 BV 128 x 4 warps x 2 stages for 4 x 32
+    (request, head) pairs (BV 32 for one request and without the batch, as batch-invariant mode asks); decode
+    split 4 with EARLY at B=1 (H 12 and 32), one program per (request, head) with the gate GEMM at B=64."""
     (t_pre, _), (t_dec,) = PREFILL_TEMPLATES, DECODE_TEMPLATES
-    key = {"H": 32, "D": 128, "Dv": 128, "T": 8192, "R": 1}
-    cfg = t_pre.heuristic(key, "cuda")
-    assert (cfg["BK"], cfg["LOWP_A"], cfg["LOWP_WU"], cfg["SPLIT_INTRA"]) == (64, 1, 1, 0)
-    assert t_pre.constraints(cfg, key, "cuda") == []
-    want = {(64, 32): (1, 64, 1, 32), (1, 32): (4, 32, 0, 128), (1, 12): (8, 16, 0, 128)}
-    for (R, H), (split, bv, gate_mm, rb) in want.items():
+    for R, (bv, warps, stages) in {1: (32, 4, 3), 2: (64, 4, 3), 4: (128, 4, 2), None: (32, 4, 3)}.items():
+        key = {"H": 32, "D": 128, "Dv": 128, "T": 8192 * (R or 1)} | ({"R": R} if R else {})
+        cfg = t_pre.heuristic(key, "cuda")
+        assert (cfg["BK"], cfg["LOWP_A"], cfg["LOWP_WU"], cfg["SPLIT_INTRA"]) == (64, 1, 1, 0)
+        assert (cfg["BV"], cfg["WARPS"], cfg["STAGES"]) == (bv, warps, stages), (R, cfg)
+        assert t_pre.constraints(cfg, {"R": 1, **key}, "cuda") == []
+    want = {(64, 32): (1, 64, 1, 32, 0), (1, 32): (4, 32, 0, 128, 1), (1, 12): (4, 32, 0, 128, 1),
+            (2, 32): (2, 64, 0, 128, 1)}
+    for (R, H), (split, bv, gate_mm, rb, early) in want.items():
         key = {"H": H, "D": 128, "T": R, "R": R}
         cfg = t_dec.heuristic(key, "cuda")
-        assert (cfg["SPLIT"], cfg["BV"], cfg["GATE_MM"], cfg["RB"]) == (split, bv, gate_mm, rb), (R, H, cfg)
+        assert (cfg["SPLIT"], cfg["BV"], cfg["GATE_MM"], cfg["RB"], cfg["EARLY"]) == (split, bv, gate_mm, rb, early)
         assert t_dec.constraints(cfg, key, "cuda") == []
     assert t_dec.heuristic({"H": 32, "D": 128, "T": 512, "R": 64}, "cuda")["GATE_MM"] == 0  # 8-token verification
+    assert "EARLY" in t_dec.constraints({"SPLIT": 2, "BV": 32, "EARLY": 1}, {"D": 128}, "cuda")[0]

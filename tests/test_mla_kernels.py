@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from codegen.triton import mla_prefill as prefill_mod
+from codegen.triton._mla_heads import _pow2_scale
 from codegen.triton import mla_sparse as sparse_mod
 from codegen.triton.mla_prefill import dequantize_latent, mla_prefill, quantize_latent_fp8, quantize_latent_nvfp4
 from codegen.triton.mla_sparse import mla_sparse_decode
@@ -282,3 +285,85 @@ def test_block_view_latent_pool_read_in_place(fmt):
     deq = dequantize_latent(pool, fmt, KV, ls, ps)
     assert_close_rel(mla_sparse_decode(*_args(b, view), **kw)[0], ref.mla_attention(*_args(b, deq), "absorbed"),
                      1e-5 if fmt == "fp32" else 2e-2, f"{fmt} vs reference")
+
+
+F16_HEADS = dict(HEADS, F16=1)   # fp16 dots, queries scaled per head by powers of two (CPU: fp32 dots, same scaling)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_f16_heads_path_on_quantised_pools(fmt):
+    """F16 1 (ORIENT 1, FP8 / NVFP4 pools) vs the reference on the same quantised pool, queries of magnitude
+    ~1e5 (past fp16's range unless the per-head scaling works), o~ / lse vs float64; rejected for bf16 pools."""
+    b = _batch(5, [(35, 2), (18, 1)])
+    b["qn"] = b["qn"] * 1e5
+    b["qp"] = b["qp"] * 1e5
+    pool, ls, ps = (*quantize_latent_fp8(b["lat"]), 1.0) if fmt == "fp8" else quantize_latent_nvfp4(b["lat"], KV)
+    deq = dequantize_latent(pool, fmt, KV, ls, ps)
+    o, lse = mla_sparse_decode(*_args(b, pool), latent_format=fmt, latent_scale=ls, pe_scale=ps, return_lse=True,
+                               config=F16_HEADS)
+    assert_close_rel(o, ref.mla_attention(*_args(b, deq), "absorbed"), 2e-2, f"{fmt} F16 o")
+    assert_close_rel(lse, _lse64(b, deq), 1e-4, f"{fmt} F16 lse")
+    with pytest.raises(ValueError, match="F16"):
+        mla_sparse_decode(*_args(b), config=F16_HEADS)
+
+
+@triton.jit
+def _pow2_scale_probe(a_ptr, up_ptr, down_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    up, down = _pow2_scale(tl.load(a_ptr + i))
+    tl.store(up_ptr + i, up)
+    tl.store(down_ptr + i, down)
+
+
+def test_pow2_query_scale_is_exact_and_below_fp16_max():
+    """`_pow2_scale`: amax * 2^n in [2^13, 2^14) for normal amax, 2^n * 2^-n = 1, n clamped for 0 / tiny / huge."""
+    a = torch.tensor([0.0, 1e-30, 3e-5, 0.7, 1.0, 3.0, 65504.0, 1e6, 3e38, 1e-42, 2.5e-8, 12345.6, 8192.0, 16383.9,
+                      5e-39, 1.5])
+    up, down = torch.empty_like(a), torch.empty_like(a)
+    _pow2_scale_probe[(1,)](a, up, down, N=16)
+    assert torch.equal(up * down, torch.ones_like(a)), "2^n * 2^-n != 1"
+    assert torch.equal(torch.exp2(torch.round(torch.log2(up))), up), "not a power of two"
+    normal = (a >= 2.0 ** -100) & (a < 2.0 ** 120)
+    scaled = a[normal] * up[normal]
+    assert bool(((scaled >= 2.0 ** 13) & (scaled < 2.0 ** 14)).all()), scaled
+    assert float(up[0]) == 2.0 ** 126 and float((a * up).max()) < 65504, "zero / huge amax"
+
+
+_SM90_F16 = r'''
+import os
+os.environ["TRITON_INTERPRET"] = "0"
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile as tc
+from codegen.aot.record import Recorder
+from codegen.triton.mla_sparse import sparse_latent_attention
+target = GPUTarget("cuda", 90, 32)
+T, H, N = 2, 12, 256
+pool = torch.zeros(N, 576, dtype=torch.uint8).view(torch.float8_e4m3fn)
+rows = torch.arange(T * 64).view(T, 64) % N
+cfg = dict(ORIENT=1, BLOCK_H=16, BLOCK_N=32, CHUNK=64, num_warps=4, num_stages=1, PREFETCH=1, F16=1)
+with Recorder(target) as rec:
+    sparse_latent_attention(torch.zeros(T, H, 512, dtype=torch.bfloat16), torch.zeros(T, H, 64, dtype=torch.bfloat16),
+                            pool, torch.full((T,), 500), None, 0.1, rows, latent_format="fp8", config=cfg, block_size=64,
+                            out_dtype=torch.bfloat16)
+for spec in rec.specs.values():
+    fn, sig, cx, attrs, opts = spec.compile_args
+    if fn.fn.__name__ == "_mla_heads_kernel":
+        ptx = tc(ASTSource(fn, sig, cx, attrs), target=target, options=dict(vars(opts))).asm["ptx"]
+        print(ptx.count("cvt.rn.f16x2.e4m3x2"), ptx.count("ld.shared.b8"), ptx.count("ldmatrix"))
+'''
+
+
+def test_f16_heads_kernel_widens_rows_before_the_relayout_on_sm90():
+    """The sm_90 build of the F16 path widens e4m3 rows in registers (`_e4m3_to_f16`) and feeds both dots through
+    16-bit ldmatrix, with no byte-wise shared-memory loads (the bf16 path transposes the 8-bit tile byte by byte).
+    Compiled in a subprocess (not interpreting) through the AOT recorder; ptxas is not needed for the PTX."""
+    import os
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-c", _SM90_F16], env=dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=repo),
+                       capture_output=True, text=True, timeout=240, cwd=repo)
+    assert p.returncode == 0, p.stderr[-3000:]
+    cvt, bytewise, ldm = map(int, p.stdout.split())
+    assert cvt > 0 and ldm > 0 and bytewise == 0, p.stdout

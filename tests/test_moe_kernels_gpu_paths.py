@@ -16,7 +16,10 @@ import pytest
 import torch
 
 from codegen.triton import _moe_tiles as tiles
+from codegen.triton import moe_grouped_gemm as gg
 from ir.packed import PackedMXFP4
+from tests.helpers import assert_close_rel
+from tests.test_moe_kernels import E, L, _experts, _gen, _mx, _ref_experts, _routing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -159,26 +162,35 @@ _AOT = textwrap.dedent("""
                                   ("down", gg._moe_down_kernel, 90, 5, (16, 128, 64)),
                                   ("down", gg._moe_down_kernel, 90, 1, (128, 128, 64)),
                                   ("gate_up", gg._moe_gate_up_kernel, 90, 5, (16, 64, 128, 4)),
-                                  ("down", gg._moe_down_kernel, 90, 5, (16, 64, 128, 4))]:
+                                  ("down", gg._moe_down_kernel, 90, 5, (16, 64, 128, 4)),
+                                  ("gate_up", gg._moe_gate_up_kernel, 90, 5, (16, 64, 128, 1, 3)),   # SL=3, 2
+                                  ("down", gg._moe_down_kernel, 90, 5, (16, 64, 128, 1, 3)),
+                                  ("gate_up", gg._moe_gate_up_kernel, 90, 5, (16, 64, 128, 1, 2))]:
         split = cfg[3] if len(cfg) > 3 else 1
-        ce = dict(E_PAD=128, W_FMT=wf, IEEE=False, DT=tl.bfloat16, WIDE=False, PF=cc == 90, SL=wf == 5, BM=cfg[0], BN=cfg[1],
+        sl = cfg[4] if len(cfg) > 4 else int(wf == 5)
+        ce = dict(E_PAD=128, W_FMT=wf, IEEE=False, DT=tl.bfloat16, WIDE=False, PF=cc == 90 and len(cfg) < 5, SL=sl, BM=cfg[0], BN=cfg[1],
                   BK=cfg[2], GROUP_M=8, SPLIT=split)
         if name == "gate_up":
             ce.update(TOPK=16, ACT=0, HAS_BETA2=True)
         if split > 1:
             name += f"_split{split}"
+        if len(cfg) > 4:
+            name += f"_sl{sl}"
         ce["PDL"] = True
         sig, attrs = {}, {}
         for i, a in enumerate(fn.arg_names):
             sig[a] = ("constexpr" if a in ce else "*i32" if a in ("pair_ptr", "counts_ptr", "offsets_ptr")
                       else "*fp32" if split > 1 and (a, name) in (("h_ptr", "gate_up"), ("o_ptr", "down"))
                       else "*bf16" if a in ("z_ptr", "h_ptr", "o_ptr") or (a[0] in "ws" and not wf)
-                      else "*i16" if a[0] == "w" and wf == 5 else "*u8" if a.endswith("_ptr")
+                      else "*i16" if a[0] == "w" and wf == 5 else "*i32" if a[0] == "s" and a.endswith("_ptr") and sl == 2
+                      else "*u8" if a.endswith("_ptr")
                       else "fp32" if a.startswith("beta") else "i64" if a == "stride_we" else "i32")
-            if sig[a] != "constexpr" and not sig[a].startswith("fp") and a not in ("E", "stride_se", "stride_sn", "N_TILES"):
+            # the SL entries: as the T=64 launches specialise (scale strides divisible by 16)
+            plain = ("E", "N_TILES", *gg.SCALE_NO_SPEC) if len(cfg) > 4 else ("E", "stride_se", "stride_sn", "N_TILES")
+            if sig[a] != "constexpr" and not sig[a].startswith("fp") and a not in plain:
                 attrs[(i,)] = [["tt.divisibility", 16]]
         k = triton.compile(ASTSource(fn, sig, ce, attrs), target=GPUTarget("cuda", cc, 32),
-                           options={"num_warps": 8, "num_stages": 3})
+                           options={"num_warps": 2 if len(cfg) > 4 else 8, "num_stages": 3})   # SL: the decode tiles
         ptx = k.asm["ptx"]
         res[f"{name}_sm{cc}_w{wf}_pdl"] = ptx.count("griddepcontrol.wait")
         res[f"{name}_sm{cc}_w{wf}"] = sorted(set(re.findall(r"(tcgen05\\.mma[.\\w:]*|wgmma\\.mma_async|mma\\.sync)", ptx)))
@@ -288,5 +300,49 @@ def test_gpu_paths_compile_for_sm100_and_sm90():
     for kern in ("_gate_up_v2_kernel", "_down_v2_kernel", "_moe_router_kernel", "_scatter_pairs_kernel",
                  "_permute_one_program_kernel", "_glu_splits_kernel", "_combine_splits_kernel"):
         assert res[kern + "_sm90_pdl"] == 1, (kern, res)
-    for k in ("gate_up_sm90_w3", "down_sm90_w3", "gate_up_split4_sm90_w5"):
+    for k in ("gate_up_sm90_w3", "down_sm90_w3", "gate_up_split4_sm90_w5", "gate_up_sl3_sm90_w5", "down_sl3_sm90_w5",
+              "gate_up_sl2_sm90_w5"):
         assert res[k + "_pdl"] == 1, (k, res)
+    # the T=64 decode tiles (64 x 16 on 2 warps): scale bytes a K step ahead (SL=3) keep the decode on the packed
+    # tile; int32 scale words (SL=2) compile
+    assert res["gate_up_sl3_sm90_w5_smem_operand"] == 0 and res["down_sl3_sm90_w5_smem_operand"] == 0, res
+    assert res["gate_up_sl2_sm90_w5"], res
+
+
+# ---- host side of the grouped kernels' GPU-motivated options, run in the interpreter (fp32, tiny shapes)
+
+
+def test_scale_words_need_four_byte_groups():
+    """SL=2 views the E8M0 bytes as int32 words: K/32 = 2 bytes a row cannot be (falls back to SL=1, same
+    result); K/32 = 4 can, and the words hold the bytes little-endian (byte c = scale group 4w + c)."""
+    g = _gen(403)
+    T, k = 7, 2
+    z = torch.randn(T, L, generator=g)
+    w, ids = _routing(g, T, k, "random")
+    w1, w2, w3 = (_mx(x) for x in _experts(g))
+    assert gg.scale_words(2, tiles.MX_BYTES, w1.scales, (0, 0, 2, 2))[0] == 1          # L = 64: 2 bytes a row
+    wide = _mx(torch.randn(3, 5, 128, generator=g))
+    sl, words, st = gg.scale_words(2, tiles.MX_BYTES, wide.scales, (0, 0, 20, 4))
+    assert sl == 2 and st[2:] == (5, 1) and words.dtype == torch.int32
+    assert int(words[1, 2, 0]) & 0xFF == int(wide.scales[1, 2, 0]) and (int(words[1, 2, 0]) >> 24) & 0xFF == int(
+        wide.scales[1, 2, 3])
+    cfg = {"BM": 16, "BN": 64, "BK": 64, "BN2": 64, "BK2": 64, "DEQ": "bytes", "SL": 2}
+    y = gg.moe_experts(z, w, ids, w1, w2, w3, "silu", None, None, cfg)
+    assert_close_rel(y, _ref_experts(z, w, ids, w1, w2, w3, "silu", None, None), 1e-5, "SL=2 fallback")
+
+
+def test_expert_pair_outputs_launches_apart():
+    """kernels=: the gate-up or the down launch alone (bench_moe.py times them apart; the other launch gets
+    an empty grid) runs and returns o's shape; the default runs both and matches the reference."""
+    g = _gen(404)
+    T, k = 6, 2
+    z = torch.randn(T, L, generator=g)
+    w, ids = _routing(g, T, k, "random")
+    w1, w2, w3 = (_mx(x) for x in _experts(g))
+    cfg = {"BM": 16, "BN": 64, "BK": 64, "BN2": 64, "BK2": 64, "DEQ": "bytes"}
+    o, seg = gg.expert_pair_outputs(z, ids, w1, w2, w3, "silu", None, None, cfg)
+    for kernels in (("gate_up",), ("down",), ()):
+        part, _ = gg.expert_pair_outputs(z, ids, w1, w2, w3, "silu", None, None, cfg, seg, kernels=kernels)
+        assert part.shape == o.shape
+    y = gg.combine_pairs(o, w, ids, E)
+    assert_close_rel(y, _ref_experts(z, w, ids, w1, w2, w3, "silu", None, None), 1e-5, "both launches")

@@ -203,3 +203,22 @@ def test_every_declared_search_space_can_be_enumerated():
 
     too_big = {t.family: t.space_size() for t in all_templates() if t.space_size() > MAX_ENUMERATE}
     assert too_big == {}, f"search spaces over {MAX_ENUMERATE} configs: {too_big}"
+
+
+def test_candidates_measured_equal_are_ranked_by_their_config_not_compared_as_dicts(tmp_path, monkeypatch):
+    """On the H200 two embedding configs once timed exactly 4.1 us each and ranking the finalists compared
+    their config dicts (TypeError, the whole tune stopped): equal times now rank by the canonical config."""
+    rms = _template("rms_norm")
+    planted = dataclasses.replace(rms, tunables=(Tunable("BLOCK_R", (1, 2, 4)),))
+    prob = _rms_problem(planted, rows=8)
+    real = tuner_mod.measure
+
+    def measure(problem, config, repeats, warmup=1):
+        _, how = real(problem, config, 1, 0)   # still run: only the clock is replaced
+        return [7.0] * repeats, how            # every candidate ties
+
+    monkeypatch.setattr(tuner_mod, "measure", measure)
+    store = CacheStore(str(tmp_path / "s.jsonl"))
+    r = tuner_mod.tune_problems([prob], store=store, trials=3, progress=False, target="cpu", env=ENV,
+                                study_db=str(tmp_path / "st.db"), repeats=2, final_repeats=2, timeout_s=30.0)[0]
+    assert r.median_us == 7.0 and len(store.records()) == 1

@@ -3,7 +3,9 @@
 template, the chunk tables of the chunked prefill (cut every 64 tokens from each request's start,
 and also at requested checkpoint positions), its small tile helpers (64-row chunks as four 16-row
 sub-blocks) and the phase-1 row-block products of its intra-chunk kernel (`_row_block`, `_diag_exact`);
-the fused decode's host helpers (split-V arrival counters, the gate GEMM, operand row views).
+the fused decode's tile helpers (conv taps, causal conv + SiLU over token groups, conv tails, the gated
+RMSNorm store) and host helpers (its operand names and binding, `supports`, split-V arrival counters, the
+gate GEMM, operand row views).
 """
 
 from __future__ import annotations
@@ -253,7 +255,107 @@ def _diag_exact(a: tl.constexpr, k, q, lw, t0, L, s_k, s_q, cols, acc, accq, D: 
     return acc, accq
 
 
+# ---- tile helpers of the fused decode (`kda_decode.py`)
+@triton.jit
+def _conv_silu(x, s_x, cst, C3, cw, bos, t0, nt, ch, KW: tl.constexpr, MAXT: tl.constexpr):
+    """silu(causal depthwise conv) of tokens t0..t0+MAXT-1 (rows >= nt are 0) for channels ch, one tap at a time
+    (weights loaded where used); the context before the request's first new token comes from its conv-state row
+    `cst`."""
+    tt = tl.arange(0, MAXT)
+    acc = tl.zeros([MAXT, ch.shape[0]], dtype=tl.float32)
+    for j in tl.static_range(KW):
+        src = t0 + tt - (KW - 1) + j
+        ok = tt < nt
+        xv = tl.load(x + (bos + src)[:, None] * s_x + ch[None, :], mask=(ok & (src >= 0))[:, None], other=0.0)
+        sv = tl.load(cst + (src + KW - 1)[:, None] * C3 + ch[None, :], mask=(ok & (src < 0))[:, None], other=0.0)
+        acc += (xv.to(tl.float32) + sv.to(tl.float32)) * tl.load(cw + ch * KW + j).to(tl.float32)[None, :]
+    return acc * tl.sigmoid(acc)
+
+
+@triton.jit
+def _conv_weights(cw, ch, KW: tl.constexpr, KWP: tl.constexpr):
+    """Depthwise conv taps of channels ch as a [KWP, len(ch)] fp32 tile (rows >= K are 0): weights, so
+    they are loaded before the grid-dependency wait."""
+    j = tl.arange(0, KWP)
+    return tl.load(cw + ch[None, :] * KW + j[:, None], mask=(j < KW)[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _conv_silu_w(x, s_x, cst, C3, wt, bos, t0, nt, ch, KW: tl.constexpr, MAXT: tl.constexpr):
+    """`_conv_silu` with the taps given (wt from `_conv_weights`, loaded before the PDL wait) and all K taps of
+    the inputs loaded as one [MAXT, KWP, len(ch)] tile."""
+    tt = tl.arange(0, MAXT)[:, None, None]
+    j = tl.arange(0, wt.shape[0])[None, :, None]
+    c = ch[None, None, :]
+    src = t0 + tt - (KW - 1) + j
+    ok = (tt < nt) & (j < KW)
+    xv = tl.load(x + (bos + src) * s_x + c, mask=ok & (src >= 0), other=0.0).to(tl.float32)
+    sv = tl.load(cst + (src + KW - 1) * C3 + c, mask=ok & (src < 0), other=0.0).to(tl.float32)
+    acc = tl.sum((xv + sv) * wt[None, :, :], axis=1)
+    return acc * tl.sigmoid(acc)
+
+
+@triton.jit
+def _tail(x, s_x, cst, C3, bos, src0, ch, KW: tl.constexpr, KWP: tl.constexpr):
+    """Context rows src0 .. src0+K-2 (inputs, or conv-state rows for src < 0): [KWP, len(ch)]."""
+    j = tl.arange(0, KWP)
+    src = src0 + j
+    ok = j < KW - 1
+    xv = tl.load(x + (bos + src)[:, None] * s_x + ch[None, :], mask=(ok & (src >= 0))[:, None], other=0.0)
+    sv = tl.load(cst + (src + KW - 1)[:, None] * C3 + ch[None, :], mask=(ok & (src < 0))[:, None], other=0.0)
+    return xv.to(tl.float32) + sv.to(tl.float32)
+
+
+@triton.jit
+def _put_tail(dst, C3, ch, val, KW: tl.constexpr, KWP: tl.constexpr):
+    j = tl.arange(0, KWP)
+    tl.store(dst + j[:, None] * C3 + ch[None, :], val.to(dst.dtype.element_ty), mask=(j < KW - 1)[:, None])
+
+
+@triton.jit
+def _row(x2, t):
+    """Row t of a [MAXT, n] tile."""
+    return tl.sum(tl.where((tl.arange(0, x2.shape[0]) == t)[:, None], x2, 0.0), axis=0)
+
+
+@triton.jit
+def _gated_rms_store(o2, rows, rm, z, nw, out, ch, norm_eps, D: tl.constexpr, P: tl.constexpr):
+    """out = rmsnorm(o2) * o_norm_w * sigmoid(z) for the [MAXT, D] outputs of one head (z: the gate
+    projection's tile, nw: o_norm_w or ones, both loaded ahead by the caller)."""
+    y = o2 / tl.sqrt(tl.sum(o2 * o2, axis=1) / D + norm_eps)[:, None] * tl.sigmoid(z) * nw[None, :]
+    tl.store(out + rows[:, None] * P + ch[None, :], y.to(out.dtype.element_ty), mask=rm)
+
+
 # ---- host helpers of the fused decode (`kda_decode.py`)
+FUSED_OP = "fused.kda_decode"
+OPERANDS = ("q", "k", "v", "q_conv", "k_conv", "v_conv", "conv_state", "f_a", "f_b", "A_log", "dt_bias", "b",
+            "state", "gate", "o_norm_w", "state_slot", "cu_seqlens")
+
+
+def fused_operands(a) -> dict:
+    """Bound operands of the fused node: `a.operands` (list, as codegen binds fused ops) or names."""
+    ops = getattr(a, "operands", None)
+    if ops is None:
+        return {n: getattr(a, n) for n in OPERANDS}
+    if len(ops) != len(OPERANDS):
+        raise ValueError(f"{FUSED_OP} takes {len(OPERANDS)} operands ({', '.join(OPERANDS)}), got {len(ops)}")
+    return dict(zip(OPERANDS, ops))
+
+
+def supports(a, attrs, target):
+    """The fused decode template's `supports`: static power-of-two head dims in 16..256, scale and norm_eps."""
+    o = fused_operands(a)
+    try:
+        H, P = int(o["A_log"].shape[0]), int(o["q"].shape[1])
+    except TypeError:
+        return "head count and projection width must be static"
+    D = P // H
+    if P != H * D or D < 16 or D > 256 or D & (D - 1):
+        return f"head dim must be a power of two in 16..256, got width {P} for {H} heads"
+    missing = [x for x in ("scale", "norm_eps") if x not in attrs]
+    return f"attrs {missing} are required" if missing else None
+
+
 _COUNTERS: dict = {}  # device -> int32 arrival counters of the split-V programs, zero between launches
 
 

@@ -61,6 +61,9 @@ def constraints(config: dict, key: dict, target=None) -> list[str]:
         v = config.get(g, 16)
         if v < 1 or v & (v - 1) or (g.startswith("GK") and mx and v < 8):
             out.append(f"{g}={v} must be a power of two (GK, GK2 >= 8 for MXFP4 words)")
+    if config.get("SL", 0) not in (0, 1, 2, 3):
+        out.append(f"SL={config['SL']} must be 0 (scales read in the step), 1 (at its top), 2 (int32 words), "
+                   "3 (a step ahead)")
     for name, allowed in (("GV", (1, 2)), ("PREF", (0, 1)), ("XV", (0, 1)), ("HX", (0, 1))):
         if config.get(name, allowed[-1]) not in allowed:
             out.append(f"{name}={config[name]} must be one of {allowed} (per-pair path, _moe_gemv.py)")

@@ -113,6 +113,19 @@ def _kernel_weight(fmt: str, q: torch.Tensor, s: torch.Tensor | None, deq: str, 
     return code, q, s, (q.stride(0), q.stride(1), s.stride(0), s.stride(1)), wide
 
 
+def scale_words(sl: int, code: int, s: torch.Tensor, st: tuple) -> tuple[int, torch.Tensor, tuple]:
+    """(SL, scale arg, strides) for a grouped kernel: SL=2 reads the E8M0 bytes [E, N, K/32] as int32 words
+    [E, N, K/128] (strides in words), so the pipeliner streams them with cp.async (_moe_tiles._top_scales);
+    when the bytes cannot be viewed so (K/32 not a multiple of 4, misaligned) or the weights are dense,
+    the kernel reads single bytes at the top of the step (SL=1)."""
+    if sl != 2:
+        return sl, s, st
+    w = _int32_view(s) if code != DENSE else None
+    if w is None:
+        return 1, s, st
+    return 2, w, (st[0], st[1], w.stride(0), w.stride(1))
+
+
 def _int16_view(q: torch.Tensor) -> torch.Tensor | None:
     """Packed MXFP4 bytes [E, N, K/2] as int16 [E, N, K/4], or None when the storage is not 2-byte aligned."""
     try:

@@ -156,6 +156,23 @@ def _step_scales(s_ptr, sbase, rn, n_ok, k0, K, stride_sn, BN: tl.constexpr, BK:
 
 
 @triton.jit
+def _top_scales(s_ptr, sbase, rn, n_ok, k0, K, stride_sn, BN: tl.constexpr, BK: tl.constexpr, W_FMT: tl.constexpr,
+                SL: tl.constexpr, PF: tl.constexpr):
+    """E8M0 bytes [BN, BK/32] (int32) of a K step: SL=0 zeros (read in the step), 1 and 3 bytes (_step_scales;
+    SL=3's a step ahead), 2 int32 words (scales as int32 [E, N, K/128], strides in words; byte c of word w =
+    group 4w + c) streamed by cp.async, the decoded tile then through shared memory (H200: 1.8x SL=1's time)."""
+    if SL == 2 and W_FMT != _DENSE:
+        gi = k0 // 32 + tl.arange(0, BK // 32)
+        w = tl.load(s_ptr + sbase + rn[:, None].to(tl.int64) * stride_sn + (gi // 4)[None, :],
+                    mask=n_ok[:, None] & (gi < K // 32)[None, :], other=0)
+        return (w >> ((gi % 4) * 8)[None, :]) & 0xFF
+    elif SL == 0:
+        return tl.zeros([BN, BK // 32], dtype=tl.int32)
+    else:
+        return _step_scales(s_ptr, sbase, rn, n_ok, k0, K, stride_sn, BN, BK, W_FMT, PF)
+
+
+@triton.jit
 def _mxfp4_halves(q_ptr, s_ptr, qbase, sbase, rn, n_ok, k0, K, stride_qn, stride_sn, s_pre, BN: tl.constexpr,
                   BK: tl.constexpr, DT: tl.constexpr, WIDE: tl.constexpr, ASM: tl.constexpr, SL: tl.constexpr,
                   PF: tl.constexpr):

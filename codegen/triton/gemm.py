@@ -35,7 +35,6 @@ are concatenated once (cached by weight identity and version) and y_i are column
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -45,6 +44,7 @@ from codegen.kernel import KernelTemplate, Tunable, pow2_bucket
 # gemm_tile, dot_numerics, interpreting: re-exported (kernels that fuse an epilogue onto a GEMM tile)
 from codegen.triton._gemv import (combine_in_launch, decode_dot_config, decode_gemv_config, dot_numerics,  # noqa: F401
                                   gemm_tile, gemv_tile, interpreting, k_chunk, reduce_partials, tile_counters)
+from codegen.triton._fp8_weight import FP8Weight  # noqa: F401  (re-exported: gemm.FP8Weight)
 from codegen.triton._pdl import launch_kwargs, pdl_enter
 
 # Shared memory a program may use, per target (bytes). Unknown GPU targets get the conservative value.
@@ -52,57 +52,7 @@ SMEM_BYTES = {"h100": 232448, "h200": 232448, "b200": 232448, "b300": 232448, "g
               "mi355x": 163840}
 DEFAULT_SMEM = 101376
 PLAIN_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-# ---- FP8 weights --------------------------------------------------------------------------------
-@dataclass(eq=False)
-class FP8Weight:
-    """An FP8 e4m3 weight [N, K] with scales: `scale` [N] (per output channel) or [ceil(N/gn), ceil(K/gk)]
-    (per block, `block=(gn, gk)`). Value = q * scale, exactly as `dequantize` computes it."""
-
-    q: torch.Tensor
-    scale: torch.Tensor
-    block: tuple[int, int] | None = None
-
-    def __post_init__(self):
-        if self.q.dtype != torch.float8_e4m3fn or self.q.dim() != 2:
-            raise ValueError(f"FP8Weight: q must be float8_e4m3fn [N, K], found {self.q.dtype} {tuple(self.q.shape)}")
-        n, k = self.q.shape
-        want = (n,) if self.block is None else (-(-n // self.block[0]), -(-k // self.block[1]))
-        if tuple(self.scale.shape) != want:
-            raise ValueError(f"FP8Weight: scale must be {want} for q {tuple(self.q.shape)} and block {self.block}, "
-                             f"found {tuple(self.scale.shape)}")
-
-    shape = property(lambda self: self.q.shape)
-    dtype = property(lambda self: self.q.dtype)
-    device = property(lambda self: self.q.device)
-
-    def to(self, device) -> "FP8Weight":
-        return FP8Weight(self.q.to(device), self.scale.to(device), self.block)
-
-    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
-        q = self.q.to(torch.float32)
-        if self.block is None:
-            return (q * self.scale.to(torch.float32)[:, None]).to(dtype)
-        gn, gk = self.block
-        s = self.scale.to(torch.float32).repeat_interleave(gn, 0).repeat_interleave(gk, 1)
-        return (q * s[: q.shape[0], : q.shape[1]]).to(dtype)
-
-    @staticmethod
-    def quantize(w: torch.Tensor, block: tuple[int, int] | None = None) -> "FP8Weight":
-        """Scales amax/448 per channel (or per block); q = e4m3(w / scale), round to nearest even."""
-        w32 = w.to(torch.float32)
-        if block is None:
-            s = (w32.abs().amax(dim=1) / 448.0).clamp_min(1e-12)
-            return FP8Weight((w32 / s[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn), s, None)
-        gn, gk = block
-        n, k = w32.shape
-        pad = torch.zeros(-(-n // gn) * gn, -(-k // gk) * gk, dtype=torch.float32, device=w.device)
-        pad[:n, :k] = w32
-        s = pad.reshape(pad.shape[0] // gn, gn, pad.shape[1] // gk, gk).abs().amax(dim=(1, 3)) / 448.0
-        s = s.clamp_min(1e-12)
-        full = s.repeat_interleave(gn, 0).repeat_interleave(gk, 1)[:n, :k]
-        return FP8Weight((w32 / full).clamp(-448, 448).to(torch.float8_e4m3fn), s, (gn, gk))
+EXACT_WIDENINGS = ((torch.float32, torch.bfloat16), (torch.float32, torch.float16))  # (read as, stored as)
 
 
 # ---- the kernel ---------------------------------------------------------------------------------
@@ -167,8 +117,11 @@ def scale_args(w, config: dict, dummy: torch.Tensor) -> tuple:
     return scale_mode, gn, gk, s, s_strides
 
 
-def gemm(x: torch.Tensor, w, config: dict, out: torch.Tensor | None = None) -> torch.Tensor:
-    """y[M, N] = x[M, K] @ w[N, K]^T with w a tensor or an FP8Weight; x may be strided (2-D)."""
+def gemm(x: torch.Tensor, w, config: dict, out: torch.Tensor | None = None,
+         as_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y[M, N] = x[M, K] @ w[N, K]^T with w a tensor or an FP8Weight; x may be strided (2-D). `as_dtype`:
+    x is read as that wider dtype (bf16/f16 -> f32, exact), which fixes the numerics and y's dtype: the
+    result equals casting x first, without the cast's round trip through memory."""
     if x.dim() != 2:
         raise ValueError(f"gemm: x must be 2-D [M, K], found {tuple(x.shape)}")
     fp8 = isinstance(w, FP8Weight)
@@ -179,12 +132,15 @@ def gemm(x: torch.Tensor, w, config: dict, out: torch.Tensor | None = None) -> t
         raise ValueError(f"gemm: weight {tuple(wq.shape)} does not match input {tuple(x.shape)} (in features {K})")
     if x.dtype not in PLAIN_DTYPES or (not fp8 and wq.dtype not in PLAIN_DTYPES):
         raise ValueError(f"gemm: unsupported dtypes x {x.dtype}, w {wq.dtype}")
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out
+    as_dtype = as_dtype or x.dtype
+    if as_dtype != x.dtype and (as_dtype, x.dtype) not in EXACT_WIDENINGS:
+        raise ValueError(f"gemm: x {x.dtype} cannot be read exactly as {as_dtype} (widenings: {EXACT_WIDENINGS})")
+    out = torch.empty(M, N, dtype=as_dtype, device=x.device) if out is None else out
     if M == 0 or N == 0 or K == 0:
         return out.zero_()
     scale_mode, gn, gk, s, s_strides = scale_args(w, config, out)
     chunk, n_split = k_chunk(K, config["BLOCK_K"], int(config.get("SPLIT_K", 1)), gk if scale_mode == 2 else 0)
-    numerics = dot_numerics(x.dtype, wq.dtype)
+    numerics = dot_numerics(as_dtype, wq.dtype)
     p_dtype = torch.float64 if numerics["ACC_DTYPE"] == tl.float64 else torch.float32
     partials = torch.empty(n_split, M, N, dtype=p_dtype, device=x.device) if n_split > 1 else out
     grid = (triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"]), n_split)
@@ -236,7 +192,8 @@ def packed_weight(ws: list):
 
 
 # ---- template plumbing ---------------------------------------------------------------------------
-def _dtype_name(t) -> str:
+def dtype_name(t) -> str:
+    """'f32' / 'bf16' / 'f16' / 'f64' / 'f8e4m3' of a tensor, an FP8Weight or an IR TensorType."""
     if isinstance(t, FP8Weight):
         return "f8e4m3"
     dt = getattr(t, "dtype", None)
@@ -254,13 +211,14 @@ def _rows(x) -> int:
     return n
 
 
-def _key(x, ws, attrs) -> dict:
+def gemm_key(x, ws, attrs) -> dict:
+    """The tuning key of x @ concat(ws)^T (also the packed GLU GEMM's): M, N, K, dtypes, FP8 scale block, bi."""
     blk = ws[0].block[1] if isinstance(ws[0], FP8Weight) and ws[0].block else 0  # FP8 scale block along K
-    return {"M": _rows(x), "N": sum(int(w.shape[0]) for w in ws), "K": int(x.shape[-1]), "x": _dtype_name(x),
-            "w": _dtype_name(ws[0]), "gk": blk, "bi": int(bool(attrs.get("batch_invariant", False)))}
+    return {"M": _rows(x), "N": sum(int(w.shape[0]) for w in ws), "K": int(x.shape[-1]), "x": dtype_name(x),
+            "w": dtype_name(ws[0]), "gk": blk, "bi": int(bool(attrs.get("batch_invariant", False)))}
 
 
-def _bucket(key: dict) -> dict:
+def gemm_bucket(key: dict) -> dict:
     """M by powers of two (decode configs differ per batch size); none when batch-invariant."""
     return {**key, "M": 0 if key["bi"] else pow2_bucket(key["M"])}
 
@@ -347,33 +305,35 @@ def constraints(config: dict, key: dict, target: str) -> list[str]:
     return out[:1]  # the first problem: one reason per illegal config (the tuner counts reasons)
 
 
-def _supports_types(x, ws, target) -> str | None:
-    if getattr(x.dtype, "is_packed", False) or _dtype_name(x) not in ("f32", "bf16", "f16", "f64"):
-        return f"activation dtype {_dtype_name(x)} is not f32/bf16/f16/f64"
+def supported_types(x, ws, target) -> str | None:
+    """Why this GEMM cannot take x and ws (None when it can): dtypes, weight rank, mixed packs."""
+    if getattr(x.dtype, "is_packed", False) or dtype_name(x) not in ("f32", "bf16", "f16", "f64"):
+        return f"activation dtype {dtype_name(x)} is not f32/bf16/f16/f64"
     for w in ws:
-        name = _dtype_name(w)
+        name = dtype_name(w)
         if name not in ("f32", "bf16", "f16", "f64", "f8e4m3"):
             return f"weight dtype {name} (packed formats run in the MoE kernels)"
         if len(w.shape) != 2:
             return f"weight of rank {len(w.shape)} (needs [out, in])"
-    return "packed weights of different dtypes" if len({_dtype_name(w) for w in ws}) != 1 else None
+    return "packed weights of different dtypes" if len({dtype_name(w) for w in ws}) != 1 else None
 
 
-def _check_invariance(attrs, config):
+def check_invariance(attrs, config):
+    """Refuse a decode config (GEMV / split-K) in a batch-invariant launch: its order depends on M."""
     if attrs.get("batch_invariant") and (config.get("GEMV", 0) or config.get("SPLIT_K", 1) > 1):
         raise ValueError(f"gemm: batch-invariant launch with a decode config (GEMV={config.get('GEMV', 0)}, "
                          f"SPLIT_K={config.get('SPLIT_K', 1)}): the reduction order would depend on the batch")
 
 
 def _launch_linear(a, attrs, config):
-    _check_invariance(attrs, config)
+    check_invariance(attrs, config)
     y = gemm(a.x.reshape(-1, a.x.shape[-1]), a.w, config)
     return y.reshape(*a.x.shape[:-1], y.shape[-1])
 
 
 def _launch_packed(a, attrs, config):
     x, ws = a.operands[0], list(a.operands[1:])
-    _check_invariance(attrs, config)
+    check_invariance(attrs, config)
     splits = list(attrs["splits"])
     if len(splits) != len(ws) or any(int(w.shape[0]) != s for w, s in zip(ws, splits)):
         raise ValueError(f"packed_linear: splits {splits} do not match weights "
@@ -385,13 +345,14 @@ def _launch_packed(a, attrs, config):
 TEMPLATES = [
     KernelTemplate(
         family="gemm", backend="triton", ops=("linear",), launch=_launch_linear,
-        key_dims=lambda a, attrs: _key(a.x, [a.w], attrs), heuristic=heuristic, tunables=TUNABLES,
-        bucket=_bucket, constraints=constraints, supports=lambda a, attrs, target: _supports_types(a.x, [a.w], target),
+        key_dims=lambda a, attrs: gemm_key(a.x, [a.w], attrs), heuristic=heuristic, tunables=TUNABLES,
+        bucket=gemm_bucket, constraints=constraints,
+        supports=lambda a, attrs, target: supported_types(a.x, [a.w], target),
         batch_invariant=True, doc="y = x @ w^T, bf16/fp8(+scales)/fp32 weights; decode: GEMV / deterministic split-K"),
     KernelTemplate(
         family="packed_gemm", backend="triton", ops=("fused.packed_linear",), launch=_launch_packed,
-        key_dims=lambda a, attrs: _key(a.operands[0], a.operands[1:], attrs), heuristic=heuristic,
-        tunables=TUNABLES, bucket=_bucket, constraints=constraints,
-        supports=lambda a, attrs, target: _supports_types(a.operands[0], a.operands[1:], target),
+        key_dims=lambda a, attrs: gemm_key(a.operands[0], a.operands[1:], attrs), heuristic=heuristic,
+        tunables=TUNABLES, bucket=gemm_bucket, constraints=constraints,
+        supports=lambda a, attrs, target: supported_types(a.operands[0], a.operands[1:], target),
         batch_invariant=True, doc="[y_1..y_n] = split(x @ concat(w_1..w_n)^T): one GEMM, weights packed once"),
 ]

@@ -131,7 +131,13 @@ def heuristic(key: dict, target: str) -> dict:
     Then timed (same bench, the lead's second call, every variant exact against the IR reference): SELECT 1 with
     16 parts and SELECT_RES 2048 at batch 1: 8K 21.1 us vs 24.3 (parts 8 / 32 / 64: 21.2 / 22.0 / 22.2), 32K
     (with FILTER) 27.1 vs 34.2; batch 32 at 128K 427 vs 426 (neutral, so the long-context branch keeps the
-    merges). The short-context branch takes it (measured at batch 1; larger batches follow the same rule)."""
+    merges). The short-context branch takes it (measured at batch 1; larger batches follow the same rule).
+    Session 8 (same bench, one call; 4.40 TB/s streaming read): batch 32 at 128K 429.7 us (29.3%): the score pass
+    303 us (41.6%), + filter and merge 1 45 us (stop_after="merge1": 347.6), + rescore and merge 2 82 us. Slower and
+    not kept: L2 bulk prefetch of the key tiles 1-4 tiles ahead (513-571 us), a 128-register cap (482), SPLITS 66
+    / 16 (512 / 701, with prefetch), PREFETCH 1 (656), 8 warps (642), SELECT 1 (527), KT 16 / 64 (520 / 549). The
+    score loop issues ~800 SASS instructions per thread per 128-key tile (int64 key compares and selects, the
+    head-sum shuffles): instruction-bound, like sparse MLA. Batch 1: 8K 21.5 us (BLOCK_N 64: 20.9)."""
     L, K, T = max(1, key["L"]), key["K"], max(1, key["T"])
     if target == "cpu":
         bn = 32 if L <= 256 else 128
@@ -164,7 +170,8 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_tab
     it can be captured in a CUDA graph either way. Launches: one memset (histograms + overflow counts), the
     score kernel, the merge; with per-tile candidates (KT < BLOCK_N) also the rescore and the second merge;
     `stats` (a dict) receives overflowed_rows / overflowed_tiles (a host sync; tests and benches).
-    `stop_after="score"` runs the score kernel only (a profiling aid for benches: `out` is then garbage)."""
+    `stop_after="score"` runs the score kernel only, "merge1" also the first selection (filter + merge 1, or
+    SELECT's two kernels) but no rescore / merge 2: profiling aids for benches (`out` is then unfinished)."""
     T, HI, DI = q.shape
     fmt = {"fp8": 0, "mxfp4": 1}.get(key_format)
     width = DI if fmt == 0 else DI // 2
@@ -278,6 +285,8 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_tab
                                                PARTS=parts, TILE=mt, STEP=step, num_warps=4, **pdl)
             _merge_kernel[(n,)](src, tmin, hist, ext, ovf, novf, work, th, oc, tbl, rc, MB, pc, ncomp, NT, topk, max_ovf,
                                 PHASE=1, RESIDENT=NT * kt <= mt, **merge)
+        if stop_after == "merge1":
+            continue
         if kt < bn and L > topk:
             _rescore_kernel[(n, min(max_ovf, RESCORE_PROGRAMS))](qc, wc, sc, *pools, tbl, rc, MB, pc, ovf, novf, ext,
                                                                   max_ovf, num_warps=int(cfg["num_warps"]),

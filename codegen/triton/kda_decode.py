@@ -33,6 +33,15 @@ waits at the end. SPLIT > 1 (small batches) shares a head's columns among SPLIT 
 slice of o (fp32 workspace) and counts itself on a per-(request, head) atomic counter (acq_rel); the last
 to arrive applies the gated RMSNorm over the head's D outputs, writes the q/k conv tails (all programs have
 read them by then) and resets the counter. Per-token states: every program. MAXNREG caps the registers.
+
+PDL (`_pdl.py`): A_log and o_norm_w are loaded before the grid-dependency wait. With EARLY (one [D, BV] block
+per program; small batches) so are the other weights (conv taps, dt_bias, f_b when the rank fits one RB block),
+the step metadata and the program's state block: neither of the last two is written by the kernel launched
+right before this one (the metadata comes first in the step; the state pool is written only by this layer's
+kda_decode, and restored / rolled back by copies before a step), and a PDL kernel's programs start only once
+every program of the previous kernel has passed its own wait, i.e. after the kernel two launches back has
+completed. Activations, conv tails and split counters / partials are read after the wait. benches/bench_kda.py
+checks this: graph replays of a chain reading the state written two launches back equal PDL-off eager runs.
 """
 
 from __future__ import annotations
@@ -42,59 +51,11 @@ import triton
 import triton.language as tl
 
 from ..kernel import KernelTemplate, Tunable, pow2_bucket
-from ._kda_common import _counters, _gate_gemm, _rows, kda_gate_math
+from ._kda_common import (FUSED_OP, OPERANDS, _conv_silu, _conv_silu_w, _conv_weights, _counters, _gate_gemm,
+                          _gated_rms_store, _put_tail, _row, _rows, _tail, fused_operands, kda_gate_math,
+                          supports)
 from codegen.triton import _precision as precision
 from codegen.triton._pdl import launch_kwargs, pdl_enter
-
-FUSED_OP = "fused.kda_decode"
-OPERANDS = ("q", "k", "v", "q_conv", "k_conv", "v_conv", "conv_state", "f_a", "f_b", "A_log", "dt_bias", "b",
-            "state", "gate", "o_norm_w", "state_slot", "cu_seqlens")
-
-
-@triton.jit
-def _conv_silu(x, s_x, cst, C3, cw, bos, t0, nt, ch, KW: tl.constexpr, MAXT: tl.constexpr):
-    """silu(causal depthwise conv) of tokens t0..t0+MAXT-1 (rows >= nt are 0) for channels ch; the
-    context before the request's first new token comes from its conv-state row `cst`."""
-    tt = tl.arange(0, MAXT)
-    acc = tl.zeros([MAXT, ch.shape[0]], dtype=tl.float32)
-    for j in tl.static_range(KW):
-        src = t0 + tt - (KW - 1) + j
-        ok = tt < nt
-        xv = tl.load(x + (bos + src)[:, None] * s_x + ch[None, :], mask=(ok & (src >= 0))[:, None], other=0.0)
-        sv = tl.load(cst + (src + KW - 1)[:, None] * C3 + ch[None, :], mask=(ok & (src < 0))[:, None], other=0.0)
-        acc += (xv.to(tl.float32) + sv.to(tl.float32)) * tl.load(cw + ch * KW + j).to(tl.float32)[None, :]
-    return acc * tl.sigmoid(acc)
-
-
-@triton.jit
-def _tail(x, s_x, cst, C3, bos, src0, ch, KW: tl.constexpr, KWP: tl.constexpr):
-    """Context rows src0 .. src0+K-2 (inputs, or conv-state rows for src < 0): [KWP, len(ch)]."""
-    j = tl.arange(0, KWP)
-    src = src0 + j
-    ok = j < KW - 1
-    xv = tl.load(x + (bos + src)[:, None] * s_x + ch[None, :], mask=(ok & (src >= 0))[:, None], other=0.0)
-    sv = tl.load(cst + (src + KW - 1)[:, None] * C3 + ch[None, :], mask=(ok & (src < 0))[:, None], other=0.0)
-    return xv.to(tl.float32) + sv.to(tl.float32)
-
-
-@triton.jit
-def _put_tail(dst, C3, ch, val, KW: tl.constexpr, KWP: tl.constexpr):
-    j = tl.arange(0, KWP)
-    tl.store(dst + j[:, None] * C3 + ch[None, :], val.to(dst.dtype.element_ty), mask=(j < KW - 1)[:, None])
-
-
-@triton.jit
-def _row(x2, t):
-    """Row t of a [MAXT, n] tile."""
-    return tl.sum(tl.where((tl.arange(0, x2.shape[0]) == t)[:, None], x2, 0.0), axis=0)
-
-
-@triton.jit
-def _gated_rms_store(o2, rows, rm, z, nw, out, ch, norm_eps, D: tl.constexpr, P: tl.constexpr):
-    """out = rmsnorm(o2) * o_norm_w * sigmoid(z) for the [MAXT, D] outputs of one head (z: the gate
-    projection's tile, nw: o_norm_w or ones, both loaded ahead by the caller)."""
-    y = o2 / tl.sqrt(tl.sum(o2 * o2, axis=1) / D + norm_eps)[:, None] * tl.sigmoid(z) * nw[None, :]
-    tl.store(out + rows[:, None] * P + ch[None, :], y.to(out.dtype.element_ty), mask=rm)
 
 
 @triton.jit
@@ -104,30 +65,56 @@ def _kda_decode_kernel(q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, fa, s_fa, fb,
                        RB: tl.constexpr, BV: tl.constexpr, SPLIT: tl.constexpr, GATE: tl.constexpr,
                        HAS_BIAS: tl.constexpr, HAS_NW: tl.constexpr, KEEP: tl.constexpr, LOWRANK: tl.constexpr,
                        MAXT: tl.constexpr, PREFETCH: tl.constexpr, PREC: tl.constexpr, GEMV: tl.constexpr,
-                       PDL: tl.constexpr):
-    pdl_enter(PDL)
+                       EARLY: tl.constexpr, PDL: tl.constexpr):
     r, h, vs = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos = tl.load(cu + r).to(tl.int64)
-    n = tl.load(cu + r + 1).to(tl.int64) - bos
-    slot = tl.load(slots + r).to(tl.int64)
     P: tl.constexpr = H * D
     C3: tl.constexpr = 3 * H * D
     DVP: tl.constexpr = D // SPLIT  # state columns of this program
     NV: tl.constexpr = DVP // BV
+    FB1: tl.constexpr = EARLY and LOWRANK and RL <= RB  # the whole rank in one block: f_b's tile before the wait
     c0 = vs * DVP
     dd = tl.arange(0, D)
     tt = tl.arange(0, MAXT)
     ch = h * D + dd
     cvp = h * D + c0 + tl.arange(0, DVP)  # this program's v / output channels
-    cst = cstate + slot * (KW - 1) * C3
-    a_h = tl.exp(tl.load(alog + h).to(tl.float32))
-    st_h = st + (slot * H + h) * D * D
     tg = tl.arange(0, 16)
-    sp0 = st_h + dd[:, None] * D + c0 + tl.arange(0, BV)[None, :]
+    # ---- weights (never written while steps run): issued before the grid-dependency wait (PDL); without
+    # EARLY (many programs per SM: fewer live registers) the conv taps and f_b are loaded where they are used
+    a_h = tl.exp(tl.load(alog + h).to(tl.float32))
     if HAS_NW:
         nw = tl.load(onw + dd).to(tl.float32)
     else:
         nw = tl.full([D], 1.0, tl.float32)
+    if EARLY:
+        wq, wk, wv = _conv_weights(qw, ch, KW, KWP), _conv_weights(kw, ch, KW, KWP), _conv_weights(vw, cvp, KW, KWP)
+        if HAS_BIAS:
+            bias = tl.load(dtb + ch).to(tl.float32)
+        else:
+            bias = tl.zeros([D], dtype=tl.float32)
+    jr = tl.arange(0, RB)
+    if FB1 and GEMV and MAXT == 1:  # [D, RB] for the dot-free one-token gate
+        fb1 = tl.load(fb + ch[:, None] * RL + jr[None, :], mask=(jr < RL)[None, :], other=0.0)
+    elif FB1:                       # [RB, D] for the tensor-core dots
+        fb1 = tl.load(fb + ch[None, :] * RL + jr[:, None], mask=(jr < RL)[:, None], other=0.0)
+    else:
+        fb1 = tl.zeros([16, 16], dtype=tl.float32)  # unused
+    # ---- EARLY: the step metadata and this program's state block before the wait too (module docstring: why)
+    if EARLY:
+        bos = tl.load(cu + r).to(tl.int64)
+        n = tl.load(cu + r + 1).to(tl.int64) - bos
+        slot = tl.load(slots + r).to(tl.int64)
+        st_h = st + (slot * H + h) * D * D
+        sp0 = st_h + dd[:, None] * D + c0 + tl.arange(0, BV)[None, :]
+        s_next = tl.load(sp0, eviction_policy="evict_first")
+        pdl_enter(PDL)
+    else:
+        pdl_enter(PDL)
+        bos = tl.load(cu + r).to(tl.int64)
+        n = tl.load(cu + r + 1).to(tl.int64) - bos
+        slot = tl.load(slots + r).to(tl.int64)
+        st_h = st + (slot * H + h) * D * D
+        sp0 = st_h + dd[:, None] * D + c0 + tl.arange(0, BV)[None, :]
+    cst = cstate + slot * (KW - 1) * C3
     # the new conv tails (last K-1 context rows) are loaded up front, so the kernel's end waits on no load;
     # they are stored at the end, after every read of the old tails (all programs of the head read q/k)
     tv = _tail(v, s_v, cst + 2 * P, C3, bos, n + 1 - KW, cvp, KW, KWP)
@@ -137,47 +124,63 @@ def _kda_decode_kernel(q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, fa, s_fa, fb,
         nt = n - t0
         rows = bos + t0 + tt
         rm = (tt < nt)[:, None]
-        if PREFETCH:  # the first state block, issued before the front so its latency hides behind it
+        if PREFETCH and not EARLY:  # the first state block, issued before the front so its latency hides behind it
             s_next = tl.load(sp0, eviction_policy="evict_first")
         # token-parallel front: conv + SiLU + L2 of q, k; gate from f_a f_b^T; beta  -> [MAXT, D] tiles
-        xq = _conv_silu(q, s_q, cst, C3, qw, bos, t0, nt, ch, KW, MAXT)
-        xk = _conv_silu(k, s_k, cst + P, C3, kw, bos, t0, nt, ch, KW, MAXT)
+        if EARLY:
+            xq = _conv_silu_w(q, s_q, cst, C3, wq, bos, t0, nt, ch, KW, MAXT)
+            xk = _conv_silu_w(k, s_k, cst + P, C3, wk, bos, t0, nt, ch, KW, MAXT)
+        else:
+            xq = _conv_silu(q, s_q, cst, C3, qw, bos, t0, nt, ch, KW, MAXT)
+            xk = _conv_silu(k, s_k, cst + P, C3, kw, bos, t0, nt, ch, KW, MAXT)
         qn = xq / tl.sqrt(tl.sum(xq * xq, axis=1) + l2_eps)[:, None] * scale
         kn = xk / tl.sqrt(tl.sum(xk * xk, axis=1) + l2_eps)[:, None]
         if LOWRANK and GEMV and MAXT == 1:  # one token: f = f_b f_a, dot-free (no staging through shared memory)
             f1 = tl.zeros([D], dtype=tl.float32)
             for jb in tl.static_range(0, RL, RB):
-                jj = jb + tl.arange(0, RB)
+                jj = jb + jr
                 fa_v = tl.load(fa + (bos + t0) * s_fa + jj, mask=jj < RL, other=0.0).to(tl.float32)
-                fb_t = tl.load(fb + ch[:, None] * RL + jj[None, :], mask=(jj < RL)[None, :], other=0.0,
-                               eviction_policy="evict_last")
+                if FB1:
+                    fb_t = fb1
+                else:
+                    fb_t = tl.load(fb + ch[:, None] * RL + jj[None, :], mask=(jj < RL)[None, :], other=0.0,
+                                   eviction_policy="evict_last")
                 f1 += tl.sum(fb_t.to(tl.float32) * fa_v[None, :], axis=1)
             fx = f1[None, :]
         elif LOWRANK:
             fx = tl.zeros([16, D], dtype=tl.float32)  # f_a f_b^T on tensor cores (16 rows, >= MAXT used)
             for jb in tl.static_range(0, RL, RB):
-                jj = jb + tl.arange(0, RB)
+                jj = jb + jr
                 fm = ((tg < nt) & (tg < MAXT))[:, None] & (jj < RL)[None, :]
                 fa_t = tl.load(fa + (bos + t0 + tg)[:, None] * s_fa + jj[None, :], mask=fm, other=0.0)
-                fb_t = tl.load(fb + ch[None, :] * RL + jj[:, None], mask=(jj < RL)[:, None], other=0.0,
-                               eviction_policy="evict_last")
+                if FB1:
+                    fb_t = fb1
+                else:
+                    fb_t = tl.load(fb + ch[None, :] * RL + jj[:, None], mask=(jj < RL)[:, None], other=0.0,
+                                   eviction_policy="evict_last")
                 fx = tl.dot(fa_t.to(fb_t.dtype), fb_t, fx, input_precision=PREC)
             fx = tl.sum(tl.reshape(fx, [16 // MAXT, MAXT, D]), axis=0)  # rows >= MAXT are zero
         else:  # f given whole [T, P]
             fx = tl.load(fa + rows[:, None] * s_fa + ch[None, :], mask=rm, other=0.0).to(tl.float32)
-        if HAS_BIAS:
+        if EARLY:
+            fx += bias[None, :]
+        elif HAS_BIAS:
             fx += tl.load(dtb + ch).to(tl.float32)[None, :]
         eg = tl.exp(kda_gate_math(fx, a_h, lower_bound, GATE))
         bt = tl.sigmoid(tl.load(bl + rows * s_bl + h, mask=tt < nt, other=0.0).to(tl.float32))
         if SPLIT == 1:  # the output gate, loaded before the recurrence
             z = tl.load(gate + rows[:, None] * s_gt + ch[None, :], mask=rm, other=0.0).to(tl.float32)
-        xv3 = tl.reshape(_conv_silu(v, s_v, cst + 2 * P, C3, vw, bos, t0, nt, cvp, KW, MAXT), [MAXT, NV, BV])
+        if EARLY:
+            xv2 = _conv_silu_w(v, s_v, cst + 2 * P, C3, wv, bos, t0, nt, cvp, KW, MAXT)
+        else:
+            xv2 = _conv_silu(v, s_v, cst + 2 * P, C3, vw, bos, t0, nt, cvp, KW, MAXT)
+        xv3 = tl.reshape(xv2, [MAXT, NV, BV])
         o3 = tl.zeros([MAXT, NV, BV], dtype=tl.float32)
         # the recurrence, one [D, BV] column block of the state at a time
         for vb in range(NV):
             cv = c0 + vb * BV + tl.arange(0, BV)
             sp = sp0 + vb * BV
-            if PREFETCH:  # block vb was loaded one step ahead; issue block vb+1 before computing on vb
+            if PREFETCH or EARLY:  # block vb was loaded one step ahead; issue block vb+1 before computing on vb
                 S = s_next.to(tl.float32)
                 if NV > 1:
                     s_next = tl.load(sp + BV, mask=(vb + 1 < NV) & (dd < D)[:, None], other=0.0,
@@ -203,6 +206,8 @@ def _kda_decode_kernel(q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, fa, s_fa, fb,
             tl.store(sp, S.to(st.dtype.element_ty), eviction_policy="evict_first")
         if t0 + MAXT < n:  # another group follows: its loads come after this group's stores
             tl.debug_barrier()
+            if EARLY:  # the next group's state (one block: EARLY needs NV == 1)
+                s_next = tl.load(sp0, eviction_policy="evict_first")
         o2 = tl.reshape(o3, [MAXT, DVP])
         if SPLIT == 1:  # gated RMSNorm over the head's D outputs of each token
             _gated_rms_store(o2, rows, rm, z, nw, out, ch, norm_eps, D, P)
@@ -244,7 +249,7 @@ def kda_decode(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_
                state_slot, cu_seqlens, *, scale: float, lower_bound, norm_eps: float, l2_eps: float = 1e-6,
                keep_states: bool = False, block_v: int = 64, num_warps: int = 4, split: int = 1,
                prefetch: bool = True, group: int | None = None, gate_mm: bool = False, rank_block: int = 32,
-               max_regs: int = 0, gemv: bool = False):
+               max_regs: int = 0, gemv: bool = False, early: bool = False):
     """The fused op `fused.kda_decode` (operands and results: see the module docstring).
 
     `f_b=None` takes `f_a` as the whole gate input f [T, P] (already up-projected). `split` programs share
@@ -254,7 +259,9 @@ def kda_decode(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_
     f = f_a f_b^T (fp32 out) as one GEMM before the kernel instead of per program (large batches); else
     each program does it in steps of `rank_block` rank columns: as 16-row tensor-core dots, or with `gemv` (one
     token per request) as a dot-free multiply-and-sum over [D, rank_block] tiles. `max_regs` (CUDA, 0: none)
-    caps the registers per thread so that more programs share an SM (large batches: more state in flight)."""
+    caps the registers per thread so that more programs share an SM (large batches: more state in flight).
+    `early` (one [D, BV] block per program, BV = D/split) loads the weights, the step metadata and the program's
+    state block before the PDL wait (the same results; the loads move only with PDL on)."""
     if gate_mm and f_b is not None:
         f_a, f_b = _gate_gemm(f_a, f_b), None
     T, P = q.shape
@@ -274,6 +281,9 @@ def kda_decode(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_
     bv_ = min(block_v, D // split)
     if split < 1 or D % split or (D // split) % bv_:
         raise ValueError(f"kda_decode: split={split} and block_v={block_v} must divide head dim {D} into blocks")
+    if early and bv_ != D // split:
+        raise ValueError(f"kda_decode: early state loads need one block per program (block_v={block_v} >= "
+                         f"D/split = {D // split})")
     qv, kv_, vv = _rows(q, T, P, "q"), _rows(k, T, P, "k"), _rows(v, T, P, "v")
     fav, bv, gv = _rows(f_a, T, RL, "f_a" if f_b is not None else "f"), _rows(b, T, H, "b"), _rows(gate, T, P, "gate")
     fbc = (f_b if f_b.is_contiguous() else f_b.contiguous()) if f_b is not None else fav
@@ -302,8 +312,8 @@ def kda_decode(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_
                 RB=max(16, min(rank_block, triton.next_power_of_2(RL))), GATE=1 if lower_bound is not None else 2,
                 HAS_BIAS=dt_bias is not None, HAS_NW=o_norm_w is not None, KEEP=bool(keep_states),
                 LOWRANK=f_b is not None, MAXT=group, PREFETCH=bool(prefetch),
-                PREC=precision.fast_fp32() if low else "ieee", GEMV=bool(gemv), num_warps=num_warps, **cap,
-                **launch_kwargs())
+                PREC=precision.fast_fp32() if low else "ieee", GEMV=bool(gemv), EARLY=bool(early),
+                num_warps=num_warps, **cap, **launch_kwargs())
         except BaseException:
             if split > 1:  # an interrupted launch (time-out, error) must not leave arrivals counted
                 ctr.zero_()
@@ -313,16 +323,6 @@ def kda_decode(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_
 
 
 # ---------------------------------------------------------------------------------- template
-def fused_operands(a) -> dict:
-    """Bound operands of the fused node: `a.operands` (list, as codegen binds fused ops) or names."""
-    ops = getattr(a, "operands", None)
-    if ops is None:
-        return {n: getattr(a, n) for n in OPERANDS}
-    if len(ops) != len(OPERANDS):
-        raise ValueError(f"{FUSED_OP} takes {len(OPERANDS)} operands ({', '.join(OPERANDS)}), got {len(ops)}")
-    return dict(zip(OPERANDS, ops))
-
-
 def _launch(a, attrs, config):
     o = fused_operands(a)
     group = None
@@ -334,7 +334,8 @@ def _launch(a, attrs, config):
                       keep_states=attrs.get("keep_states", False), block_v=config["BV"], num_warps=config["WARPS"],
                       split=config.get("SPLIT", 1), prefetch=bool(config.get("PREFETCH", 1)), group=group,
                       gate_mm=bool(config.get("GATE_MM", 0)), rank_block=config.get("RB", 32),
-                      max_regs=config.get("MAXNREG", 0), gemv=bool(config.get("GEMV", 0)))
+                      max_regs=config.get("MAXNREG", 0), gemv=bool(config.get("GEMV", 0)),
+                      early=bool(config.get("EARLY", 0)))
 
 
 def key_dims(a, attrs):
@@ -343,52 +344,47 @@ def key_dims(a, attrs):
     return {"H": H, "D": int(o["q"].shape[1]) // H, "T": int(o["q"].shape[0]), "R": int(o["state_slot"].shape[0])}
 
 
-_MIN_PROGRAMS = 128  # a split grid aims at ~one program per SM (H200: 132): measured best at B=1, H=12 and 32
+_MIN_PROGRAMS = 128  # a split grid aims at up to ~one program per SM (H200: 132 SMs) ...
+_MAX_SPLIT = 4       # ... with at most 4 programs per head (each repeats the head's conv, L2 norms and gate)
 
 
 def heuristic(key, target):
-    """GPU: the head's D state columns split over SPLIT programs until the grid has ~one program per SM
-    (R*H*SPLIT >= 128; each keeps >= 16 columns), BV = min(64, D/SPLIT), 4 warps, one block loaded ahead;
-    one program per (request, head) from 128 (request, head) pairs on, with f = f_a f_b^T then one GEMM
-    before the kernel for single-token steps; RB 128 (the rank in one tensor-core step) when split. CPU: one block.
-    H200, benches/bench_kda.py 2026-11-29, device time per launch in a CUDA graph of launches on distinct
-    (L2-cold) pools, D=128, bf16; session 5 (s5) and session 6 (s6: copy 4.20 TB/s, launch gap 0.95 us):
-      B=64 H=32: split 1 BV 64 GEMM s5 87.4 / s6 88.2 us (1.38x the state byte floor; f given 84.5; fla 89.2,
-        + its f GEMM 90.9); BV 32 97.8 (3 programs/SM), + MAXNREG 128 98.1; BV 16 136; 8-16 warps 122-189;
-        in-kernel gate: GEMV 93.9, dots 100.2; split 2 129.4.
-      B=1 H=32: split 4 BV 32 RB 128 s5 9.40 / s6 9.53 us (RB 32 11.1; split 2 9.55; split 8 10.3, GEMV 10.2;
-        one program per head, 8 / 16 warps, 10.8 / 13.7); f given 8.22; fla (f given) 6.07, + GEMM 8.95.
-      B=1 H=12 (the rank preset): split 8 BV 16 RB 128 s5 8.68 / s6 8.57 us (GEMV 8.65; split 4 8.95; one
-        program per head 10.1-12.9); f given 6.51; fla (f given) 5.71, + GEMM 8.69. B=64 x 8 tokens: 868 us (s5)."""
+    """GPU: the head's D state columns split over SPLIT programs while the grid has fewer than ~one program
+    per SM (R*H*SPLIT < 128), up to SPLIT 4; BV = min(64, D/SPLIT), 4 warps; split programs hold their one
+    block (EARLY: loaded with the metadata before the PDL wait) and take the rank in one tensor-core step
+    (RB 128); one program per (request, head) from 128 (request, head) pairs on (BV 64, the next block
+    loaded ahead), with f = f_a f_b^T as one GEMM before the kernel for single-token steps. CPU: one block.
+    H200, benches/bench_kda.py, µs per launch in a CUDA graph of launches on distinct (L2-cold) pools, D=128, bf16;
+    session 8 (benches/results/h200-2026-11-30-s8/kda_helper.json; copy 4.13 TB/s), PDL on (off):
+      B=1 H=12 (the rank preset): split 4 BV 32 EARLY 6.30 (8.74); split 8 EARLY 6.76, without EARLY (the
+        s6 heuristic) 7.40 (8.63); split 16 7.58; GEMV gate 6.78; one program per head 8.07. fla (f given) 4.77,
+        + its f GEMM 8.69; ours with f given 5.02.
+      B=1 H=32: split 4 BV 32 EARLY 6.99 (9.96); split 2 7.31, split 8 9.12, GEMV 7.54, one program per head
+        8.71. fla (f given) 6.06, + GEMM 9.05; ours with f given 5.74.
+      B=64 H=32: split 1 BV 64 GEMM 88.2 in s6 (1.38x the state byte floor; fla 89.2); in s8 the intermediate
+        kernel (taps / f_b always before the wait, taps as one 3-D tile) took 103.3, so the non-EARLY path keeps
+        the s6 code; MAXNREG 168 106.7, GEMV gate 147, one [D, 128] block EARLY 175; s6: BV 32 97.8, 8+ warps
+        122-189. B=64 x 8 tokens (states kept): 868 (s5)."""
     D = key["D"]
     if str(target).startswith("cpu"):
-        return {"BV": D, "WARPS": 4, "SPLIT": 1, "PREFETCH": 1, "GATE_MM": 0, "RB": 32, "MAXNREG": 0, "GEMV": 0}
+        return {"BV": D, "WARPS": 4, "SPLIT": 1, "PREFETCH": 1, "GATE_MM": 0, "RB": 32, "MAXNREG": 0, "GEMV": 0,
+                "EARLY": 0}
     split = 1
-    while key["R"] * key["H"] * split < _MIN_PROGRAMS and D // (2 * split) >= 16:
+    while key["R"] * key["H"] * split < _MIN_PROGRAMS and split < _MAX_SPLIT and D // (2 * split) >= 16:
         split *= 2
     one_token = key.get("T", key["R"]) <= key["R"]  # verification (8 tokens): per-program 8-row dots win
-    return {"BV": min(64, D // split), "WARPS": 4, "SPLIT": split, "PREFETCH": 1, "RB": 128 if split > 1 else 32,
-            "GATE_MM": int(split == 1 and one_token), "MAXNREG": 0, "GEMV": 0}
+    bv = min(64, D // split)
+    return {"BV": bv, "WARPS": 4, "SPLIT": split, "PREFETCH": 1, "RB": 128 if split > 1 else 32,
+            "GATE_MM": int(split == 1 and one_token), "MAXNREG": 0, "GEMV": 0, "EARLY": int(bv == D // split)}
 
 
 def constraints(config, key, target):
     cols = key["D"] // config.get("SPLIT", 1)
     if key["D"] % config.get("SPLIT", 1) or cols % config["BV"] or config["BV"] > cols:
         return [f"SPLIT={config.get('SPLIT', 1)} and BV={config['BV']} must cut D={key['D']} into blocks"]
+    if config.get("EARLY", 0) and config["BV"] != cols:
+        return [f"EARLY=1 loads one state block per program: BV={config['BV']} must be D/SPLIT={cols}"]
     return []
-
-
-def supports(a, attrs, target):
-    o = fused_operands(a)
-    try:
-        H, P = int(o["A_log"].shape[0]), int(o["q"].shape[1])
-    except TypeError:
-        return "head count and projection width must be static"
-    D = P // H
-    if P != H * D or D < 16 or D > 256 or D & (D - 1):
-        return f"head dim must be a power of two in 16..256, got width {P} for {H} heads"
-    missing = [x for x in ("scale", "norm_eps") if x not in attrs]
-    return f"attrs {missing} are required" if missing else None
 
 
 TEMPLATES = [
@@ -396,8 +392,8 @@ TEMPLATES = [
         family="kda_decode", backend="triton", ops=(FUSED_OP,), launch=_launch, key_dims=key_dims,
         heuristic=heuristic, bucket=lambda key: {**key, "T": pow2_bucket(key["T"]), "R": pow2_bucket(key["R"])},
         constraints=constraints, supports=supports, batch_invariant=True,
-        tunables=(Tunable("BV", (16, 32, 64)), Tunable("WARPS", (2, 4, 8)), Tunable("SPLIT", (1, 2, 4, 8)),
+        tunables=(Tunable("BV", (8, 16, 32, 64)), Tunable("WARPS", (2, 4, 8)), Tunable("SPLIT", (1, 2, 4, 8, 16)),
                   Tunable("PREFETCH", (0, 1)), Tunable("GATE_MM", (0, 1)), Tunable("RB", (32, 64, 128)),
-                  Tunable("MAXNREG", (0, 128, 168)), Tunable("GEMV", (0, 1))),
+                  Tunable("MAXNREG", (0, 128, 168)), Tunable("GEMV", (0, 1)), Tunable("EARLY", (0, 1))),
         doc="fused KDA decode/verify: conv + SiLU + L2 + gate + recurrence + gated RMSNorm, per-token states"),
 ]

@@ -20,15 +20,14 @@ Two kernels:
      Config SPLIT_INTRA=1 stores L^-1 (fp32) instead and runs phase 2 as `_kda_wu.py`'s kernel;
      LOWP_A / LOWP_WU (bf16/fp16 inputs only) round the operands of the phase-1 / phase-2 products to
      bf16 (bf16 tensor cores, fp32 accumulation) instead of tf32 products of fp32 operands.
-  2. `_kda_state_kernel`, one program per (request, head, Dv block), sequential over the request's
-     chunks with S in registers (fp32): d, o and the next S; writes o, optional checkpoint states,
-     and the final state back to the pool row `state_slot[r]` in place.
+  2. `_kda_state_kernel`, one program per (request, head, Dv block), sequential over the request's chunks
+     with S in registers (fp32): d, o and the next S; writes o, optional checkpoint states, and the final
+     state back to the pool row `state_slot[r]` in place (Dv blocks: wider for batches, see `heuristic`).
 Chunks are cut from each request's first token (the last one partial; padded rows are exact no-ops); the
 chunk table is built on the device by one kernel (`_kda_common.device_chunk_table`).
-`kda_prefill(..., checkpoint_positions=...)` also cuts chunks at the requested positions, so the
-states there come out of kernel 2 exactly. The optional fused gate computes g from raw f while loading
-(lower_bound*sigmoid(exp(A_log)(f+dt_bias)), or -exp(A_log) softplus(f+dt_bias) without lower_bound).
-The `kda_gate` template (standalone gate kernel, `_kda_common.py`) is registered here too.
+`kda_prefill(..., checkpoint_positions=...)` also cuts chunks at the requested positions, so the states there
+come out of kernel 2 exactly. The optional fused gate computes g from raw f while loading (lower_bound *
+sigmoid(exp(A_log)(f+dt_bias)), or -exp(A_log) softplus(f+dt_bias)). The `kda_gate` template is here too.
 """
 
 from __future__ import annotations
@@ -272,7 +271,8 @@ def kda_prefill(q, k, v, g, beta, state, state_slot, cu_seqlens, scale: float, *
     if T == 0 or R == 0:  # nothing to run: no state changes, empty checkpoints (position 0 excluded)
         o = q.new_empty(T, H, v.shape[-1])
         return o if checkpoint_positions is None else (o, [q.new_empty(0, H, D, v.shape[-1]) for _ in range(R)])
-    cfg = dict(heuristic({"D": D, "Dv": v.shape[-1]}, "cuda" if q.is_cuda else "cpu"), **(config or {}))
+    cfg = dict(heuristic({"D": D, "Dv": v.shape[-1], "H": H, "R": R}, "cuda" if q.is_cuda else "cpu"),
+               **(config or {}))
     if g is None and (f is None or A_log is None):
         raise ValueError("kda_prefill: pass g, or the raw gate input f with A_log (fused gate)")
     gate_mode = 0 if g is not None else (1 if lower_bound is not None else 2)
@@ -309,33 +309,36 @@ def bucket(key):
 
 
 def heuristic(key, target):
-    """CPU interpreter: big tiles (cost is per program step). GPU, D=128, as measured on the H200 (bf16, B=1,
-    T=8192, H=32; benches/bench_kda.py, 2026-11-29 session 5): kernel 1 with bf16 tensor-core products in both
-    phases (LOWP_A, LOWP_WU) and BK 64, 4 warps, 2 stages: 0.669 ms (BK 32: 0.732; LOWP_WU only 0.768; tf32
-    products of fp32 operands, the session-3 choice, 0.809; split into A/inverse + W/U kernels 0.794); kernel 2
-    BV 32 / 4 warps / 3 stages ~0.20 ms (session 3: BV 64 0.33-0.43, BV 16 0.41, 8 warps 0.37). Whole prefill
-    0.876 ms (session-3 config 1.004; fla chunk_kda 1.0-1.27 ms); T=32K 3.42 ms (fla 3.89), B=4 x 8192
-    3.75 ms (fla 3.87). bf16 rounding of the products moves the error vs the fp32 reference from 4.6e-3 to
-    5.3e-3 (fla: 4.8e-3); fp32 inputs never round (LOWP applies to bf16/fp16 inputs only).
-    Session 6 (same bench): kernel 1 with 8 warps / BK 128 / 3 stages and kernel 2 with BV 64 (4 warps x 3
-    stages, 8 x 2) and BV 128 (8 x 2, 4 x 2) are correct at B=1 T=8192 in bf16 (5.3e-3 / 3.9e-3, the same as
-    this config) but were not timed (the run's time went to compiles); kernel 2 at B=4 with BV 128 (128
-    programs, one wave of one program per SM, instead of 512 programs in four) is the candidate for B=4."""
+    """CPU interpreter: big tiles (cost is per program step). GPU, D=128, as measured on the H200 (bf16;
+    benches/bench_kda.py): kernel 1 with bf16 tensor-core products in both phases (LOWP_A, LOWP_WU), BK 64,
+    4 warps, 2 stages (B=1 T=8192, session 5: 0.669 ms; BK 32 0.732; LOWP_WU only 0.768; tf32 0.809; split
+    into A/inverse + W/U kernels 0.794). bf16 products move the error vs the fp32 reference from 4.6e-3 to
+    5.3e-3 (fla: 4.8e-3); fp32 inputs never round. Kernel 2 widens its column block BV (32 -> 64 -> 128) while
+    R*H*Dv/BV >= 128 programs remain. Session 8, B=4 x 8192 (fla 3.515 ms): kernel 2 BV 128 / 4 warps / 2 stages
+    0.517 ms (BV 128 x 8 warps 0.630, BV 64 x 4 x 3 stages 0.570, 64 x 8 x 2 0.897, 32 x 4 x 3 1.030), kernel 1
+    2.67 ms: prefill 3.20 ms (1.098x fla; BV 32 3.73). B=1 (BV 32): 8K 0.884 ms (fla 1.112), 32K 3.436 (4.293)."""
     D, Dv = key["D"], key["Dv"]
     if str(target).startswith("cpu"):
         return {"BK": D, "BV_INTRA": Dv, "WARPS_INTRA": 4, "STAGES_INTRA": 1, "BV": Dv, "WARPS": 4, "STAGES": 2,
                 "SPLIT_INTRA": 0, "LOWP_A": 0, "LOWP_WU": 0}
-    return {"BK": min(64, D), "BV_INTRA": min(64, Dv), "WARPS_INTRA": 4, "STAGES_INTRA": 2, "BV": min(32, Dv),
-            "WARPS": 4, "STAGES": 3, "SPLIT_INTRA": 0, "LOWP_A": 1, "LOWP_WU": 1}
+    bv = min(32, Dv)
+    while "R" in key and "H" in key and bv < min(128, Dv) and key["R"] * key["H"] * (Dv // (2 * bv)) >= _WAVE:
+        bv *= 2  # kernel 2: wider column blocks while the grid still fills one wave (batches of requests)
+    return {"BK": min(64, D), "BV_INTRA": min(64, Dv), "WARPS_INTRA": 4, "STAGES_INTRA": 2, "BV": bv,
+            **dict(zip(("WARPS", "STAGES"), _STATE_TILES.get(bv, (4, 3)))), "SPLIT_INTRA": 0, "LOWP_A": 1,
+            "LOWP_WU": 1}
+
+
+# kernel 2: programs that fill the H200 (132 SMs) once at one per SM (its shared memory); (WARPS, STAGES) per BV
+_WAVE, _STATE_TILES = 128, {32: (4, 3), 64: (4, 3), 128: (4, 2)}
 
 
 _SMEM_BYTES = 232448  # per block on the H200 (sm_90)
 
 
 def state_kernel_smem(config, key, itemsize: int = 2) -> int:
-    """Kernel 2's shared memory: per stage W, QG, KG [64, D], U [64, BV], Aqk [64, 64], + 8 KiB, + 256 B per
-    state column above 32 (the state's operand copy). Triton 3.6 on the H200 (session 6) allocated exactly this:
-    BV 32 x 3 stages 188 KiB, BV 64 x 3 208 KiB, BV 64 x 2 144 KiB, BV 128 x 2 176 KiB, BV 128 x 3 248 KiB (fails)."""
+    """Kernel 2's shared memory: per stage W, QG, KG [64, D], U [64, BV], Aqk [64, 64], + 8 KiB, + 256 B per state
+    column above 32, as Triton 3.6 allocated on the H200 (s6: BV/stages 32/3 188 KiB, 64/3 208, 64/2 144, 128/2 176)."""
     stages = config["STAGES"] * (3 * 64 * key["D"] + 64 * config["BV"] + 64 * 64) * itemsize
     return stages + 8192 + max(0, config["BV"] - 32) * 256
 

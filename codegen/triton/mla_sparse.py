@@ -8,7 +8,7 @@ Math, per token t (request r, position p) and head h, over its context rows c(s)
 The kernel does the attention over latent rows: one program per (token, block of BLOCK_H heads,
 chunk of CHUNK context entries), all heads of the block sharing every latent row it loads (the
 row is read once per token, not once per head), online softmax in fp32 (exp2), tensor-core dots.
-Two orientations (ORIENT): 1 = `_mla_heads_kernel` here (heads are the dots' M, one pass per step over
+Two orientations (ORIENT): 1 = `_mla_heads_kernel` in _mla_heads.py (heads are the dots' M, one pass per step over
 whole rows: the default, FP8 pools), 0 = `_mla_sparse_kernel` in _mla_rows.py (rows are M, optional column
 blocks: the previous path, kept for bf16 / NVFP4 pools). Both gather and dequantise rows through
 _mla_tiles.py. Chunks of the same token are merged by `_combine_kernel` (_mla_tiles.py, launched by
@@ -31,6 +31,7 @@ Selections are positions (the IR op; mapped to rows by the block table, `_paging
 (`selection_rows=True`, what `indexer_topk(..., output="rows")` returns); -1 entries are skipped.
 Tunables: ORIENT, BLOCK_H, BLOCK_N (rows per step), CHUNK (rows per program), SUB (ORIENT 0: column
 blocks per row, 1 = one pass, 4 = two passes), PREFETCH (1: next step's rows resolved a step ahead),
+F16 (ORIENT 1 on FP8 / NVFP4 pools: fp16 dots with per-head power-of-two query scaling, `_mla_heads.py`),
 num_warps, num_stages.
 """
 
@@ -39,98 +40,19 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 import triton.language as tl
 
 from ..kernel import KernelTemplate, Tunable, pow2_bucket
 from ._mla_combine import _interpreting, absorb_queries, combine_chunks, split_kv_b
+from ._mla_heads import _mla_heads_kernel
 from ._mla_rows import _mla_sparse_kernel
-from ._mla_tiles import (_LN2, _fp8_to, _k_pe, _k_pe_raw, _rows_at, _sub_deq, _sub_raw,  # noqa: F401
-                         _sub_tile, e2m1_to_f32, e8m0_to_f32)
+from ._mla_tiles import _LN2, e2m1_to_f32, e8m0_to_f32  # noqa: F401  (re-exported: mla_prefill, the indexer)
 from ._paging import context_bound, paging_args, pool_strides
-from ._pdl import launch_kwargs, pdl_enter
+from ._pdl import launch_kwargs
 from codegen.triton import _precision as precision
 
 LOG2E = 1.4426950408889634
 LATENT_FORMATS = ("bf16", "fp32", "fp8", "nvfp4")
-
-
-@triton.jit
-def _mla_heads_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, pos_ptr, o_ptr, lse_ptr,
-                      H, KSEL, NSPLIT, CHUNK, sb, sr, qk_scale, v_scale, pe_scale,
-                      KV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                      FMT: tl.constexpr, SPARSE: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr,
-                      PAGED: tl.constexpr, LOG_BS: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
-    """ORIENT 1 (heads-major): the program's BLOCK_H heads are the M dimension of both dots, the
-    BLOCK_N context rows of a step the N (logits) and K (values) dimension, one pass per step:
-        S = [q~ ; q_pe] [c_KV ; k_pe]^T   [BLOCK_H, BLOCK_N]  (q~ and q_pe held in registers, loaded once)
-        acc = alpha acc + P c_KV          [BLOCK_H, KV]       (the dequantised tile serves both dots)
-    Each row's stored bytes are read once (one gather per step, dequantised in registers); the
-    accumulator is BLOCK_H x KV fp32 whatever BLOCK_N is, so short steps keep registers low and a
-    step's loads can be software-pipelined (num_stages) or prefetched by hand (PREFETCH 2: the next step's
-    stored bytes are loaded into registers before this step's dots, its rows resolved two steps ahead, so
-    no gather waits on an index read and every byte is in flight while the previous step computes). The grid's third axis splits a token's rows
-    (selected rows, or its causal context) into CHUNK-row pieces merged by `_combine_kernel`; with one
-    piece the program writes the final o~ (in o_ptr's dtype) and lse itself. Same partial layout and
-    numerics contract as `_mla_sparse_kernel` (fp32 accumulation, exp2 online softmax)."""
-    pdl_enter(PDL)
-    t = tl.program_id(0)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    sp = tl.program_id(2)
-    hm = h < H
-    pos = tl.load(pos_ptr + t)
-    tblrow = tbl_ptr + tl.load(req_ptr + t) * MB
-    n_ctx = KSEL if SPARSE else pos + 1
-    start = sp * CHUNK
-    end = tl.minimum(start + CHUNK, n_ctx)
-    th = t.to(tl.int64) * H + h
-    k = tl.arange(0, KV)
-    r = tl.arange(0, DR)
-    qa = tl.load(qa_ptr + th[:, None] * KV + k[None, :], mask=hm[:, None], other=0.0).to(DOT_DT)   # [BLOCK_H, KV]
-    qp = tl.load(qp_ptr + th[:, None] * DR + r[None, :], mask=hm[:, None], other=0.0).to(DOT_DT)   # [BLOCK_H, DR]
-    acc = tl.zeros([BLOCK_H, KV], dtype=tl.float32)
-    m_i = tl.full([BLOCK_H], -1e30, tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    if PREFETCH >= 1:
-        nro, nvalid = _rows_at(idx_ptr, t, KSEL, start, end, tblrow, sb, sr, BLOCK_N, SPARSE, PAGED, LOG_BS)
-    if PREFETCH == 2:   # this step's bytes in flight one step ahead, its rows resolved two steps ahead
-        xn, sn = _sub_raw(lat_ptr, nro, nvalid, 0, KV, KV, FMT, "")
-        kn = _k_pe_raw(lat_ptr, nro, nvalid, KV, DR, FMT)
-        vn = nvalid
-        nro, nvalid = _rows_at(idx_ptr, t, KSEL, start + BLOCK_N, end, tblrow, sb, sr, BLOCK_N, SPARSE, PAGED, LOG_BS)
-    for j in range(start, end, BLOCK_N):
-        if PREFETCH == 2:
-            x, xs, kr, valid = xn, sn, kn, vn
-            xn, sn = _sub_raw(lat_ptr, nro, nvalid, 0, KV, KV, FMT, "")
-            kn = _k_pe_raw(lat_ptr, nro, nvalid, KV, DR, FMT)
-            vn = nvalid
-            nro, nvalid = _rows_at(idx_ptr, t, KSEL, j + 2 * BLOCK_N, end, tblrow, sb, sr, BLOCK_N, SPARSE, PAGED,
-                                   LOG_BS)
-            c = _sub_deq(x, xs, KV, FMT, DOT_DT)
-            kp = kr.to(DOT_DT) if FMT == 0 else _fp8_to(kr, DOT_DT)
-        else:
-            if PREFETCH == 1:   # this step's rows were resolved a step ago; request the next step's now
-                ro, valid = nro, nvalid
-                nro, nvalid = _rows_at(idx_ptr, t, KSEL, j + BLOCK_N, end, tblrow, sb, sr, BLOCK_N, SPARSE, PAGED,
-                                       LOG_BS)
-            else:
-                ro, valid = _rows_at(idx_ptr, t, KSEL, j, end, tblrow, sb, sr, BLOCK_N, SPARSE, PAGED, LOG_BS)
-            c = _sub_tile(lat_ptr, ro, valid, 0, KV, KV, FMT, DOT_DT, "")    # [BLOCK_N, KV]
-            kp = _k_pe(lat_ptr, ro, valid, KV, DR, FMT, DOT_DT)            # [BLOCK_N, DR]
-        s = tl.dot(qa, tl.trans(c), input_precision=PREC) * v_scale + \
-            tl.dot(qp, tl.trans(kp), input_precision=PREC) * pe_scale
-        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DT), c, input_precision=PREC)
-        m_i = m_new
-    has = l_i > 0.0
-    inv = tl.where(has, v_scale / tl.where(has, l_i, 1.0), 0.0)
-    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * _LN2, float("-inf"))
-    tl.store(o_ptr + (th * NSPLIT + sp)[:, None] * KV + k[None, :], acc * inv[:, None], mask=hm[:, None])
-    tl.store(lse_ptr + th * NSPLIT + sp, lse, mask=hm)
 
 
 # ------------------------------------------------------------------------------------ host API
@@ -169,6 +91,20 @@ def heuristic(key: dict, target: str) -> dict:
     239 registers at 8 warps (BLOCK_N 32: not timed at batch 64 yet, the bench sweeps it), 255 + 72 B stack at
     BLOCK_N 64 / 8 warps. The replicated [BLOCK_H, kv] bf16 query operand (128 registers per thread) and the
     [BLOCK_H, kv] fp32 accumulator (64 at 4 warps) leave little for a step's rows in flight.
+    Session 8 (same bench, 4.40 TB/s streaming read; benches/bench_attention_decode.py, one call): batch 64 100.6 us
+    (CHUNK 256) / 99.2 (CHUNK 512) = 18.1%; the kernel + combine without the query absorption 97.8. Measured slower
+    and dropped: L2 bulk prefetch of later steps' rows (cp.async.bulk.prefetch.L2, 1 / 2 steps ahead or the whole
+    chunk up front: 111-123 us), register caps for 3-4 programs per SM (maxnreg 168 / 128: 145-169 us, spills),
+    8 warps 182, PREFETCH 2 142, the rows-major kernel with prefetch 123-194. So the bound is not bytes in flight
+    but instructions: the loop issues 1611 SASS instructions per thread per 32-row step (Triton 3.7 build), a third
+    of them e4m3 -> bf16 conversions (through fp16 and fp32) and byte-wise shared-memory loads (the compiler moves
+    the 8-bit tile's transpose for q~ c^T before the widening), with 8 warps per SM to hide latency. F16 1 (opt-in:
+    fp16 dots, per-head power-of-two query scaling, rows widened by one cvt per pair before any re-layout) issues
+    701; batch 1: 12.0 us (PDL off 14.4). The lead's call (same bench): F16 at batch 64 76.4 us with CHUNK 512
+    and num_stages 3 (~23.5% of read bandwidth; the F16-off default 104.6), CHUNK 512 / stages 1 81.0, CHUNK
+    256 / stages 1 84.7, stages 2 84.5-88.8, 8 warps 95.6, CHUNK 128 95.0; batch 1 11.46 (F16-off 11.90);
+    both checked against float64 and graph replay == eager over 50 replays: F16 is the FP8 default, with 2
+    programs per SM and 3 stages once the tokens alone fill the GPU.
     bf16 and NVFP4 pools keep the rows-major kernel's configs (measured 2026-11-29 s3: 0.087 / 0.185 ms at
     batch 64), with the same split rule."""
     H = max(1, key.get("H", 16))
@@ -177,16 +113,17 @@ def heuristic(key: dict, target: str) -> dict:
     if target == "cpu":
         return dict(ORIENT=1, BLOCK_H=bh, BLOCK_N=32, CHUNK=max(32, _pow2(L)), num_warps=4, num_stages=1, PREFETCH=1)
     T = key.get("T", 0)
+    fmt = key.get("fmt", 1)
+    many = not key.get("bi", 0) and T * -(-H // bh) >= 32  # tokens alone fill the GPU (batch 64: 64 programs)
     if key.get("bi", 0) or not T:
         pieces = 16
     else:
-        pieces = max(1, (4 * 132) // (T * -(-H // bh)))
-    fmt = key.get("fmt", 1)
+        pieces = max(1, ((2 if many and fmt == 1 else 4) * 132) // (T * -(-H // bh)))
     if fmt != 1:   # bf16 / NVFP4 pools: the previous rows-major configs (ORIENT 1 not yet measured on them)
         cfg = dict(ORIENT=0, BLOCK_H=bh, BLOCK_N=32, num_warps=4, num_stages=2, SUB=1, PREFETCH=1) if fmt == 0 else \
             dict(ORIENT=0, BLOCK_H=bh, BLOCK_N=64, num_warps=4, num_stages=1, SUB=4, PREFETCH=1)
     else:
-        cfg = dict(ORIENT=1, BLOCK_H=bh, BLOCK_N=32, num_warps=4, num_stages=1, PREFETCH=1)
+        cfg = dict(ORIENT=1, BLOCK_H=bh, BLOCK_N=32, num_warps=4, num_stages=3 if many else 1, PREFETCH=1, F16=1)
     cfg["CHUNK"] = min(16384, max(cfg["BLOCK_N"], _pow2(-(-L // pieces))))
     return cfg
 
@@ -246,7 +183,11 @@ def sparse_latent_attention(q_abs, q_pe, latent, token_pos, paging, scale: float
     f32 = _interpreting() or (fmt == 0 and latent.dtype == torch.float32)
     vs = 1.0 if fmt == 0 else float(latent_scale)                     # scale of c_KV values
     ps = {0: 1.0, 1: float(latent_scale), 2: float(pe_scale)}[fmt]       # scale of k_pe values
-    dot_dt = tl.float32 if f32 else tl.bfloat16
+    f16 = int(cfg.get("F16", 0))
+    if f16 not in (0, 1) or (f16 and (orient != 1 or fmt == 0)):
+        raise ValueError(f"mla: config {cfg}: F16 1 (fp16 dots, scaled queries) needs ORIENT 1 and an FP8 or NVFP4 "
+                         f"pool (latent_format {latent_format!r})")
+    dot_dt = tl.float32 if f32 else tl.float16 if f16 else tl.bfloat16
     if paging is None and selection is None:
         raise ValueError("mla: a dense context (no selection) needs the block table (paging)")
     tbl, req, MB, log_bs = paging if paging is not None else (pos, pos, 0, None)   # tbl, req unused when not PAGED
@@ -261,6 +202,8 @@ def sparse_latent_attention(q_abs, q_pe, latent, token_pos, paging, scale: float
                   **launch_kwargs())
     if orient == 0:
         common["SUB"] = int(cfg.get("SUB", 1))
+    else:
+        common.update(QSCALE=f16, CVT=int(f16 and fmt == 1 and not f32))
     kernel = _mla_heads_kernel if orient == 1 else _mla_sparse_kernel
     for t0 in range(0, T, tb):
         t1 = min(T, t0 + tb)
@@ -334,6 +277,8 @@ def _constraints(config: dict, key: dict, target: str) -> list[str]:
         out.append("PREFETCH=2 is ORIENT=1's")
     if config.get("ORIENT", 0) == 1 and config["BLOCK_H"] * key.get("KV", 512) > 32 * config["num_warps"] * 128:
         out.append("ORIENT=1 accumulator BLOCK_H*kv fp32 over num_warps*32 threads > 128 registers each")
+    if config.get("F16", 0) and (config.get("ORIENT", 0) != 1 or key.get("fmt", 0) == 0):
+        out.append("F16 (fp16 dots) is ORIENT=1's, for FP8 / NVFP4 pools")
     if config["CHUNK"] % config["BLOCK_N"]:
         out.append(f"CHUNK {config['CHUNK']} is not a multiple of BLOCK_N {config['BLOCK_N']}")
     if target != "cpu":
@@ -385,6 +330,7 @@ TUNABLES = (
     Tunable("SUB", (1, 4)),
     Tunable("PREFETCH", (0, 1, 2)),
     Tunable("ORIENT", (0, 1)),
+    Tunable("F16", (0, 1)),
 )
 
 TEMPLATES = [

@@ -43,7 +43,15 @@ dequantised in registers by the decode that config DEQ names (formats, decodes a
 _moe_host.py, whose `_kernel_weight` gives the kernels' W_FMT and WIDE; device code: _moe_tiles.py).
 Scale bytes are below cp.async's 4 bytes, so they are plain loads in the K loop: SL=1 issues both
 weights' at the top of the step (latencies overlap), SL=0 each after its weight tile; PF=1 adds an L1
-prefetch of the next step's (CUDA only). Host-side operand, storage and target helpers: _moe_host.py;
+prefetch of the next step's (CUDA only); SL=2 reads them as int32 words through the cp.async pipeline and
+SL=3 loads the next step's bytes a step ahead (_moe_tiles._top_scales). H200, T=64 top-16, session 8
+(graph replay): SL=1 1.111 ms, SL=0 with BK 64 / 4 stages 1.116; SL=3 2.110 (BK 64: 1.780) and SL=2 2.035
+(BK 64: 1.821), both with the decoded tile passing through shared memory (Triton 3.6's TTGIR at those
+specialisations, reproduced off the GPU). SL=3 now keeps the decode on the packed tile in 3.6 and 3.7
+(SCALE_NO_SPEC below; sm_90 SASS: the same ~920 instructions a warp a K step as SL=1, without SL=1's
+two scale-load round trips a step, LDG -> STS -> barrier, whose latency every step waits for): not yet
+timed. SL=2 cannot avoid the shared-memory pass.
+Host-side operand, storage and target helpers: _moe_host.py;
 the heuristic's named configs, the split-K rule and the config constraints: _moe_configs.py.
 H200, bf16, E=112, top-16, l=3584, I=3072 (bench_moe.py): decode T=64 reads 1.9 GB of MXFP4 weights
 (108 live experts) in 1.109 ms under graph replay (session 5: asm16, BN=64 on 2 warps, mma.sync, MAXNREG
@@ -67,19 +75,26 @@ from codegen.triton._moe_configs import (BATCH_INVARIANT_CONFIG, DECODE_MAXNREG,
                                          GEMV_MAX_PAIRS, GEMV_MMA_S6, GEMV_T1, GEMV_T8, GEMV_TILES,
                                          GPU_SLOTS, constraints, decode_split)
 from codegen.triton._moe_host import (DEQ_MODES, _BYTE_DECODE, _TL, _fit_bk, _int16_view,  # noqa: F401
-                                      _kernel_weight, _weight, max_tiles, storage, target_cc)
+                                      _kernel_weight, _weight, max_tiles, scale_words, storage, target_cc)
 from codegen.triton._moe_gemv import gemv_experts, gemv_supported
 from codegen.triton._moe_splits import _combine_splits_kernel, _glu_splits_kernel, combine_pairs  # noqa: F401
-from codegen.triton._moe_tiles import (_glu, _k_range, _load_bt, _locate_tile, _mma_step_t, _step_scales,
+from codegen.triton._moe_tiles import (_glu, _k_range, _load_bt, _locate_tile, _mma_step_t, _top_scales,
                                       _swizzle)
 from codegen.triton._pdl import launch_kwargs, pdl_enter
 from codegen.triton.moe_router import ExpertSegments, permute_tokens
 
 
-@triton.jit
+# scale_row_stride: stride_sn again, for SL=3's loads. Whether Triton keeps SL=3's decode on the packed tile or
+# passes the decoded tile through shared memory (2x slower on the H200, session 8) turns on the scale rows'
+# vectorisation: Triton 3.6 keeps it when the stride is not specialised (divisibility unknown), 3.7 when it is
+# (sm_90 TTGIR of both, the decode tiles): so 3.6 does not specialise it. SL != 3 never reads it.
+SCALE_NO_SPEC = ["scale_row_stride"] if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7) else []
+
+
+@triton.jit(do_not_specialize=SCALE_NO_SPEC)
 def _moe_gate_up_kernel(z_ptr, pair_ptr, counts_ptr, offsets_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr,
                         E, ELL, INTER, stride_z, stride_we, stride_wn, stride_se, stride_sn, stride_h, stride_hs,
-                        up_off, beta1, beta2, N_TILES, TOPK: tl.constexpr, E_PAD: tl.constexpr,
+                        up_off, beta1, beta2, N_TILES, scale_row_stride, TOPK: tl.constexpr, E_PAD: tl.constexpr,
                         W_FMT: tl.constexpr, ACT: tl.constexpr, HAS_BETA2: tl.constexpr, IEEE: tl.constexpr,
                         DT: tl.constexpr, WIDE: tl.constexpr, PF: tl.constexpr, SL: tl.constexpr, BM: tl.constexpr,
                         BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr,
@@ -103,10 +118,20 @@ def _moe_gate_up_kernel(z_ptr, pair_ptr, counts_ptr, offsets_ptr, w1_ptr, w3_ptr
     acc1 = tl.zeros([BN, BM], dtype=tl.float32)
     acc3 = tl.zeros([BN, BM], dtype=tl.float32)
     k_lo, k_hi = _k_range(sk, ELL, BK, SPLIT)
+    if SL == 3:     # the first step's scale bytes; every step then loads the next step's
+        n1 = _top_scales(s1_ptr, sbase, rn, n_ok, k_lo, ELL, scale_row_stride, BN, BK, W_FMT, SL, PF)
+        n3 = _top_scales(s3_ptr, sbase, rn, n_ok, k_lo, ELL, scale_row_stride, BN, BK, W_FMT, SL, PF)
+    else:
+        n1 = tl.zeros([BN, BK // 32], dtype=tl.int32)
+        n3 = n1
     for k0 in range(k_lo, k_hi, BK):
-        if SL:      # both weights' scale bytes first: their load latencies overlap
-            s1 = _step_scales(s1_ptr, sbase, rn, n_ok, k0, ELL, stride_sn, BN, BK, W_FMT, PF)
-            s3 = _step_scales(s3_ptr, sbase, rn, n_ok, k0, ELL, stride_sn, BN, BK, W_FMT, PF)
+        if SL == 3:     # this step's scale bytes were loaded a step ago; the next step's now (carried)
+            s1, s3 = n1, n3
+            n1 = _top_scales(s1_ptr, sbase, rn, n_ok, k0 + BK, ELL, scale_row_stride, BN, BK, W_FMT, SL, PF)
+            n3 = _top_scales(s3_ptr, sbase, rn, n_ok, k0 + BK, ELL, scale_row_stride, BN, BK, W_FMT, SL, PF)
+        elif SL:    # both weights' scale bytes first: their load latencies overlap (SL=2: int32 words)
+            s1 = _top_scales(s1_ptr, sbase, rn, n_ok, k0, ELL, stride_sn, BN, BK, W_FMT, SL, PF)
+            s3 = _top_scales(s3_ptr, sbase, rn, n_ok, k0, ELL, stride_sn, BN, BK, W_FMT, SL, PF)
         else:       # each read in its step, after its weight tile
             s1 = tl.zeros([BN, BK // 32], dtype=tl.int32)
             s3 = s1
@@ -124,10 +149,10 @@ def _moe_gate_up_kernel(z_ptr, pair_ptr, counts_ptr, offsets_ptr, w1_ptr, w3_ptr
         tl.store(out + sk * stride_hs + up_off, acc3, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SCALE_NO_SPEC)
 def _moe_down_kernel(h_ptr, pair_ptr, counts_ptr, offsets_ptr, w2_ptr, s2_ptr, o_ptr,
                      E, ELL, INTER, stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o, stride_os, N_TILES,
-                     E_PAD: tl.constexpr, W_FMT: tl.constexpr, IEEE: tl.constexpr, DT: tl.constexpr,
+                     scale_row_stride, E_PAD: tl.constexpr, W_FMT: tl.constexpr, IEEE: tl.constexpr, DT: tl.constexpr,
                      WIDE: tl.constexpr, PF: tl.constexpr, SL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
@@ -148,9 +173,16 @@ def _moe_down_kernel(h_ptr, pair_ptr, counts_ptr, offsets_ptr, w2_ptr, s2_ptr, o
     sbase = e.to(tl.int64) * stride_se
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     k_lo, k_hi = _k_range(sk, INTER, BK, SPLIT)
+    if SL == 3:
+        n2 = _top_scales(s2_ptr, sbase, rn, n_ok, k_lo, INTER, scale_row_stride, BN, BK, W_FMT, SL, PF)
+    else:
+        n2 = tl.zeros([BN, BK // 32], dtype=tl.int32)
     for k0 in range(k_lo, k_hi, BK):
-        if SL:
-            s2 = _step_scales(s2_ptr, sbase, rn, n_ok, k0, INTER, stride_sn, BN, BK, W_FMT, PF)
+        if SL == 3:
+            s2 = n2
+            n2 = _top_scales(s2_ptr, sbase, rn, n_ok, k0 + BK, INTER, scale_row_stride, BN, BK, W_FMT, SL, PF)
+        elif SL:
+            s2 = _top_scales(s2_ptr, sbase, rn, n_ok, k0, INTER, stride_sn, BN, BK, W_FMT, SL, PF)
         else:
             s2 = tl.zeros([BN, BK // 32], dtype=tl.int32)
         b0, b1, b2, b3 = _load_bt(rows_ptr, row_ok, k0, INTER, W_FMT, DT, BK)
@@ -164,10 +196,12 @@ def _moe_down_kernel(h_ptr, pair_ptr, counts_ptr, offsets_ptr, w2_ptr, s2_ptr, o
 # ------------------------------------------------------------------------------------------ host
 def expert_pair_outputs(z: torch.Tensor, ids: torch.Tensor, w1, w2, w3, act: str, beta1: float | None = None,
                         beta2: float | None = None, config: dict | None = None,
-                        segments: ExpertSegments | None = None) -> tuple[torch.Tensor, ExpertSegments]:
+                        segments: ExpertSegments | None = None, *,
+                        kernels: tuple = ("gate_up", "down")) -> tuple[torch.Tensor, ExpertSegments]:
     """o (z's dtype) [T·k, ℓ]: o[t·k+j] = W2_e act(W1_e z_t, W3_e z_t), e = ids[t,j]; or, with the down
     kernel split along K (config SPLIT2 > 1), its fp32 partial sums o [SPLIT2, T·k, ℓ] (combine_pairs
-    adds them). Rows of pairs whose expert is outside [0, E) are left unwritten (the combine skips them)."""
+    adds them). Rows of pairs whose expert is outside [0, E) are left unwritten (the combine skips them).
+    `kernels`: which launches run, for timing them apart (bench_moe.py); either alone leaves o meaningless."""
     if act not in ("situ", "silu"):
         raise ValueError(f"expert activation must be 'situ' or 'silu', found {act!r}")
     if z.dim() != 2 or ids.dim() != 2 or ids.shape[0] != z.shape[0]:
@@ -215,21 +249,26 @@ def expert_pair_outputs(z: torch.Tensor, ids: torch.Tensor, w1, w2, w3, act: str
         deq = _BYTE_DECODE.get(cfg["DEQ"], cfg["DEQ"])
         c1, a1, b1, st1, wide1 = _kernel_weight(f1, q1, s1, deq, z.dtype)
         c3, a3, b3, st3, wide3 = _kernel_weight(f3, q3, s3, deq, z.dtype)
-    _moe_gate_up_kernel[(n_tiles * triton.cdiv(inter, cfg["BN"]) * split,)](
+    sl, b1, st1 = scale_words(launch["SL"], c1, b1, st1)     # SL=2: the scale bytes as int32 words
+    if sl == 2:
+        b3 = scale_words(2, c3, b3, st3)[1]
+    up = "gate_up" in kernels
+    _moe_gate_up_kernel[(n_tiles * triton.cdiv(inter, cfg["BN"]) * split * up,)](
         z, seg.pair_ids, seg.counts, seg.offsets, a1, a3, b1, b3, part, E, ell, inter, z.stride(0), *st1, *h_st,
-        *betas, n_tiles, TOPK=K, E_PAD=e_pad, W_FMT=c1, IEEE=ieee, DT=dt, WIDE=wide1 or wide3, BM=bm,
-        BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"], SPLIT=split, **glu, **launch)
-    if split > 1:   # a separate pass: summed inside the down kernel's K loop, the partials were pipelined
+        *betas, n_tiles, st1[3], TOPK=K, E_PAD=e_pad, W_FMT=c1, IEEE=ieee, DT=dt, WIDE=wide1 or wide3, BM=bm,
+        BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"], SPLIT=split, **glu, **{**launch, "SL": sl})
+    if split > 1 and up:    # a separate pass: summed inside the down kernel's K loop, the partials were pipelined
         #             through shared memory (2·SPLIT fp32 tiles a stage: 1 program per SM on the H200)
         br, bi = min(16, triton.next_power_of_2(P)), min(1024, triton.next_power_of_2(inter))
         _glu_splits_kernel[(triton.cdiv(P, br), triton.cdiv(inter, bi))](
             part, h, P, inter, *h_st[1:], h_st[0], h.stride(0), *betas, SPLIT=split, BR=br, BI=bi, num_warps=4, **glu,
             **launch_kwargs())
     c2, a2, b2, st2, wide2 = _kernel_weight(f2, q2, s2, cfg["DEQ"], z.dtype)
-    _moe_down_kernel[(n_tiles * triton.cdiv(ell, cfg["BN2"]) * split2,)](
+    sl2, b2, st2 = scale_words(launch["SL"], c2, b2, st2)
+    _moe_down_kernel[(n_tiles * triton.cdiv(ell, cfg["BN2"]) * split2 * ("down" in kernels),)](
         h, seg.pair_ids, seg.counts, seg.offsets, a2, b2, o, E, ell, inter, h.stride(0), *st2, o.stride(-2),
-        o.stride(0) if split2 > 1 else 0, n_tiles, E_PAD=e_pad, W_FMT=c2, IEEE=ieee, DT=dt, WIDE=wide2,
-        BM=bm, BN=cfg["BN2"], BK=cfg["BK2"], GROUP_M=cfg["GROUP_M"], SPLIT=split2, **launch)
+        o.stride(0) if split2 > 1 else 0, n_tiles, st2[3], E_PAD=e_pad, W_FMT=c2, IEEE=ieee, DT=dt, WIDE=wide2,
+        BM=bm, BN=cfg["BN2"], BK=cfg["BK2"], GROUP_M=cfg["GROUP_M"], SPLIT=split2, **{**launch, "SL": sl2})
     return o, seg
 
 
@@ -276,7 +315,9 @@ def heuristic(key: dict, target=None) -> dict:
     GEMV_T1 tiles (T=1: 27.7 us, session 6's 38.4; T=8: 168.3 us, GEMV_T8 186.3, session 6's 204.1). Dense expert weights run the GV=1 kernels with the same tiles. Grouped decode (<= 16 tokens per
     expert): a 16-token tile x 64 weight rows on 2 warps (mma.sync, see the module doc), K steps of 128,
     asm16, scales first (SL): 1.14 ms vs 1.37 for 128-row wgmma tiles; when the routed tiles fill the
-    GPU (T=64, top-16) a register cap (DECODE_MAXNREG) raises occupancy from 4 to 6 programs per SM.
+    GPU (T=64, top-16) a register cap (DECODE_MAXNREG) raises occupancy from 4 to 6 programs per SM; there (session 8, same bench)
+    the scales are read one K step ahead (SL 3) with K steps of 64, 4 stages and 128-row down tiles: 1.048 ms
+    (37.8% of read bandwidth) vs 1.104 (SL 1, BK 128, 3 stages); 32-token tiles 1.157, 128-row gate/up 1.143.
     Split-K when the routed tiles leave the GPU idle (`decode_split`; grouped T=1 top-2: split 4, 69.6 ->
     44.7 us); T=64 top-16 fills the GPU, no split. Prefill: 128 tokens x 64 rows on wgmma, asm.
     Batch-invariant: one fixed grouped tiling, no split.
@@ -300,7 +341,7 @@ def heuristic(key: dict, target=None) -> dict:
         cfg["DEQ"] = ("asm16" if decode else "asm") if cc < 100 else "dot_scaled"
     else:
         cfg["DEQ"] = "bytes"
-    cfg["SL"], cfg["PF"] = int(decode), 0
+    cfg["SL"], cfg["PF"] = int(decode), 0      # SL=3 (scales one K step ahead): below, where measured
     cfg["BK"] = _fit_bk(cfg["BK"], key["L"], key["MX"])
     cfg["BK2"] = _fit_bk(cfg["BK2"], key["I"], key["MX"])
     cfg["SPLIT"] = 1
@@ -315,6 +356,8 @@ def heuristic(key: dict, target=None) -> dict:
     full = tiles * -(-key["I"] // cfg["BN"]) >= 2 * GPU_SLOTS
     if decode and cc is not None and cc < 100 and full:
         cfg["MAXNREG"] = DECODE_MAXNREG
+        if cfg["DEQ"] == "asm16":  # session 8, T=64 top-16: 1.048 ms vs 1.104 with SL 1, BK 128, 3 stages
+            cfg.update(SL=3, BN2=128, num_stages=4, BK=_fit_bk(64, key["L"], True), BK2=_fit_bk(64, key["I"], True))
     if decode and cc is not None:  # a GPU: idle SMs take K slices (the interpreter gains nothing from it)
         cfg["SPLIT"] = min(decode_split(tiles * -(-key["I"] // cfg["BN"]), -(-key["L"] // cfg["BK"])),
                            decode_split(tiles * -(-key["L"] // cfg["BN2"]), -(-key["I"] // cfg["BK2"])))

@@ -43,23 +43,44 @@ NEG_INF = tl.constexpr(float("-inf"))
 
 # ------------------------------------------------------------------------------------------ router
 @triton.jit
+def expert_lanes(PER: tl.constexpr, N_GROUP: tl.constexpr, G_PAD: tl.constexpr, P_PAD: tl.constexpr):
+    """(eid, lane) [1, G_PAD, P_PAD]: the expert id of each (group, position) lane and whether it is real."""
+    g3 = tl.arange(0, G_PAD)[None, :, None]
+    p3 = tl.arange(0, P_PAD)[None, None, :]
+    return g3 * PER + p3, (g3 < N_GROUP) & (p3 < PER)
+
+
+@triton.jit
 def _moe_router_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, stride_t, scaling,
                        PER: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                        G_PAD: tl.constexpr, P_PAD: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr,
                        BLOCK_T: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
                        RENORM: tl.constexpr, PDL: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    eid, lane = expert_lanes(PER, N_GROUP, G_PAD, P_PAD)
+    bias = tl.load(bias_ptr + eid, mask=lane & HAS_BIAS, other=0.0).to(tl.float32)  # a parameter: before the wait
+    pdl_enter(PDL)  # the logits are the previous kernel's output
+    route_rows(logits_ptr, bias, rows, T, stride_t, w_ptr, ids_ptr, scaling, PER, N_GROUP, TOPK_GROUP, G_PAD, P_PAD,
+               TOPK, K_PAD, BLOCK_T, SOFTMAX, HAS_BIAS, RENORM)
+
+
+@triton.jit
+def route_rows(logits_ptr, bias, rows, T, stride_t, w_ptr, ids_ptr, scaling,
+               PER: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+               G_PAD: tl.constexpr, P_PAD: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr,
+               BLOCK_T: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr):
+    """The router math (module docstring) for logits rows `rows` [BLOCK_T] (< T valid) of logits_ptr (row
+    stride stride_t): weights f32 and ids i64 [T, TOPK] stored; `bias` [1, G_PAD, P_PAD] as `expert_lanes`
+    lays it out (ignored unless HAS_BIAS). Shared by the router kernel and the routed GEMM's epilogue."""
     g = tl.arange(0, G_PAD)
     g3 = g[None, :, None]
     p3 = tl.arange(0, P_PAD)[None, None, :]
-    eid = g3 * PER + p3                                              # [1, G, P] expert id
-    lane = (g3 < N_GROUP) & (p3 < PER)                               # real expert lanes
+    eid, lane = expert_lanes(PER, N_GROUP, G_PAD, P_PAD)
     r3 = rows[:, None, None]
     live = (r3 < T) & lane
-    if HAS_BIAS:    # a parameter (never written by a step): loaded before the wait
-        bias = tl.load(bias_ptr + eid, mask=lane, other=0.0).to(tl.float32)
-    pdl_enter(PDL)  # the logits are the previous kernel's output
-    x = tl.load(logits_ptr + r3.to(tl.int64) * stride_t + eid, mask=live, other=0.0).to(tl.float32)
+    # through L2 (.cg): in the routed GEMM other programs of the same launch wrote these logits
+    x = tl.load(logits_ptr + r3.to(tl.int64) * stride_t + eid, mask=live, other=0.0,
+                cache_modifier=".cg").to(tl.float32)
     if SOFTMAX:
         mx = tl.max(tl.max(tl.where(lane, x, NEG_INF), 2), 1)
         ex = tl.where(lane, tl.exp(x - mx[:, None, None]), 0.0)
@@ -103,7 +124,8 @@ def _moe_router_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, stride_t, scalin
         free = free & (eid != j[:, None, None])
     # the selected scores, recomputed from their logits by the same formula as s (bitwise equal)
     ok = (rows[:, None] < T) & (kcol < TOPK)
-    xs = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_t + isel, mask=ok, other=0.0).to(tl.float32)
+    xs = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_t + isel, mask=ok, other=0.0,
+                 cache_modifier=".cg").to(tl.float32)
     if SOFTMAX:
         wsel = tl.exp(xs - mx[:, None]) / den[:, None]
     else:

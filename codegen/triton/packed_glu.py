@@ -133,7 +133,7 @@ def constraints(config: dict, key: dict, target: str) -> list[str]:
 
 
 def _launch(a, attrs, config):
-    gm._check_invariance(attrs, config)
+    gm.check_invariance(attrs, config)
     return packed_linear_glu(a.operands[0], list(a.operands[1:]), list(attrs["splits"]), attrs["act"], config,
                              attrs.get("beta1"), attrs.get("beta2"))
 
@@ -141,13 +141,13 @@ def _launch(a, attrs, config):
 def _supports(a, attrs, target):
     if attrs.get("act") not in ("situ_glu", "swiglu"):
         return f"act {attrs.get('act')!r} has no epilogue (situ_glu, swiglu)"
-    return gm._supports_types(a.operands[0], a.operands[1:], target)
+    return gm.supported_types(a.operands[0], a.operands[1:], target)
 
 
 TEMPLATES = [
     KernelTemplate(
         family="packed_glu_gemm", backend="triton", ops=(OP,), launch=_launch,
-        key_dims=lambda a, attrs: gm._key(a.operands[0], a.operands[1:], attrs), heuristic=heuristic,
-        tunables=TUNABLES, bucket=gm._bucket, constraints=constraints, supports=_supports, batch_invariant=True,
+        key_dims=lambda a, attrs: gm.gemm_key(a.operands[0], a.operands[1:], attrs), heuristic=heuristic,
+        tunables=TUNABLES, bucket=gm.gemm_bucket, constraints=constraints, supports=_supports, batch_invariant=True,
         doc="[y_p.., act(g, u)] = one packed GEMM, the gated activation applied in its epilogue"),
 ]

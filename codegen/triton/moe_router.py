@@ -73,7 +73,6 @@ def route_rows(logits_ptr, bias, rows, T, stride_t, w_ptr, ids_ptr, scaling,
     stride stride_t): weights f32 and ids i64 [T, TOPK] stored; `bias` [1, G_PAD, P_PAD] as `expert_lanes`
     lays it out (ignored unless HAS_BIAS). Shared by the router kernel and the routed GEMM's epilogue."""
     g = tl.arange(0, G_PAD)
-    g3 = g[None, :, None]
     p3 = tl.arange(0, P_PAD)[None, None, :]
     eid, lane = expert_lanes(PER, N_GROUP, G_PAD, P_PAD)
     r3 = rows[:, None, None]

@@ -33,7 +33,6 @@ from codegen.triton.moe_router import expert_lanes, route_rows, router
 OP = "fused.routed_linear"
 ROUTE_MAX_M = 64          # rows a launch routes in its epilogue; above: the GEMM and the router kernels
 ROUTE_TILE = 32768        # BLOCK_M x expert lanes one program routes (the router kernel's own bound)
-ROUTER_ATTRS = ("topk", "activation", "renormalize", "scaling", "n_group", "topk_group")
 
 
 @triton.jit

@@ -353,7 +353,8 @@ def _finish(problem, study, space, env, heur_ok, seen, final_repeats, timeout_s,
     fam = problem.template.family
     # ties (equal medians: coarse timers, or a search space whose configs run the same code) go to the
     # config's canonical JSON: never a comparison of two dicts
-    measured = [(v, json.loads(cj)) for v, cj in sorted((v, cj) for cj, (v, _, s) in seen.items() if s == "measured")]
+    ranked = sorted((v, cj) for cj, (v, _, s) in seen.items() if s == "measured")
+    measured = [(v, json.loads(cj)) for v, cj in ranked]
     if not measured:
         raise RuntimeError(f"{fam} {canonical_json(problem.bucket)}: no candidate passed the reference check "
                            f"and ran ({len(study.trials)} trials); see the study's trial attributes")

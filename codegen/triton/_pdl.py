@@ -18,14 +18,16 @@ on the stream (and one that exits without waiting would break that chain: hence 
 path"). Triggering after the wait keeps at most one kernel's programs parked ahead of the running one.
 
 What may come before the wait: a decode GEMV loads its first weight tile there, so its weight stream starts
-while the previous kernel finishes. One more thing may: data whose last writer is at least two launches
-back on the stream. A kernel starts only once every program of the kernel before it has triggered, and each
-triggers after its own wait, which returned when the kernel two back had completed. The KDA decode's EARLY
-path (kda_decode.py) reads its recurrent state and the step metadata there: only the same layer's KDA node
-of the previous step writes that state, and the step-metadata kernel is the step's first launch. This holds
-only while no kernel triggers before its wait (checked on the H200 by bench_kda.py's PDL race check: a chain
-of launches reading state written two launches back, graph replays equal to PDL-off eager). (Asking L2 for the next tiles there as well, `prefetch.global.L2`, was
+while the previous kernel finishes. (Asking L2 for the next tiles there as well, `prefetch.global.L2`, was
 measured slower on the H200: 710 vs 696 µs per rank decode graph, session 7; it was removed.)
+
+One more thing may: data whose last writer is at least two launches back on the stream. A kernel starts only
+once every program of the kernel before it has triggered, and each triggers after its own wait, which
+returned when the kernel two back had completed. The KDA decode's EARLY path (kda_decode.py) reads its
+recurrent state and the step metadata there: only the same layer's KDA node of the previous step writes that
+state, and the step-metadata kernel is the step's first launch. This holds only while no kernel triggers
+before its wait (checked on the H200 by bench_kda.py's PDL race check: a chain of launches reading state
+written two launches back, graph replays equal to PDL-off eager).
 
 A template launches with `**launch_kwargs()`: {PDL: True, launch_pdl: True} when the device Triton
 compiles for is CUDA sm_90+ (the live GPU, or the build target while an AOT build records launches) and

@@ -1,5 +1,5 @@
-"""Helpers of benches/bench_attention_decode.py: graph replay vs eager (the PDL-contract check) and the
-registers / spills of every compiled indexer and MLA kernel."""
+"""Helpers of benches/bench_attention_decode.py: graph replay vs eager (the PDL-contract check), the
+registers / spills of every compiled indexer and MLA kernel, and the indexer configs it compares."""
 
 from __future__ import annotations
 
@@ -41,10 +41,12 @@ def graph_vs_eager(fn, replays=50):
 def kernel_inventory():
     """Registers / spills / shared memory of every compiled indexer and MLA kernel (one entry per
     specialisation: its constexprs tell the variants apart)."""
-    from codegen.triton import _indexer_tiles, _mla_rows, _mla_tiles, _topk_parallel, _topk_select, mla_sparse
+    from codegen.triton import (_indexer_tiles, _mla_rows, _mla_tiles, _topk_fused, _topk_parallel, _topk_select,
+                                mla_sparse)
     fns = [mla_sparse._mla_heads_kernel, _mla_rows._mla_sparse_kernel, _mla_tiles._combine_kernel,
            _indexer_tiles._score_kernel, _indexer_tiles._rescore_kernel, _topk_select._merge_kernel,
-           _topk_parallel._filter_kernel, _topk_parallel._select_kernel, _topk_parallel._place_kernel]
+           _topk_parallel._filter_kernel, _topk_parallel._select_kernel, _topk_parallel._place_kernel,
+           _topk_fused._score_select_kernel]
     out = []
     for fn in fns:
         for caches in getattr(fn, "device_caches", {}).values():
@@ -60,3 +62,45 @@ def kernel_inventory():
                 except Exception as e:  # noqa: BLE001
                     out.append({"kernel": fn.__name__, "error": repr(e)})
     return out
+
+
+def idx_previous_config(T, L):
+    """The session-8 heuristic (committed before this change): short contexts score, then select in parallel
+    (SELECT 1: `_select_kernel` + `_place_kernel`, a memset before); long contexts unchanged."""
+    from codegen.triton.indexer_topk import default_kt, heuristic
+    nt = -(-L // 128)
+    if default_kt(128, 2048, L) * 4 >= 128:
+        return dict(BLOCK_N=128, KT=128, SPLITS=max(1, min(nt, round(8 * 132 / T))), num_warps=4, num_stages=1,
+                    CAND=0, DOT=3, MERGE_TILE=2048, FILTER=int(nt * 128 > 4 * 2048), FILTER_PARTS=16,
+                    SELECT=1, SELECT_PARTS=16, SELECT_RES=2048)
+    return heuristic({"T": T, "L": L, "K": 2048, "HI": 32, "DI": 128}, "h200")
+
+
+def idx_variants(T, L, K):
+    """(heuristic's config, variants). Short contexts: the two-launch select (SELECT 2, `_topk_fused`: histogram
+    threshold by the last program to arrive, parallel placement, no memset) with its warps / parts / pass width /
+    BLOCK_N / programs; long contexts (batch 32 at 128K, unchanged path): the default only. Session 9's first
+    one-launch SELECT 2 (the last program streaming every key) measured 22.4-27.8 us at 8K and 63-79 us at 32K (vs
+    21.1 / 26.4): one program streaming 4096 keys costs ~4.5 us (~4000 SASS instructions per thread at 8 warps)."""
+    from codegen.triton.indexer_topk import heuristic
+    base = heuristic({"T": T, "L": L, "K": K, "HI": 32, "DI": 128}, "cpu" if SMOKE else "h200")
+    if SMOKE:
+        f = dict(base, KT=base["BLOCK_N"], SELECT=2, SPLITS=4, SELECT_TILE=256, SELECT_WB=64, SELECT_PARTS=4)
+        return base, [base, f, dict(f, SELECT_TILE=64, SELECT_WB=16), dict(base, SELECT=1, SELECT_PARTS=4)]
+    if base["KT"] == base["BLOCK_N"]:
+        two = dict(base, SELECT=2, num_warps=8, SELECT_TILE=4096, SELECT_WB=256, SELECT_PARTS=16, SELECT_WARPS=8)
+        for k in ("FILTER", "FILTER_PARTS", "SELECT_RES"):
+            two.pop(k, None)
+        out = [two, dict(two, num_warps=4), dict(two, SELECT_PARTS=32), dict(two, SELECT_PARTS=64, SELECT_WARPS=4),
+               dict(two, SELECT_WARPS=4, SELECT_TILE=2048),
+               dict(two, BLOCK_N=64, KT=64, SPLITS=2 * two["SPLITS"]) if L <= 8192 else
+               dict(two, SPLITS=max(1, two["SPLITS"] // 2))]
+        out = out[:2] if T > 1 else out
+    else:
+        out = []
+    seen, uniq = [], []
+    for c in [base] + out:
+        if c not in seen:
+            seen.append(c)
+            uniq.append(c)
+    return base, uniq

@@ -15,6 +15,8 @@ from _moe_common import (ACT, B1, B2, DECODE_DEADLINE, DEV, DOC, E, ELL, INTER, 
                          gg, graph_ms, mr, ms, mx_bytes, pdl_mod, record, ref_experts, rel_err, situ_glu, to_bf16, tl,
                          triton, PackedMXFP4)
 
+from codegen.triton import _moe_configs as moe_configs, _moe_gemv as gv, _moe_gemv_words as gv2  # noqa: E402
+
 
 def wide_check(z, w, ids, cfg, tag=""):
     """Scale bytes above 128 switch the bf16 decodes to an extra multiply (WIDE): check it once."""
@@ -81,22 +83,21 @@ def _v2(gn, gk, warps, gn2, gk2, gw2, pref=1, xv=0, hx=1):
 # combine): up 8x1024 w4 16-byte x / down 8x512 w4 30.7 / 183.7, 2-byte x 34.3, no prefetch 33.7, bf16 h 32.8,
 # up 8x512 w4 37.3 / 185.1, up 8x512 w2 / down 8x512 w2 29.9, up 4x1024 w2 / down 8x1024 w1 27.9 (27.7 again:
 # the T=1 heuristic), up 16x512 / down 32x512 w4 36.3 / 184.6, down 16x1024 w4 31.5, 8x256 w2 41.6
+# Session 9 (T=1 top-2 at 27.7 us vs the 8.2 us floor; results in _moe_configs.py's comment): EARLY reads the
+# pair's expert id and step 0's weights before the PDL wait (bit 0 the down kernel: always legal, the gate-up
+# launch sits between it and the router; bit 1 the gate-up kernel: legal where the router ran two launches
+# before, as in the rank graph, and in this bench, whose ids are inputs), GREG a register cap, tiles
+_T1, _S8 = {"PATH": "gemv", **gg.GEMV_T1}, {"PATH": "gemv", **moe_configs.GEMV_S8}
 GEMV_SWEEP = {           # (T, k) -> name -> config overrides; the heuristic's own config is timed separately
-    (1, 2): {"v1_ffma_gn8_gk1024": {"PATH": "gemv", **gg.GEMV_FFMA_S6, "GASM": 1},
-             "v2_up8x1024w4xv1_dn8x512w4": _v2(8, 1024, 4, 8, 512, 4, xv=1),
-             "v2_up8x512w2_dn8x512w2": _v2(8, 512, 2, 8, 512, 2),
-             "v2_up4x1024w2_dn8x1024w1_nopref": _v2(4, 1024, 2, 8, 1024, 1, pref=0, xv=1),
-             "v2_up4x1024w1_dn8x1024w1": _v2(4, 1024, 1, 8, 1024, 1, xv=1),
-             "v2_up4x2048w2_dn8x1024w1": _v2(4, 2048, 2, 8, 1024, 1, xv=1),
-             "v2_up8x1024w2_dn8x1024w1": _v2(8, 1024, 2, 8, 1024, 1, xv=1),
-             "v2_up4x1024w2_dn4x1024w1": _v2(4, 1024, 2, 4, 1024, 1, xv=1),
-             "v2_up4x1024w2_dn16x1024w2": _v2(4, 1024, 2, 16, 1024, 2, xv=1),
-             "v2_up4x1024w2xv0_dn8x512w1": _v2(4, 1024, 2, 8, 512, 1, xv=0)},
-    (8, 2): {"v1_mma_gn16_w1_gk128_s4": {"PATH": "gemv", **gg.GEMV_MMA_S6, "GASM": 1},
-             "v1_ffma_gn8_gk1024": {"PATH": "gemv", **gg.GEMV_FFMA_S6, "GASM": 1},
-             "v2_t1_tiles": {"PATH": "gemv", **gg.GEMV_T1},
-             "v2_up16x512w4xv1_dn32x512w4": _v2(16, 512, 4, 32, 512, 4, xv=1),
-             "v2_up8x512w2_dn8x512w2": _v2(8, 512, 2, 8, 512, 2)},
+    (1, 2): {"s8_tiles": _S8,                                           # session 8's heuristic: 27.62 us
+             "s8_tiles_early3": {**_S8, "EARLY": 3},                    # 25.17
+             "early3": {**_T1, "EARLY": 3},                             # 22.77 / 23.16
+             "early3_up8x512w2": {**_T1, "EARLY": 3, "GN": 8, "num_warps": 2},            # 24.24
+             "early3_dn16x1024w2": {**_T1, "EARLY": 3, "GN2": 16, "GW2": 2},
+             "early3_up4x256w1": {**_T1, "EARLY": 3, "GK": 256}},
+    (8, 2): {"s8_tiles": _S8,                                           # 168.67
+             "s8_tiles_early1": {**_S8, "EARLY": 1},                    # 166.7 (GEMV_S8_EARLY)
+             "early3": {**_T1, "EARLY": 3}},
 }
 if DEV != "cuda":
     PREVIOUS = {**PREVIOUS, "DEQ": "bytes16", "BK": 64, "BK2": 64}
@@ -104,7 +105,8 @@ if DEV != "cuda":
                                 "grouped_sl2": {"SL": 2, "DEQ": "bytes16", "PATH": "grouped"},
                                 "grouped_sl3": {"SL": 3, "DEQ": "bytes", "PATH": "grouped"}}}
     GEMV_SWEEP = {sk: {"ffma_gk32": _gemv(16, 32, 4, gasm=0), "mma_gk64": _gemv(16, 64, 4, mma=1, gasm=0),
-                       "v2_gk64": _v2(8, 64, 4, 16, 64, 2, xv=1), "v2_gk32_bf16h": _v2(4, 32, 2, 8, 32, 1, hx=0)}
+                       "v2_gk64": _v2(8, 64, 4, 16, 64, 2, xv=1), "v2_gk32_bf16h": _v2(4, 32, 2, 8, 32, 1, hx=0),
+                       "v2_gk64_early3": {**_v2(8, 64, 4, 16, 64, 2, xv=1), "EARLY": 3}}
                   for sk in ((1, 2), (8, 2))}
 
 if os.environ.get("MOE_BENCH_GEMV_SWEEP") == "0":     # the per-pair tiles unchanged: their heuristic only
@@ -164,6 +166,89 @@ def graph_equal(op, calls, reps=20):
     return bool(same)
 
 
+_SASS_OPS = ("FFMA", "FMUL", "FADD", "HADD2", "HFMA2", "F2F", "LOP3", "SHF", "IMAD", "PRMT", "LDG", "LDS", "STS",
+             "HMMA", "BAR", "STG")
+
+
+def _compiled():
+    """{(kernel, key): CompiledKernel} of the per-pair GV=2 kernels compiled so far (Triton's JIT caches)."""
+    out = {}
+    for fn in (gv2._gate_up_v2_kernel, gv2._down_v2_kernel):
+        try:
+            for dev_cache in getattr(fn, "device_caches", {}).values():     # none in the interpreter
+                for key, kern in dev_cache[0].items():
+                    out[getattr(fn, "__name__", str(fn)), str(key)] = kern
+        except Exception as e:      # another layout of Triton's caches: no SASS counts, the timings stand
+            DOC["notes"].append(f"sass: JIT caches unreadable ({type(e).__name__}: {str(e)[:100]})")
+    return out
+
+
+def _sass_ops(text: str) -> tuple[list, list]:
+    """(opcodes, the largest loop's opcodes) of Triton's `asm["sass"]` ('ctrl<TAB>OP.MOD operands;' lines and
+    'LBBn:' labels; a BRA back to an earlier label closes a loop) or of nvdisasm's '/*addr*/ OP ...;' lines."""
+    ops, seen, loop = [], {}, []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.endswith(":") and " " not in line:           # a label
+            seen[line[:-1]] = len(ops)
+            continue
+        if line.startswith("/*") and "*/" in line:
+            line = line.split("*/", 1)[1]
+        elif "\t" in line:
+            line = line.split("\t", 1)[1]
+        else:
+            continue
+        toks = line.split()
+        if toks and toks[0].startswith("@"):
+            toks = toks[1:]
+        if not toks or toks[0].startswith("/*"):
+            continue
+        op = toks[0].split(".")[0].rstrip(";")
+        ops.append(op)
+        target = toks[-1].rstrip(";") if op == "BRA" else None
+        if target in seen and len(ops) - seen[target] > len(loop):
+            loop = ops[seen[target]:]
+    return ops, loop
+
+
+def sass_stats(before: dict) -> list:
+    """Per kernel compiled since `before`: registers, spills, SASS instructions in all and in the largest loop (the
+    K loop), per opcode (CUDA)."""
+    rows = []
+    if DEV != "cuda":
+        return rows
+    for (fn, key), kern in _compiled().items():
+        if (fn, key) in before:
+            continue
+        try:
+            kern._init_handles()
+            text = kern.asm["sass"]
+            ops, loop = _sass_ops(text)
+            rows.append({"kernel": fn, "regs": getattr(kern, "n_regs", None), "spills": getattr(kern, "n_spills", None),
+                         "num_warps": kern.metadata.num_warps, "sass_instructions": len(ops),
+                         "loop_instructions": len(loop), "sass_chars": len(text),
+                         "loop_ops": {o: sum(1 for x in loop if x == o) for o in _SASS_OPS}})
+        except Exception as e:      # no disassembler or another layout of the caches: the timing stands
+            rows.append({"kernel": fn, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+    return rows
+
+
+def gemv_parts(T, k, name, cfg, case):
+    """The per-pair GV=2 launches apart under graph replay (gate-up alone, down alone: it reads an unwritten h,
+    timing only; both), on the routings of the whole op (checked before)."""
+    if DEV != "cuda" or int(cfg.get("GV", 1)) != 2:
+        return
+    calls = case[0]
+    for part in (("gate_up",), ("down",), ("gate_up", "down")):
+        try:
+            fns = [lambda a=a: gv.gemv_experts(a[0], a[1], a[2], W["w1"], W["w2"], W["w3"], "situ", B1, B2, cfg,
+                                               kernels=part) for a in calls]
+            record(f"decode_T{T}_k{k}_{name}_part_{'_'.join(part)}", graph_ms(fns), config=cfg,
+                   timing="cuda graph, distinct routings, PDL on")
+        except Exception as e:
+            DOC["errors"].append({"section": f"gemv_parts_{name}", "error": f"{type(e).__name__}: {str(e)[:300]}"})
+
+
 def decode_variant(T, k, name, cfg, case, fused_max=None, pdl=True, bitwise=False):
     """Check the whole op against the reference (and, `bitwise`, graph replay against eager), time it under graph
     replay with PDL launches on or off, record; -> (ms, ok) | None."""
@@ -173,7 +258,7 @@ def decode_variant(T, k, name, cfg, case, fused_max=None, pdl=True, bitwise=Fals
         DOC["notes"].append(f"{tag} skipped: time budget")
         return None
     keep, pdl_before = mr.FUSED_MAX_PAIRS, pdl_mod.set_enabled(pdl)
-    same = None
+    same, compiled = None, _compiled()
     try:
         if fused_max is not None:
             mr.FUSED_MAX_PAIRS = fused_max          # the previous path: count/scan/scatter
@@ -194,7 +279,8 @@ def decode_variant(T, k, name, cfg, case, fused_max=None, pdl=True, bitwise=Fals
                floor_ms=round(floor_ms, 5), ratio_vs_floor=round(t / floor_ms, 2), TBps=round(bw, 3),
                ratio_vs_read_bw=round(bw / DOC["ceilings"]["read_TBps"], 3),
                speedup_vs_previous=round(prev / t, 2) if prev else None,
-               timing="cuda graph, distinct routings", pdl=pdl, graph_equals_eager=same)
+               timing="cuda graph, distinct routings", pdl=pdl, graph_equals_eager=same,
+               sass=sass_stats(compiled) or None)
     if name == "previous":
         DOC["decode_previous_ms"][f"T{T}_k{k}"] = t
     elif m["ok"] and pdl and same is not False:

@@ -11,17 +11,20 @@ so caches come from HBM, not L2):
   hbm         copy (read + write) and streaming-read bandwidth; the larger is the floor's bandwidth
   idx_b1      indexer (rows out), 1 token, context 8192 (the rank step)     previous path vs new, variants
   idx_b1_32k  the same at context 32768
+  idx_b8      8 tokens at context 8192 (the rank preset at batch 8)
   idx_b32     32 tokens at context 128K (issue 4)
   mla_b64     sparse MLA, 64 tokens, top-2048 rows of 8K contexts (issue 4)
   mla_b1      sparse MLA, 1 token (the rank step)
   chain       indexer select then sparse MLA, one graph (two families back to back: the PDL gain at a boundary)
+  chain_idx   two indexer selects back to back, one graph (SELECT 2 vs the previous path, PDL on / off)
 Every new default is also timed with PDL off (`_pdl.set_enabled(False)` before capture) and checked: the indexer's
 selection vs the IR reference (exact, ties to the lower position), MLA o~ / lse vs float64, and graph replay vs
 eager bitwise over 50 replays with PDL on (a kernel breaking the PDL contract races). Ratios: bytes the call must
 read / time vs the measured bandwidth (`frac_of_measured_bw`), and previous / new (`summary`; MLA also the best
-opt-in F16 variant vs the default, checked the same way). Breakdowns: the indexer's best config up to its score
-pass and up to its first selection (`stop_after`), MLA's best without the query absorption. `kernels`: registers,
-spills, shared memory of every compiled indexer / MLA specialisation (`_attention_checks.kernel_inventory`).
+opt-in F16 variant vs the default, checked the same way; the indexer also its best SELECT 2 variant). Breakdowns:
+the best SELECT 2 config's score pass alone (its SCORE_ONLY specialisation, no memset), MLA's best without the
+query absorption. `kernels`: registers, spills, shared memory of every compiled indexer / MLA specialisation
+(`_attention_checks.kernel_inventory`); `zeroed_workspace_after_all`: SELECT 2 left its histograms at zero.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ if SMOKE:
 import bench_attention as ba  # noqa: E402  (inputs, paging, indexer check; reads BENCH_SMOKE itself)
 from codegen.triton import _pdl  # noqa: E402
 from _attention_checks import graph_vs_eager, kernel_inventory  # noqa: E402
+from _attention_checks import idx_previous_config as _idx_prev, idx_variants as _idx_variants  # noqa: E402
 
 BS, SCALE = ba.BLOCK_SIZE, ba.SCALE
 T0 = time.time()
@@ -129,42 +133,8 @@ def sec_hbm():
 
 
 # ------------------------------------------------------------------------------------------ indexer
-def _idx_prev(T, L):
-    """The session-6 heuristic (committed before this change): serial merge, one program per row."""
-    from codegen.triton.indexer_topk import default_kt, default_kt_pairs
-    nt = -(-L // 128)
-    if default_kt(128, 2048, L) * 4 >= 128:
-        return dict(BLOCK_N=128, KT=128, SPLITS=max(1, min(nt, round(8 * 132 / T))), num_warps=4, num_stages=1,
-                    CAND=0, DOT=3, MERGE_TILE=2048)
-    return dict(BLOCK_N=128, KT=default_kt_pairs(128, 2048, L), SPLITS=max(1, min(max(1, nt // 4), round(8 * 132 / T))),
-                num_warps=4, num_stages=4, CAND=1, DOT=0, MERGE_TILE=2048)
-
-
-def _idx_variants(T, L, K):
-    """(heuristic's config, variants): SELECT part counts, BLOCK_N 64 (batch 1 at 8K); SPLITS halved / doubled,
-    PREFETCH 1, 8 warps, SELECT 1, 16 / 64 candidates per tile (long contexts)."""
-    from codegen.triton.indexer_topk import heuristic
-    base = heuristic({"T": T, "L": L, "K": K, "HI": 32, "DI": 128}, "cpu" if SMOKE else "h200")
-    if SMOKE:
-        return base, [base, dict(base, SELECT=1, SELECT_PARTS=4, HIST=1), dict(base, SELECT=0, FILTER=1, FILTER_PARTS=4)]
-    if T == 1 and L <= 8192:
-        out = [dict(base, SELECT_PARTS=8), dict(base, BLOCK_N=64, KT=64, SPLITS=2 * base["SPLITS"])]
-    elif T == 1:
-        out = [dict(base, SPLITS=base["SPLITS"] // 2)]
-    else:
-        sp = base["SPLITS"]
-        out = [dict(base, SPLITS=2 * sp), dict(base, SPLITS=max(1, sp // 2)), dict(base, SELECT=1, SELECT_PARTS=16),
-               dict(base, KT=16)]
-    seen, uniq = [], []
-    for c in [base] + out:
-        if c not in seen:
-            seen.append(c)
-            uniq.append(c)
-    return base, uniq
-
-
 def _idx_shapes(tag):
-    T, L = {"idx_b1": (1, 8192), "idx_b1_32k": (1, 32768), "idx_b32": (32, 128 * 1024)}[tag]
+    T, L = {"idx_b1": (1, 8192), "idx_b1_32k": (1, 32768), "idx_b8": (8, 8192), "idx_b32": (32, 128 * 1024)}[tag]
     return (min(T, 2), 1024 if T == 1 else 2048, 64) if SMOKE else (T, L, 2048)
 
 
@@ -189,8 +159,8 @@ def sec_idx(tag, warm=None):
                     except Exception:  # noqa: BLE001
                         pass
         return
-    prev = measure(f"{tag}_previous_s6", calls(prev_cfg), nbytes, config=prev_cfg)
-    new = measure(f"{tag}_new_default", calls(base), nbytes, config=base)
+    prev = measure(f"{tag}_previous_s8", calls(prev_cfg), nbytes, config=prev_cfg)
+    new = prev if base == prev_cfg else measure(f"{tag}_new_default", calls(base), nbytes, config=base)
     off = measure(f"{tag}_new_default_pdl_off", calls(base), nbytes, pdl=False, config=base)
     check(f"{tag}_new_default_vs_ir_reference", lambda: ba._indexer_check(sets[0], K, base))
     check(f"{tag}_new_default_graph_vs_eager", lambda: graph_vs_eager(calls(base)[0]))
@@ -202,17 +172,21 @@ def sec_idx(tag, warm=None):
     if tag in DOC["summary"] and off:
         DOC["summary"][tag]["new_default_pdl_off_us"] = off["median_us"]
     for i, cfg in enumerate(variants[1:]):   # exactness of every variant that was timed
-        if ms[i + 1] and (T == 1 or ms[i + 1] is best):
+        if ms[i + 1] and (T == 1 or ms[i + 1] is best or cfg.get("SELECT") == 2):
             check(f"{tag}_variant{i}_vs_ir_reference", lambda: ba._indexer_check(sets[0], K, cfg))
             st = {}
             ba._indexer_call(sets[0], K, cfg, output="rows", stats=st)()
             ms[i + 1]["stats"] = st
-    if best is not None and not SMOKE:
-        measure(f"{tag}_best_to_merge1", [ba._indexer_call(d, K, best["config"], stop_after="merge1")
-                                          for d in sets], nbytes, config=best["config"])
-    if best is not None:
+    two = [m for m in ms if m and m.get("config", {}).get("SELECT") == 2]
+    best2 = min(two, key=lambda m: m["median_us"], default=None)
+    if best2 is not None and tag in DOC["summary"]:
+        DOC["summary"][tag].update(best_select2_us=best2["median_us"], best_select2_config=best2["config"])
+    best = best2 if best2 is not None else best
+    if best is not None and best.get("config", {}).get("SELECT") == 2:   # SELECT 2's breakdown and graph check
+        check(f"{tag}_best_graph_vs_eager", lambda: graph_vs_eager(calls(best["config"])[0]))
         measure(f"{tag}_best_score_pass_only", [ba._indexer_call(d, K, best["config"], stop_after="score")
                                                  for d in sets], nbytes, config=best["config"])
+        measure(f"{tag}_best_pdl_off", calls(best["config"]), nbytes, pdl=False, config=best["config"])
     del sets
     if not SMOKE:
         torch.cuda.empty_cache()
@@ -337,14 +311,43 @@ def sec_chain():
                                       "pdl_gain_us": off["median_us"] - on["median_us"]}
 
 
-SECTIONS = ("mla_b64", "idx_b32", "mla_b1", "idx_b1", "idx_b1_32k", "chain")
+def sec_chain_idx():
+    """Two indexer selects (two layers' inputs) back to back in one graph, batch 1 at 8K: SELECT 2 (two launches
+    each) and the previous path (the default), PDL on vs off."""
+    T, L, K = (1, 1024, 64) if SMOKE else (1, 8192, 2048)
+    di = [ba._indexer_inputs(T, L, seed=700 + i) for i in range(2 if SMOKE else 32)]
+    prev_cfg = None if SMOKE else _idx_prev(T, L)
+    two = _idx_variants(T, L, K)[1][1]   # SELECT 2's first variant
+    for tag, cfg in (("select2", two), ("previous_s8", prev_cfg)):
+        calls = [(lambda a, b: (lambda: (ba._indexer_call(a, K, cfg, output="rows")(),
+                                         ba._indexer_call(b, K, cfg, output="rows")())))(di[i], di[i + 1])
+                 for i in range(0, len(di), 2)]
+        nbytes = 2 * ba._indexer_bytes(di[0], K)
+        on = measure(f"chain_idx2_{tag}_pdl_on", calls, nbytes, config=cfg)
+        off = measure(f"chain_idx2_{tag}_pdl_off", calls, nbytes, pdl=False, config=cfg)
+        check(f"chain_idx2_{tag}_graph_vs_eager", lambda: graph_vs_eager(calls[0]))
+        if on and off:
+            DOC["summary"][f"chain_idx2_{tag}"] = {"pdl_on_us": on["median_us"], "pdl_off_us": off["median_us"],
+                                                   "pdl_gain_us": off["median_us"] - on["median_us"]}
+
+
+def _zeroed_check():
+    """SELECT 2 leaves its histograms and counters at zero (the next launch relies on it)."""
+    from codegen.triton import _topk_fused
+    if not SMOKE:
+        torch.cuda.synchronize()
+    bufs = list(_topk_fused._ZEROED.values()) + _topk_fused._RETIRED
+    return {"ok": all(int(b.abs().sum()) == 0 for b in bufs), "buffers": len(bufs)}
+
+
+SECTIONS = ("mla_b64", "idx_b32", "mla_b1", "idx_b1", "idx_b1_32k", "idx_b8", "chain", "chain_idx")
 WARM_N = 4          # compile processes per section
 WARM_CAP_S = 50     # measuring starts by then (anything not compiled yet compiles on first use)
 
 
 def _run(tag, warm=None):
-    if tag == "chain":
-        return sec_chain() if not warm else None
+    if tag in ("chain", "chain_idx"):
+        return (sec_chain() if tag == "chain" else sec_chain_idx()) if not warm else None
     return (sec_mla if tag.startswith("mla") else sec_idx)(tag, warm)
 
 
@@ -360,7 +363,7 @@ def main():
                       "pdl_supported": _pdl.launch_kwargs().get("PDL", False)}
     warm = [] if SMOKE else [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm", f"{t}:{k}:{WARM_N}"],
                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                             for t in only if t != "chain" for k in range(WARM_N)]
+                             for t in only if not t.startswith("chain") for k in range(WARM_N)]
     for p in warm:
         try:
             p.wait(timeout=max(1.0, T0 + WARM_CAP_S - time.time()))
@@ -376,6 +379,7 @@ def main():
             _run(tag)
         except Exception as e:  # noqa: BLE001
             DOC["errors"].append(f"{tag}: {e!r}\n{traceback.format_exc()[-1500:]}")
+    check("zeroed_workspace_after_all", _zeroed_check)
     try:
         DOC["kernels"] = kernel_inventory()
     except Exception as e:  # noqa: BLE001

@@ -40,7 +40,7 @@ from _moe_common import (ACT, B1, B2, COMPILE_DEADLINE, D, DEV, DOC, E, ELL, EPS
                          PackedMXFP4, _cfg, gg, graph_ms, mr, ms, mt, mx_bytes, pdl_mod, rand_mx, record, ref_experts,
                          rel_err, routing, save, section, situ_glu, tl, to_bf16, triton)
 from _moe_decode import (DECODE_SHAPES, DECODE_VARIANTS, GEMV_SWEEP, PREVIOUS, decode_case,  # noqa: E402
-                         decode_parts, decode_side_measurements, decode_variant, launch_floor, summarize_decode,
+                         decode_parts, gemv_parts, decode_side_measurements, decode_variant, launch_floor, summarize_decode,
                          wide_check)
 
 
@@ -171,6 +171,11 @@ def decode():
         if best and best["config"] != heur[T, k]:
             decode_variant(T, k, "best_pdl_off", best["config"], case, pdl=False)
             decode_variant(T, k, "best_again_bitwise", best["config"], case, bitwise=True)
+    if (1, 2) in cases:     # the per-pair launches apart at T=1: the heuristic's and the best's
+        gemv_parts(1, 2, "heuristic", heur[1, 2], cases[1, 2])
+        best1 = DOC.get("decode_best", {}).get("T1_k2")
+        if best1 and best1["config"] != heur[1, 2]:
+            gemv_parts(1, 2, "best", best1["config"], cases[1, 2])
     for (T, k), case in cases.items():
         decode_side_measurements(T, k, case)
     best = DOC.get("decode_best", {}).get(f"T{T_DECODE}_k{K}")

@@ -350,28 +350,40 @@ def main():
             out.append(s_.elapsed_time(e_) * 1e3)
         return sorted(out)[n // 2], g, W
 
-    @rep.section
-    def pdl():
-        """Programmatic dependent launch on vs off (`codegen/triton/_pdl.py`): the device time of the same
-        decode graph captured each way, alternated twice per batch at the first context (drift shows as a
-        difference between the rounds)."""
-        if not cuda:
-            return doc["notes"].append("pdl: needs a cuda device (CUDA events, sm_90+)")
+    def alternate(name: str, switch):
+        """The device time of the same decode graph captured with `switch(True)` and `switch(False)`, alternated
+        twice per batch <= 8 at the first context (drift shows as a difference between the rounds)."""
         ctx = contexts[0]
         rt = runtime(ctx, max(b for b in batches if b <= 8))
         for b in [x for x in batches if x <= 8]:
             for rnd in range(2):
                 for label, on in (("on", True), ("off", False)):
-                    _pdl.set_enabled(on)
+                    switch(rt, on)
                     rt.drop_graphs()
                     us = replay_us(rt, b)[0]
                     reset(rt, ctx)
-                    m = {"name": f"graph_replay_pdl_{label}", "context": ctx, "batch": b, "round": rnd, "replay_us": us}
+                    m = {"name": f"graph_replay_{name}_{label}", "context": ctx, "batch": b, "round": rnd,
+                         "replay_us": us}
                     doc["measurements"].append(m)
                     print(json.dumps(m), flush=True)
-        _pdl.set_enabled(True)
+        switch(rt, True)
         del rt
         torch.cuda.empty_cache()
+
+    @rep.section
+    def pdl():
+        """Programmatic dependent launch on vs off (`codegen/triton/_pdl.py`)."""
+        if not cuda:
+            return doc["notes"].append("pdl: needs a cuda device (CUDA events, sm_90+)")
+        alternate("pdl", lambda rt, on: _pdl.set_enabled(on))
+
+    @rep.section
+    def overlap():
+        """Side stream on vs off: the nodes annotated `overlap` (MLA query beside the indexer, MoE router and
+        shared-expert down projection beside their partners) on the executor's second stream, or in order."""
+        if not cuda:
+            return doc["notes"].append("overlap: needs a cuda device (streams)")
+        alternate("overlap", lambda rt, on: rt.interp.set_overlap(on))
 
     @rep.section
     def nodes():
@@ -605,7 +617,8 @@ def main():
     bandwidth()
     build()
     if "art" in st:
-        sections = {"graph_check": graph_check, "decode": decode, "pdl": pdl, "nodes": nodes, "host": host,
+        sections = {"graph_check": graph_check, "decode": decode, "pdl": pdl, "overlap": overlap, "nodes": nodes,
+                    "host": host,
                     "engine_decode": engine_decode,
                     "reference_peer": reference_peer,
                     "prefill": prefill, "torch_compile_peer": torch_compile_peer}

@@ -30,6 +30,7 @@ import platform
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 from _report import BenchReport  # benches/_report.py (the script's folder is on sys.path)
@@ -145,6 +146,17 @@ def norm_cases():
                         lambda cfg, s: NM.rms_norm(s[0], s[1], 1e-5, cfg), lambda s: refb.rms_norm(s[0], s[1], 1e-5),
                         lambda s: refb.rms_norm(s[0].double(), s[1].double(), 1e-5), NM.heuristic(key, "cpu"), sweep,
                         4 * (2 * M * d + d), 4 * M * d))
+    for tiny, M, d in [(1, 1, 256), (1, 8, 256), (1, 64, 256), (0, 64, 7168)]:
+        table, w = _r(512, d, seed=10), _r(d, seed=11)
+        sets = [(torch.randint(-512, 512, (M,), generator=torch.Generator().manual_seed(70 + i)), table, w)
+                for i in range(4)]
+        key = {"T": M, "d": d, "n": 1}
+        out.append(Case("tvm_embedding_rms_norm", f"embedding_rms_norm T={M} d={d}", bool(tiny), key, sets,
+                        lambda cfg, s: NM._launch_embedding_rms(SimpleNamespace(operands=(s[1], s[0], s[2])),
+                                                                {"eps": 1e-5}, cfg),
+                        lambda s: (lambda e: (e, refb.rms_norm(e, s[2], 1e-5)))(s[1][s[0]]),
+                        lambda s: refb.rms_norm(s[1].double()[s[0]], s[2].double(), 1e-5), NM.heuristic(key, "cpu"),
+                        sweep, 4 * (3 * M * d + d), 4 * M * d, pick=lambda r: r[1]))
     for tiny, M, n, d in [(1, 1, 3, 256), (1, 8, 3, 256), (1, 64, 3, 256), (0, 8, 9, 7168)]:
         pw = (_r(1, d, seed=5), _r(d, seed=6))
         sets = [([_r(M, d, seed=50 + 10 * i + j) for j in range(n)], pw) for i in range(4)]

@@ -20,9 +20,9 @@ The fused op (`a.operands` in this order):
   with V = [bank_1..bank_n, prefix], key_i = V_i / sqrt(mean(V_i^2) + eps), score_i = sum_c key_i[c] mix_norm[c]
   proj[c], alpha = softmax_i(score), x = sum_i alpha_i V_i, h = rmsnorm(x; norm_w, norm_eps); mixing in fp32.
 
-The prefix add is fused only when the mix's last source is an add whose result is read after the mix
-(the model's running prefix always is: it feeds the next add or becomes a bank snapshot) and no other
-node between the add and the RMSNorm reads it.
+The prefix add is fused when the mix's last source is an add that no node between the add and the RMSNorm
+reads. The fused node returns the prefix even when only the mix read it (the output mix's last prefix in
+K3: nothing reads it after the mix): storing one row per token costs less than launching the add alone.
 
 Preconditions: none beyond the pattern; a mix whose output is read by anything but one RMSNorm is left
 unfused. Postconditions: every attn_res_mix followed by an RMSNorm becomes one fused.attn_res_mix_norm
@@ -40,24 +40,24 @@ NAME = "attn_res_fusion"
 FUSED_OP = "fused.attn_res_mix_norm"
 
 
-def _prefix_add(mix: Node, norm: Node, prod: dict, use_map: dict, index: dict, returned: set) -> Node | None:
+def _prefix_add(mix: Node, norm: Node, prod: dict, use_map: dict, index: dict) -> Node | None:
     """The add producing the mix's last source, when it can join the fused node."""
     add = prod.get(id(mix.inputs[-1]))
     if add is None or add.op != "add":
         return None
     i, j = index[id(add)], index[id(norm)]
     later = [r for r in use_map.get(id(add.output), []) if r is not mix]
-    if any(i < index[id(r)] < j for r in later) or not (later or id(add.output) in returned):
-        return None  # read between the add and the norm, or only by the mix (then it would not be a result)
+    if any(i < index[id(r)] < j for r in later):
+        return None  # read between the add and the norm: the add must come first
     return add
 
 
-def _plan(fn: Function, mix: Node, prod: dict, use_map: dict, index: dict, returned: set):
+def _plan(fn: Function, mix: Node, prod: dict, use_map: dict, index: dict):
     """(add or None, mix, norm) when `mix` is followed by its RMSNorm, else None."""
     norm = single_user(fn, mix.output, use_map)
     if norm is None or norm.op != "rms_norm" or len(norm.inputs) != 2:
         return None
-    return _prefix_add(mix, norm, prod, use_map, index, returned), mix, norm
+    return _prefix_add(mix, norm, prod, use_map, index), mix, norm
 
 
 def _signature(add: Node | None, mix: Node, norm: Node) -> list:
@@ -74,7 +74,7 @@ def _apply(fn: Function, add: Node | None, mix: Node, norm: Node) -> bool:
     attrs = {"bank": len(mix.inputs) - 3, "prefix_add": add is not None, "eps": mix.attrs["eps"],
              "norm_eps": norm.attrs["eps"]}
     results = [add.output.name, norm.output.name] if add else [norm.output.name]
-    fused = fuse(fn, [add, mix, norm] if add else [mix, norm], FUSED_OP, attrs)
+    fused = fuse(fn, [add, mix, norm] if add else [mix, norm], FUSED_OP, attrs, keep=(add.output,) if add else ())
     order_signature(fused, operands, results)
     return True
 
@@ -85,8 +85,8 @@ def run(module: Module, ctx: PassContext) -> int:
         # Plan every mix on one use map (the groups are disjoint and local), then fuse; operands are
         # read from the nodes when each group is fused, after the values earlier fusions renamed.
         prod, use_map = producers(fn), uses(fn)
-        index, returned = {id(n): i for i, n in enumerate(fn.nodes)}, {id(v) for v in fn.outputs}
-        plans = [_plan(fn, mix, prod, use_map, index, returned) for mix in fn.nodes if mix.op == "attn_res_mix"]
+        index = {id(n): i for i, n in enumerate(fn.nodes)}
+        plans = [_plan(fn, mix, prod, use_map, index) for mix in fn.nodes if mix.op == "attn_res_mix"]
         claimed: set[int] = set()
         for plan in filter(None, plans):
             add, mix, norm = plan

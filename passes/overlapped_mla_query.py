@@ -42,24 +42,12 @@ from ir.verifier import consumed_operands
 
 from .base import PassContext, PassError
 from .rewrite import (
-    fuse, group_escapes, linear_source, order_signature, producers, rewrite_each, single_user, take_from_pack
+    ancestors, fuse, group_escapes, linear_source, order_signature, producers, rewrite_each, single_user,
+    take_from_pack
 )
 
 NAME = "overlapped_mla_query"
 FUSED_OP = "fused.mla_query"
-
-
-def ancestors(fn: Function, values) -> set[int]:
-    """ids of the nodes that `values` are computed from (their producers, transitively)."""
-    prod = producers(fn)
-    out: set[int] = set()
-    stack = [prod[id(v)] for v in values if id(v) in prod]
-    while stack:
-        n = stack.pop()
-        if id(n) not in out:
-            out.add(id(n))
-            stack.extend(prod[id(v)] for v in n.inputs if id(v) in prod)
-    return out
 
 
 def _describe(n: Node) -> str:

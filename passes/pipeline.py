@@ -40,9 +40,11 @@ PHASES: list[tuple[str, list[str]]] = [
         "latent_moe_tail",        # latent RMSNorm + cast + up-projection + shared-expert add
         "attn_res_fusion",        # prefix add + AttnRes mix + the following RMSNorm
         "kda_decode_fusion",      # decode/verify KDA: conv + gate + recurrence + gated RMSNorm
+        "embedding_norm",         # embedding rows gathered and RMS-normalised in one kernel (layer 0's input norm)
         "widening_cast_fold",     # bf16 -> f32 cast read by a GEMM (router logits, LM head): widened in its loads
         "router_epilogue",        # MoE router in the epilogue of its logits GEMM (after the widening fold)
         "glu_epilogue",           # FFN gate/up packed GEMM + its GLU activation (last: others look for packs)
+        "overlapped_moe_branches",  # decode: router beside the latent projection, shared down beside the experts
     ]),
     ("memory", [
         "plan_cache_layout",      # T1: one packed row per block (MLA latent + key pages) + per-request KDA slot

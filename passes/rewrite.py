@@ -5,7 +5,8 @@ its kernel can be checked against it).
 `fuse(fn, group, op)`:
 - the fused node's operands are the values the group reads but does not define (function inputs,
   earlier results, `@params`), in order of first use; its body takes them as `%in0, %in1, ...`;
-- its results are the group's values used after the group (or returned), under their own names;
+- its results are the group's values used after the group (or returned), under their own names, plus any
+  value of `keep` (a result the fused op's signature always has, even when nothing reads it);
 - it takes the place of the group's last node. Precondition (checked): no node outside the group
   that lies between the group's first and last node reads a value the group defines.
 """
@@ -47,7 +48,7 @@ def value_key(v: Value):
     return ("@", v.name) if v.is_param else ("%", id(v))
 
 
-def fuse(fn: Function, group: list[Node], op: str, attrs: dict | None = None) -> Node:
+def fuse(fn: Function, group: list[Node], op: str, attrs: dict | None = None, keep: tuple = ()) -> Node:
     index = {id(n): i for i, n in enumerate(fn.nodes)}
     missing = [n.op for n in group if id(n) not in index]
     if missing:
@@ -68,8 +69,9 @@ def fuse(fn: Function, group: list[Node], op: str, attrs: dict | None = None) ->
             if id(v) not in defined and value_key(v) not in seen:
                 seen[value_key(v)] = len(operands)
                 operands.append(v)
-    # results: group values read after the group or returned
-    later_reads = {id(v) for n in fn.nodes[last + 1:] for v in n.inputs} | {id(v) for v in fn.outputs}
+    # results: group values read after the group, returned, or kept
+    later_reads = ({id(v) for n in fn.nodes[last + 1:] for v in n.inputs} | {id(v) for v in fn.outputs}
+                   | {id(v) for v in keep})
     escaping = [o for n in group for o in n.outputs if id(o) in later_reads]
     # body: the group with operands replaced by body inputs
     body_inputs = [Value(f"in{i}", v.type) for i, v in enumerate(operands)]
@@ -92,6 +94,25 @@ def move_after(fn: Function, node: Node, anchor: Node):
     """Move `node` to just after `anchor` (the caller guarantees its operands are defined before)."""
     fn.nodes.remove(node)
     fn.nodes.insert(fn.nodes.index(anchor) + 1, node)
+
+
+def move_before(fn: Function, node: Node, anchor: Node):
+    """Move `node` to just before `anchor` (the caller guarantees its operands are defined before it)."""
+    fn.nodes.remove(node)
+    fn.nodes.insert(fn.nodes.index(anchor), node)
+
+
+def ancestors(fn: Function, values) -> set[int]:
+    """ids of the nodes that `values` are computed from (their producers, transitively)."""
+    prod = producers(fn)
+    out: set[int] = set()
+    stack = [prod[id(v)] for v in values if id(v) in prod]
+    while stack:
+        n = stack.pop()
+        if id(n) not in out:
+            out.add(id(n))
+            stack.extend(prod[id(v)] for v in n.inputs if id(v) in prod)
+    return out
 
 
 # ---- helpers shared by the fusion passes -----------------------------------------------------

@@ -117,3 +117,109 @@ def test_parallel_select_mxfp4_keys():
     got = _run(b, config=SELECTED[0])
     _check(got, b)
     assert torch.equal(got, _reference(b))
+
+
+# session 9: SELECT 2 (`_topk_fused`): every program scores and counts its keys in three histograms (top 11 bits, top
+# 16, the 21-bit prefix folded), the last to arrive at the row's counter reads the threshold off them (scanning the
+# keys only when the boundary bucket is not taken whole), a second launch places the selection in parallel
+FUSED = dict(ALL_KEYS, SELECT=2, SPLITS=4, SELECT_TILE=64, SELECT_WB=16, SELECT_PARTS=4)
+
+
+def _zeroed_after():
+    from codegen.triton import _topk_fused
+    return all(int(b.abs().sum()) == 0 for b in list(_topk_fused._ZEROED.values()) + _topk_fused._RETIRED)
+
+
+@pytest.mark.parametrize("cfg", [FUSED, dict(FUSED, SELECT_TILE=256, SELECT_PARTS=1, SPLITS=1)],
+                         ids=["parts", "one_program"])
+def test_select2_contexts_below_and_above_topk(cfg):
+    """Contexts below, at and above top-k and a ragged prefill: exactly the reference's positions and pool rows;
+    the histograms and counters are zero again after every launch pair (the next launch relies on it)."""
+    b = _batch(50, [(5, 1), (16, 1), (17, 1), (90, 3), (150, 1)])
+    got = _run(b, config=cfg)
+    _check(got, b)
+    assert torch.equal(got, _reference(b))
+    assert _zeroed_after()
+    rows = _run(b, config=cfg, output="rows")
+    assert rows.tolist() == [[paged_row(b["tbl"], b["bs"], int(r), s) if s >= 0 else -1 for s in row.tolist()]
+                             for r, row in zip(b["tr"], got)]
+    assert _zeroed_after()
+
+
+@pytest.mark.parametrize("cfg", [FUSED, dict(FUSED, SELECT_WB=16, SELECT_TILE=16)], ids=["work_row", "streamed"])
+def test_select2_exact_ties_and_huge_boundary_bucket(cfg):
+    """Six distinct keys: scores tie in large groups, the boundary bucket is never taken whole by the histograms and
+    overflows the 16-key work row (8-bit passes over every key); ties go to the lower position, exactly."""
+    g = torch.Generator().manual_seed(51)
+    distinct = torch.randint(-4, 5, (6, DI), generator=g).float()
+    tied = _batch(52, [(90, 2), (200, 1)], keys=distinct[torch.randint(0, 6, (3 + 200 + 5 + 95,), generator=g)],
+                  q=torch.randint(-4, 5, (3, HI, DI), generator=g).float())
+    got = _run(tied, config=cfg)
+    _check(got, tied, tol=0.0)
+    assert torch.equal(got, _reference(tied))
+    assert _zeroed_after()
+
+
+@pytest.mark.parametrize("twin", [False, True], ids=["21_bit_histogram", "folded_bucket_scanned"])
+def test_select2_boundary_below_16_bits_and_a_folded_bucket(twin):
+    """Scores built exactly (q = e0 + e1 in every head, w = 1): 15 keys score 4, one B = 1 + 2^-9, twenty A = 1,
+    the rest below 1/2. The 16th largest (B) shares its top 16 key bits with every A, so the 21-bit histogram decides.
+    With a twin of B scaled by 2^-16 (same mantissa: its 21-bit prefix folds onto B's bin) the folded counts
+    disagree with the 16-bit bucket's and the last program scans the keys instead. Both: positions 0..14 and 20."""
+    ctx, topk = 60, 16
+    g = torch.Generator().manual_seed(55)
+    keys = torch.zeros(3 + ctx + 5, DI)
+    keys[3:3 + ctx, 0] = torch.rand(ctx, generator=g) * 0.5
+    keys[3:3 + 15, 0] = 4.0
+    keys[3 + 20, 0], keys[3 + 20, 1] = 1.0, 2.0 ** -9
+    keys[3 + 30:3 + 50, 0] = 1.0
+    if twin:
+        keys[3 + 55, 0], keys[3 + 55, 1] = 2.0 ** -16, 2.0 ** -25
+    q = torch.zeros(1, HI, DI)
+    q[..., :2] = 1.0
+    b = _batch(56, [(ctx, 1)], keys=keys, q=q)
+    b["w"] = torch.ones(1, HI)
+    want = list(range(15)) + [20]
+    for cfg in (dict(FUSED, SELECT_WB=32), FUSED):   # the scanned bucket (B + 20 A) fits 32 keys, not 16
+        got = _run(b, topk=topk, config=cfg)
+        assert got[0].tolist() == want, (cfg, got[0].tolist())
+        assert torch.equal(got, _reference(b, topk=topk))
+    assert _zeroed_after()
+
+
+def test_select2_mxfp4_keys_and_float64_scores():
+    """MXFP4 keys; the float64 formula (`_check`: every selected score >= the topk-th, every other <=) and the IR
+    reference agree with SELECT 2."""
+    b = _batch(53, [(9, 1), (60, 3), (140, 1)], key_format="mxfp4")
+    got = _run(b, config=FUSED)
+    _check(got, b)
+    assert torch.equal(got, _reference(b))
+
+
+def test_select2_needs_every_key_a_candidate():
+    b = _batch(54, [(40, 1)])
+    with pytest.raises(ValueError, match="KT == BLOCK_N"):
+        _run(b, config=dict(FUSED, KT=8))
+
+
+def test_select2_on_the_gpu_and_in_graph_replays():
+    """GPU only (tensor-core dots, PDL, the counter protocol across real concurrent programs): SELECT 2 at a few
+    thousand keys selects exactly the reference's positions, and 20 replays of one captured call equal eager
+    (a race in the arrival / zeroing protocol or the PDL contract would show as a mismatch)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU: the interpreter runs programs one after another")
+    from codegen.triton.indexer_topk import heuristic
+    b = _batch(57, [(3000, 1), (2200, 2), (700, 1)])
+    dev = {k: (v.cuda() if isinstance(v, torch.Tensor) and k not in ("qd", "kd") else v) for k, v in b.items()}
+    cfg = dict(heuristic({"T": 4, "L": 3000, "K": 64, "HI": HI, "DI": DI}, "h200"), SELECT=2, KT=128, BLOCK_N=128,
+               num_warps=8, SELECT_PARTS=16)
+    want = _run(dev, topk=64, config=cfg)
+    assert torch.equal(want.cpu(), _reference(b, topk=64))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = _run(dev, topk=64, config=cfg)
+    for _ in range(20):
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
+    assert _zeroed_after()

@@ -122,6 +122,24 @@ def test_gemv_foreign_ids_add_nothing():
         assert_close_rel(y, _ref(z, w, ids, w1, w2, w3, "situ", 4.0, 25.0), 1e-5, f"foreign ids GV={gv2}")
 
 
+def test_gemv_v2_early_reads_match_and_skip_foreign_ids():
+    """EARLY (expert id and step 0's weights read before the PDL wait: bit 0 down, bit 1 gate-up) and a register
+    cap (GREG, ignored off CUDA) change no value: bitwise equal to EARLY=0, foreign ids (another rank's experts,
+    masked in the early loads) add nothing; the arrival counters are left at 0."""
+    g = torch.Generator().manual_seed(17)
+    z = torch.randn(2, L, generator=g)
+    w, ids = _routing(g, 2, 2, "skewed")
+    ids[1, 0] = E + 5
+    ws = _experts(g, "mxfp4")
+    base = {**_v2_cfg(8, 32, 16, 64, 1, 1, 1, 2), "GN": 32}
+    want = gg.moe_experts(z, w, ids, *ws, "situ", 4.0, 25.0, base)
+    assert_close_rel(want, _ref(z, w, ids, *ws, "situ", 4.0, 25.0), 1e-5, "gemv v2 EARLY=0")
+    for early in (1, 3):
+        y = gg.moe_experts(z, w, ids, *ws, "situ", 4.0, 25.0, {**base, "EARLY": early, "GREG": 128})
+        assert torch.equal(y, want), f"EARLY={early} changed the result"
+    assert not tile_counters(z.device, 1).any(), "GV=2 EARLY left an arrival counter set"
+
+
 @triton.jit
 def _decode_words_kernel(w_ptr, out_ptr, N: tl.constexpr):
     w = tl.load(w_ptr + tl.arange(0, N))

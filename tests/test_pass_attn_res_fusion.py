@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from ir.interpreter import Interpreter
-from ir.parser import parse_module
 from tests.conftest import tiny_model
-from tests.test_pass_pipeline import assert_ir, assert_same_numerics, expected_counts, rewritten, run_pass_on_text
+from tests.test_pass_pipeline import (assert_equal_results, assert_ir, assert_same_numerics, expected_counts,
+                                      rewritten, run_pass_on_text)
 
 NAME = "attn_res_fusion"
 
@@ -52,21 +51,38 @@ EXPECTED = HEAD + """
 }"""
 
 
+def _weights_inputs(seed: int) -> tuple[dict, dict]:
+    g = torch.Generator().manual_seed(seed)
+    weights = {n: torch.randn(*((1, 4) if n[0] == "p" else (4,)), generator=g)
+               for n in ("p1", "n1", "w1", "p2", "n2", "w2")}
+    return weights, {n: torch.randn(3, 4, generator=g) for n in ("embed", "b1", "prev", "part")}
+
+
 def test_before_expected_and_equal_results():
     m, ctx = run_pass_on_text(NAME, BEFORE)
     assert ctx.counters[NAME] == 2
     assert_ir(m, EXPECTED)
-    g = torch.Generator().manual_seed(0)
-    weights = {n: torch.randn(*((1, 4) if n[0] == "p" else (4,)), generator=g)
-               for n in ("p1", "n1", "w1", "p2", "n2", "w2")}
-    inputs = {n: torch.randn(3, 4, generator=g) for n in ("embed", "b1", "prev", "part")}
-    before = Interpreter(parse_module(BEFORE), weights).run("decode", inputs)
-    after = Interpreter(m, weights).run("decode", inputs)
-    assert all(torch.equal(a, b) for a, b in zip(after, before))
+    assert_equal_results(BEFORE, m, *_weights_inputs(0))
 
 
-def test_prefix_read_only_by_the_mix_stays_outside():
+def test_prefix_read_only_by_the_mix_joins_and_stays_a_result():
+    """The output mix's last prefix is read by nothing after the mix: the add still joins the fused node
+    (one launch less), whose prefix result is then unused; numerics unchanged."""
     text = BEFORE.replace("return %prefix, %h, %h2", "return %part, %h, %h2")
+    m, ctx = run_pass_on_text(NAME, text)
+    assert ctx.counters[NAME] == 2
+    f = m.function("decode")
+    fused = [n for n in f.nodes if n.op == "fused.attn_res_mix_norm"]
+    assert [n.attrs["prefix_add"] for n in fused] == [True, False]
+    assert not any(n.op == "add" for n in f.nodes) and len(fused[0].outputs) == 2
+    assert_equal_results(text, m, *_weights_inputs(1))
+
+
+def test_prefix_read_between_the_add_and_the_norm_stays_outside():
+    text = BEFORE.replace("""    %x = attn_res_mix(@p1, @n1, %embed, %b1, %prefix) {eps=1e-05} : bf16[T,4]
+""", """    %x = attn_res_mix(@p1, @n1, %embed, %b1, %prefix) {eps=1e-05} : bf16[T,4]
+    %early = add(%prefix, %b1) : bf16[T,4]
+""").replace("return %prefix, %h, %h2", "return %early, %h, %h2")
     m, ctx = run_pass_on_text(NAME, text)
     assert ctx.counters[NAME] == 2
     fused = [n for n in m.function("decode").nodes if n.op == "fused.attn_res_mix_norm"]

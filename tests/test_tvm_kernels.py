@@ -183,6 +183,17 @@ def test_fused_mix_norm(bank, prefix_add):
         assert_close_rel(out[0], last, 1e-7, "prefix = prev + part")
 
 
+def test_embedding_rms_norm_equals_the_unfused_pair():
+    g = _gen(77)
+    table, w = torch.randn(40, 96, generator=g) * 2, torch.randn(96, generator=g)
+    ids = torch.tensor([[3, -1, 39], [0, 17, 3]])
+    e, h = _run(TPL["tvm_embedding_rms_norm"], SimpleNamespace(operands=[table, ids, w]), {"eps": 1e-5})
+    assert torch.equal(e, table[ids])
+    a = OPS["rms_norm"].bind([table[ids], w])
+    assert torch.equal(h, _run(TPL["tvm_rms_norm"], a, {"eps": 1e-5}))   # same config: the unfused kernel's bits
+    assert_close_rel(h, _rms64(table[ids], w, 1e-5), 1e-6, "embedding_rms_norm vs float64")
+
+
 def test_every_norm_config_value_compiles_and_agrees():
     g = _gen(12)
     x, w = torch.randn(3, 32, generator=g), torch.randn(32, generator=g)

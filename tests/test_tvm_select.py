@@ -20,7 +20,7 @@ from tests.helpers import assert_close_rel  # noqa: E402
 
 TVM_OPS = {"linear": "tvm_gemm", "fused.packed_linear": "tvm_packed_gemm", "rms_norm": "tvm_rms_norm",
            "attn_res_mix": "tvm_attn_res_mix", "fused.attn_res_mix_norm": "tvm_attn_res_mix_norm",
-           "fused.kda_decode": "tvm_kda_decode"}
+           "fused.kda_decode": "tvm_kda_decode", "fused.embedding_rms_norm": "tvm_embedding_rms_norm"}
 TOKENS = "3,141,59,265,358,97,93,238,46,264,338"
 
 

@@ -10,15 +10,32 @@ from codegen.triton._moe_host import target_cc
 BATCH_INVARIANT_CONFIG = {"BM": 64, "BN": 64, "BK": 64, "BN2": 64, "BK2": 64, "num_warps": 4, "num_stages": 3,
                           "GROUP_M": 8, "SPLIT": 1}
 GEMV_MAX_PAIRS = 16        # routed pairs up to which the per-pair path runs (heuristic), with the GEMV_T1 tiles
-# per-pair tiles measured best on the H200 (session 7, bench_moe.py, graph replay, l=3584, I=3072, MXFP4, PDL on;
-# _moe_gemv.py's GV=2 kernels): T=1 top-2: gate-up 4 rows x 1024 columns a step on 2 warps, down 8 x 1024 on 1
-# warp: 27.7 us (3.4x the 8.2 us byte floor; session 6's GEMV_FFMA_S6 38.4, its 8 x 1024 / 8 x 512 on 4 warps
-# 30.4). T=8 top-2 (16 pairs), the lead's final call: the same tiles 168.3 us (3.3x) vs GEMV_T8 (8 x 1024 on 4
-# warps, down 8 x 512, the helper's best of its first sweep at 183.7) 186.3 in the same run; session 6 204.1.
-GEMV_T1 = {"GV": 2, "GN": 4, "GK": 1024, "GN2": 8, "GK2": 1024, "GW2": 1, "PREF": 1, "XV": 1, "HX": 1, "GMMA": 0,
-           "num_warps": 2, "num_stages": 1}
-# the previous configurations, kept callable: session 7's first T=8 tiles, session 6's T=1 FFMA and T=8
-# MMA-step tiles (GV=1 kernels)
+# per-pair tiles measured on the H200 (bench_moe.py decode, graph replay of 8 distinct routings, l=3584, I=3072,
+# MXFP4, PDL on; _moe_gemv_words' GV=2 kernels). Session 9 (one run:
+# benches/results/h200-2026-11-30-s9/moe_decode_t1_s9.json):
+# T=1 top-2, us (floor 8.17): session 8's tiles (GEMV_S8) 27.62, + EARLY 1 (the down kernel reads its expert id
+# and first weight step before the PDL wait) 26.18, + EARLY 3 (the gate-up kernel too) 25.17; EARLY 3 with
+# gate-up 4 x 512 on 1 warp 22.77 (23.16 again, graph replay bitwise equal to eager; PDL off 26.22), 8 x 512 on
+# 2 warps 24.24, 2 x 1024 on 1 warp 29.23; down 16 x 1024 on 2 warps 25.58, 4 x 1024 26.62, 8 x 2048 50.6 (270
+# spills); register caps 128 / 96 43.5 / 67.0 (spills). Apart (graph replay): gate-up 16.13 -> 12.57, down
+# 11.98 -> 10.73 (the down kernel: 255 registers, 4 spilled, at 8 x 1024 on 1 warp). T=8 top-2: GEMV_S8 168.67,
+# + EARLY 1 166.7, + EARLY 3 167.98. GEMV_T1 below takes EARLY 1 only, whose reads are legal by construction; EARLY
+# 3 (~1 us more a call at T=1) is legal only where the router ran two or more launches before the experts node
+# (the rank graph's router -> packed_linear -> experts order): a schedule property the op cannot check.
+# The lead's run (benches/results/h200-2026-11-30-s9/moe_decode_gv3.json, MOE_BENCH_DECODE_SHAPES=1x2,8x2):
+# GEMV_T1 as below T=1 24.29 us (2.97x; PDL off 26.18), T=8 151.8 (2.97x; session 8's tiles 169.0, + EARLY 1
+# 168.0, EARLY 3 149.3); EARLY 3 at T=1 23.02, with 16-row down tiles on 2 warps 22.74. A tensor-core gate-up
+# (GV=3: weights decoded to bf16 pairs by PTX, mma.sync / wgmma against the activation column padded to 16,
+# K split with an in-launch combine) measured 38.2-56.7 us at T=1 over five tilings and 241 at T=8: removed.
+GEMV_T1 = {"GV": 2, "GN": 4, "GK": 512, "GN2": 8, "GK2": 1024, "GW2": 1, "PREF": 1, "XV": 1, "HX": 1, "GMMA": 0,
+           "EARLY": 1, "num_warps": 1, "num_stages": 1}
+# session 8's tiles (T=1 27.7 us, T=8 168.3), and them with the down kernel's early reads (T=8: 166.7 us, the
+# measured best legal config at T=8)
+GEMV_S8 = {"GV": 2, "GN": 4, "GK": 1024, "GN2": 8, "GK2": 1024, "GW2": 1, "PREF": 1, "XV": 1, "HX": 1, "GMMA": 0,
+           "EARLY": 0, "num_warps": 2, "num_stages": 1}
+GEMV_S8_EARLY = {**GEMV_S8, "EARLY": 1}
+# the previous configurations, kept callable: session 7's first T=8 tiles (186.3 us at T=8), session 6's T=1 FFMA
+# and T=8 MMA-step tiles (GV=1 kernels)
 GEMV_T8 = {"GV": 2, "GN": 8, "GK": 1024, "GN2": 8, "GK2": 512, "GW2": 4, "PREF": 1, "XV": 1, "HX": 1, "GMMA": 0,
            "num_warps": 4, "num_stages": 1}
 GEMV_FFMA_S6 = {"GV": 1, "GN": 8, "GK": 1024, "GN2": 8, "GK2": 1024, "GW2": 0, "GMMA": 0, "num_warps": 4,
@@ -67,6 +84,13 @@ def constraints(config: dict, key: dict, target=None) -> list[str]:
     for name, allowed in (("GV", (1, 2)), ("PREF", (0, 1)), ("XV", (0, 1)), ("HX", (0, 1))):
         if config.get(name, allowed[-1]) not in allowed:
             out.append(f"{name}={config[name]} must be one of {allowed} (per-pair path, _moe_gemv.py)")
+    if config.get("EARLY", 0) not in (0, 1, 2, 3):
+        out.append(f"EARLY={config['EARLY']} must be 0..3 (bit 0: the down kernel's early reads, bit 1: gate-up's)")
+    if config.get("GREG"):
+        if target_cc(target) is None:
+            out.append("GREG (a register cap) needs a CUDA target")
+        elif not 32 <= config["GREG"] <= 255:
+            out.append(f"GREG={config['GREG']} must be 0 (no cap) or 32..255 registers")
     if key.get("BI") and config.get("SPLIT2", 1) != 1:
         out.append("batch_invariant: no split-K (SPLIT2 must be 1)")
     # per stage: the activation tile (twice for MXFP4: as loaded and split into even/odd columns) and the

@@ -191,11 +191,12 @@ def _down_combine_tile(h_ptr, wt_ptr, ids_ptr, w2_ptr, s2_ptr, y_ptr, E, ELL, IN
 
 
 def gemv_experts(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1, w2, w3, act: str, beta1, beta2,
-                 cfg: dict) -> torch.Tensor:
+                 cfg: dict, kernels=("gate_up", "down")) -> torch.Tensor:
     """y f32 [T, l] of `ir.ref.moe.moe_experts` by the per-pair path (module doc); cfg: GN, GK (gate-up rows
     and K columns per program step), GN2, GK2 (down), GMMA (inner products on the tensor cores), GASM (the
     FFMA path's PTX decode, CUDA), GPROG (programs striding over the tiles; 0: one a tile), num_warps (GW2:
-    the down kernel's, default the same), num_stages."""
+    the down kernel's, default the same), num_stages; GV=2 options: _moe_gemv_words._gemv_v2. `kernels`: which
+    GV=2 launches run (timing them apart, bench_moe.py)."""
     T, ell = z.shape
     K = ids.shape[1]
     E, inter = int(w1.shape[0]), int(w1.shape[1])
@@ -216,7 +217,7 @@ def gemv_experts(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1, 
     glu = dict(ACT=0 if act == "situ" else 1, HAS_BETA2=act == "situ" and beta2 is not None)
     betas = (1.0 if beta1 is None else float(beta1), 1.0 if beta2 is None else float(beta2))
     if int(cfg.get("GV", 1)) == 2 and g1[0] and g2[0] and mma is None:      # MXFP4 words: the GV=2 kernels
-        _gemv_v2(z, weights, ids, g1, g3, g2, y, dict(betas=betas, **glu), cfg)
+        _gemv_v2(z, weights, ids, g1, g3, g2, y, dict(betas=betas, **glu), cfg, kernels)
         return y
     h = torch.empty(P, inter, dtype=z.dtype, device=z.device)
     launch = dict(num_warps=int(cfg.get("num_warps", 4)), num_stages=int(cfg.get("num_stages", 1)),

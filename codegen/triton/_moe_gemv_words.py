@@ -14,6 +14,13 @@ Tiles (pair, row block of GN rows), pair fastest, both launches.
   - down: tile (pair, row block) stores w[t,j] · rnd(o) to an fp32 workspace, counts itself in on the
     (token, row block) counter (acq_rel), and the last of the K slots to arrive adds the K rows in slot order
     and resets the counter (_gemv.combine_in_launch's protocol): the sum never depends on arrival order.
+  - EARLY (PDL, _pdl.py; passed to the kernels as PREF=2): a program reads its pair's expert id and step 0's
+    weight words and scales before `pdl_wait`, everything else (z, h, w[t, j], the workspace, the counters)
+    after it. Bit 0, the down kernel: always legal, since the gate-up launch sits between it and the ids' writer
+    and triggers only after its own wait (the two-launches-back rule). Bit 1, the gate-up kernel: legal only
+    where the router ran at least two launches before (the rank graph: router -> packed_linear -> experts),
+    which the op cannot check, so the heuristic sets bit 0 alone. H200, T=1 top-2, session 8's tiles:
+    27.6 -> 26.2 us (bit 0), 25.2 (both); PDL off, no gain.
 """
 from __future__ import annotations
 
@@ -94,13 +101,13 @@ def _ffma_groups(acc, w, s, x0, x1, x2, x3, x4, x5, x6, x7, ASM: tl.constexpr):
 
 
 @triton.jit
-def _rows_dot(x_row, w_rows, s_rows, n_ok, NQ, GN: tl.constexpr, BQ4: tl.constexpr, ASM: tl.constexpr,
+def _rows_dot(x_row, w_rows, s_rows, n_ok, NQ, wn, sn, GN: tl.constexpr, BQ4: tl.constexpr, ASM: tl.constexpr,
               PREF: tl.constexpr, XV: tl.constexpr, EVEN: tl.constexpr):
     """Σ_k W[n, k] x[k] for the GN rows (fp32): steps of 4·BQ4 words; PREF: step i+1's words are loaded before
-    step i is decoded (two tiles in registers: the loads overlap the arithmetic)."""
+    step i is decoded (two tiles in registers: the loads overlap the arithmetic), step 0's (wn, sn) by the
+    caller (before the PDL wait in the down kernel: its weights and ids are known there, see _down_v2_kernel)."""
     q = 4 * tl.arange(0, BQ4)[:, None] + tl.arange(0, 4)[None, :]
     acc = tl.zeros([GN, BQ4], dtype=tl.float32)
-    wn, sn = _group_loads(w_rows, s_rows, n_ok, q, 0, NQ, BQ4, EVEN)
     for q0 in range(0, NQ, 4 * BQ4):
         if PREF:
             w, s = wn, sn
@@ -113,6 +120,18 @@ def _rows_dot(x_row, w_rows, s_rows, n_ok, NQ, GN: tl.constexpr, BQ4: tl.constex
 
 
 @triton.jit
+def _pair_rows(ids_ptr, p, E, rn, n_ok, stride_we, stride_wn, stride_se, stride_sn):
+    """Pair p's expert e (the router's output) and the offsets of its weight rows rn (words [GN, 1, 1]) and
+    scale rows ([GN, 1]); live: the rows that exist, none for an expert of another rank (e outside [0, E))."""
+    e = tl.load(ids_ptr + p)
+    mine = (e >= 0) & (e < E)
+    es = tl.where(mine, e, 0).to(tl.int64)
+    w_off = es * stride_we + rn[:, None, None].to(tl.int64) * stride_wn
+    s_off = es * stride_se + rn[:, None].to(tl.int64) * stride_sn
+    return e, w_off, s_off, n_ok & mine
+
+
+@triton.jit
 def _gate_up_v2_kernel(z_ptr, ids_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, E, INTER, NQ, stride_z, stride_we,
                        stride_wn, stride_se, stride_sn, stride_h, beta1, beta2, NP, TOPK: tl.constexpr,
                        ACT: tl.constexpr, HAS_BETA2: tl.constexpr, GN: tl.constexpr, BQ4: tl.constexpr,
@@ -120,29 +139,34 @@ def _gate_up_v2_kernel(z_ptr, ids_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, E,
                        HX: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr):
     """h[p, rows] = act(W1_e z_t, W3_e z_t) for tile (row block rb, pair p), pair fastest; w1 and w3 are read
     in one pass per step (x loaded once); a pair of another rank (e outside [0, E)) writes nothing. HX: h is
-    stored as fp32 values of DT (rounded as the reference's h) in _word_cols' XV=2 order, n -> (n % 8)·I/8 + n // 8."""
-    pdl_enter(PDL)      # which expert to read is the router's output: no weight is known before the wait
+    stored as fp32 values of DT (rounded as the reference's h) in _word_cols' XV=2 order, n -> (n % 8)·I/8 + n // 8.
+    PREF=2 (EARLY): the expert id and step 0's weights are read before the PDL wait: legal only when the ids'
+    writer (the router) is at least two launches back (module doc); else the wait comes first."""
+    EARLY: tl.constexpr = PREF == 2
+    if not EARLY:
+        pdl_enter(PDL)      # which expert to read is the router's output: no weight is known before the wait
     p = tl.program_id(0) % NP
     rn = (tl.program_id(0) // NP) * GN + tl.arange(0, GN)
     n_ok = rn < INTER
-    e = tl.load(ids_ptr + p)
+    e, w_off, s_off, live = _pair_rows(ids_ptr, p, E, rn, n_ok, stride_we, stride_wn, stride_se, stride_sn)
+    w1_rows, s1_rows, w3_rows, s3_rows = w1_ptr + w_off, s1_ptr + s_off, w3_ptr + w_off, s3_ptr + s_off
+    q = 4 * tl.arange(0, BQ4)[:, None] + tl.arange(0, 4)[None, :]
+    w1n, s1n = _group_loads(w1_rows, s1_rows, live, q, 0, NQ, BQ4, EVEN)     # step 0 (PREF)
+    w3n, s3n = _group_loads(w3_rows, s3_rows, live, q, 0, NQ, BQ4, EVEN)
+    if EARLY:
+        pdl_enter(PDL)      # z (the previous kernel's output) and h are touched only after it
     if (e >= 0) & (e < E):
         x_row = z_ptr + (p // TOPK).to(tl.int64) * stride_z
-        w_off = e * stride_we + rn[:, None, None].to(tl.int64) * stride_wn
-        s_off = e * stride_se + rn[:, None].to(tl.int64) * stride_sn
-        q = 4 * tl.arange(0, BQ4)[:, None] + tl.arange(0, 4)[None, :]
         acc1 = tl.zeros([GN, BQ4], dtype=tl.float32)
         acc3 = tl.zeros([GN, BQ4], dtype=tl.float32)
-        w1n, s1n = _group_loads(w1_ptr + w_off, s1_ptr + s_off, n_ok, q, 0, NQ, BQ4, EVEN)
-        w3n, s3n = _group_loads(w3_ptr + w_off, s3_ptr + s_off, n_ok, q, 0, NQ, BQ4, EVEN)
         for q0 in range(0, NQ, 4 * BQ4):
             if PREF:
                 w1, s1, w3, s3 = w1n, s1n, w3n, s3n
-                w1n, s1n = _group_loads(w1_ptr + w_off, s1_ptr + s_off, n_ok, q, q0 + 4 * BQ4, NQ, BQ4, EVEN)
-                w3n, s3n = _group_loads(w3_ptr + w_off, s3_ptr + s_off, n_ok, q, q0 + 4 * BQ4, NQ, BQ4, EVEN)
+                w1n, s1n = _group_loads(w1_rows, s1_rows, n_ok, q, q0 + 4 * BQ4, NQ, BQ4, EVEN)
+                w3n, s3n = _group_loads(w3_rows, s3_rows, n_ok, q, q0 + 4 * BQ4, NQ, BQ4, EVEN)
             else:
-                w1, s1 = _group_loads(w1_ptr + w_off, s1_ptr + s_off, n_ok, q, q0, NQ, BQ4, EVEN)
-                w3, s3 = _group_loads(w3_ptr + w_off, s3_ptr + s_off, n_ok, q, q0, NQ, BQ4, EVEN)
+                w1, s1 = _group_loads(w1_rows, s1_rows, n_ok, q, q0, NQ, BQ4, EVEN)
+                w3, s3 = _group_loads(w3_rows, s3_rows, n_ok, q, q0, NQ, BQ4, EVEN)
             x0, x1, x2, x3, x4, x5, x6, x7 = _word_cols(x_row, q0 + q, NQ, XV, BQ4, EVEN)
             acc1 = _ffma_groups(acc1, w1, s1, x0, x1, x2, x3, x4, x5, x6, x7, ASM)
             acc3 = _ffma_groups(acc3, w3, s3, x0, x1, x2, x3, x4, x5, x6, x7, ASM)
@@ -161,19 +185,27 @@ def _down_v2_kernel(h_ptr, wt_ptr, ids_ptr, w2_ptr, s2_ptr, o_ptr, cnt_ptr, y_pt
     """Tile (row block rb, pair p = t·K + j), pair fastest: o = rnd(W2_e h_p) on the rows (fp32 workspace o [P, ℓ]);
     then the tile counts itself in on counter (t, rb) (acq_rel); the last of token t's K slots to arrive adds
     y[t, rows] = Σ_j w[t,j] · o[t·K+j, rows] in slot order (slots of another rank's experts add 0), whichever
-    program that is, and resets the counter. K = 1: y = w · o directly."""
-    pdl_enter(PDL)
+    program that is, and resets the counter. K = 1: y = w · o directly.
+    PREF=2 (EARLY): the expert id and step 0's weights are read before the PDL wait. Always legal here: the
+    gate-up launch sits between this kernel and the ids' writer, and it triggers only after its own wait (module
+    doc); h, the weights w[t, j], the workspace and the counters are read after the wait."""
+    EARLY: tl.constexpr = PREF == 2
+    if not EARLY:
+        pdl_enter(PDL)
     p = tl.program_id(0) % NP
     rb = tl.program_id(0) // NP
     t = p // TOPK
     rn = rb * GN + tl.arange(0, GN)
     n_ok = rn < ELL
-    e = tl.load(ids_ptr + p)
+    e, w_off, s_off, live = _pair_rows(ids_ptr, p, E, rn, n_ok, stride_we, stride_wn, stride_se, stride_sn)
+    q = 4 * tl.arange(0, BQ4)[:, None] + tl.arange(0, 4)[None, :]
+    wn, sn = _group_loads(w2_ptr + w_off, s2_ptr + s_off, live, q, 0, NQ, BQ4, EVEN)      # step 0 (PREF)
+    if EARLY:
+        pdl_enter(PDL)
     o = tl.zeros([GN], dtype=tl.float32)
     if (e >= 0) & (e < E):
-        o = _rows_dot(h_ptr + p.to(tl.int64) * stride_h, w2_ptr + e * stride_we + rn[:, None, None].to(tl.int64) * stride_wn,
-                      s2_ptr + e * stride_se + rn[:, None].to(tl.int64) * stride_sn, n_ok, NQ, GN, BQ4, ASM, PREF,
-                      XV, EVEN)
+        o = _rows_dot(h_ptr + p.to(tl.int64) * stride_h, w2_ptr + w_off, s2_ptr + s_off, n_ok, NQ, wn, sn, GN, BQ4,
+                      ASM, PREF, XV, EVEN)
         o = tl.load(wt_ptr + p).to(tl.float32) * o.to(DT).to(tl.float32)
     if TOPK == 1:
         tl.store(y_ptr + t.to(tl.int64) * stride_y + rn, o, mask=n_ok)
@@ -189,27 +221,38 @@ def _down_v2_kernel(h_ptr, wt_ptr, ids_ptr, w2_ptr, s2_ptr, o_ptr, cnt_ptr, y_pt
             tl.atomic_xchg(cnt_ptr + rb * (NP // TOPK) + t, 0, sem="relaxed", scope="gpu")
 
 
-def _gemv_v2(z, weights, ids, g1, g3, g2, y, act_kw: dict, cfg: dict) -> None:
+def _gemv_v2(z, weights, ids, g1, g3, g2, y, act_kw: dict, cfg: dict, kernels=("gate_up", "down")) -> None:
     """The GV=2 launches (module doc) for MXFP4 int32-word operands g1, g3, g2 (_gemv_weight); cfg: GN, GK,
-    num_warps (gate-up), GN2, GK2, GW2 (down), PREF, XV (gate-up's activation loads), HX (h as fp32 words)."""
+    num_warps (gate-up), GN2, GK2, GW2 (down), PREF, XV (gate-up's activation loads), HX (h as fp32 words),
+    EARLY (with PREF: bit 0, the down kernel reads ids and its first weight step before the PDL wait, always
+    legal; bit 1, the gate-up kernel too, legal only where the router ran at least two launches before it;
+    passed to the kernel as PREF=2), GREG
+    (a register cap, CUDA; 0: none). `kernels`: which launches run (timing them apart; either alone leaves y
+    meaningless)."""
     T, ell = z.shape
     K = ids.shape[1]
     P, inter = T * K, int(g1[1].shape[1])
     gn, gn2 = int(cfg.get("GN", 8)), int(cfg.get("GN2", cfg.get("GN", 8)))
     bq1, bq2 = _step(cfg.get("GK", 512), ell, 32) // 32, _step(cfg.get("GK2", 512), inter, 32) // 32
     nq1, nq2 = ell // 8, inter // 8
-    hx, xv = int(cfg.get("HX", 1)), int(cfg.get("XV", 0))
+    hx, xv, early = int(cfg.get("HX", 1)), int(cfg.get("XV", 0)), int(cfg.get("EARLY", 0))
     h = torch.empty(P, inter, dtype=torch.float32 if hx else z.dtype, device=z.device)
     opt = dict(ASM=bool(cfg.get("GASM", 0)) and z.is_cuda, PREF=int(cfg.get("PREF", 1)), num_stages=1,
                **launch_kwargs())
-    _gate_up_v2_kernel[(P * triton.cdiv(inter, gn),)](
-        z, ids, g1[1], g3[1], g1[2], g3[2], h, g1[1].shape[0], inter, nq1, z.stride(0), *g1[3], h.stride(0),
-        *act_kw["betas"], P, TOPK=K, ACT=act_kw["ACT"], HAS_BETA2=act_kw["HAS_BETA2"], GN=gn, BQ4=bq1, XV=xv,
-        EVEN=nq1 % (4 * bq1) == 0, HX=hx, DT=_TL[z.dtype], num_warps=int(cfg.get("num_warps", 4)), **opt)
+    if cfg.get("GREG") and z.is_cuda:       # a register cap: more programs resident per SM
+        opt["maxnreg"] = int(cfg["GREG"])
+    if "gate_up" in kernels:
+        _gate_up_v2_kernel[(P * triton.cdiv(inter, gn),)](
+            z, ids, g1[1], g3[1], g1[2], g3[2], h, g1[1].shape[0], inter, nq1, z.stride(0), *g1[3], h.stride(0),
+            *act_kw["betas"], P, TOPK=K, ACT=act_kw["ACT"], HAS_BETA2=act_kw["HAS_BETA2"], GN=gn, BQ4=bq1, XV=xv,
+            EVEN=nq1 % (4 * bq1) == 0, HX=hx, DT=_TL[z.dtype], num_warps=int(cfg.get("num_warps", 4)),
+            **{**opt, "PREF": 2 if opt["PREF"] and early & 2 else opt["PREF"]})
     nrb = triton.cdiv(ell, gn2)
     o = torch.empty(P if K > 1 else 1, ell, dtype=torch.float32, device=z.device)
     cnt = tile_counters(z.device, nrb * T) if K > 1 else o
-    _down_v2_kernel[(P * nrb,)](
-        h, weights, ids, g2[1], g2[2], o, cnt, y, g2[1].shape[0], ell, nq2, h.stride(0), *g2[3], y.stride(0), P,
-        TOPK=K, DT=_TL[z.dtype], GN=gn2, BQ4=bq2, XV=2 if hx else xv, EVEN=nq2 % (4 * bq2) == 0,
-        num_warps=int(cfg.get("GW2") or cfg.get("num_warps", 4)), **opt)
+    if "down" in kernels:
+        _down_v2_kernel[(P * nrb,)](
+            h, weights, ids, g2[1], g2[2], o, cnt, y, g2[1].shape[0], ell, nq2, h.stride(0), *g2[3], y.stride(0), P,
+            TOPK=K, DT=_TL[z.dtype], GN=gn2, BQ4=bq2, XV=2 if hx else xv, EVEN=nq2 % (4 * bq2) == 0,
+            num_warps=int(cfg.get("GW2") or cfg.get("num_warps", 4)),
+            **{**opt, "PREF": 2 if opt["PREF"] and early & 1 else opt["PREF"]})

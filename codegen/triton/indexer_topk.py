@@ -41,6 +41,8 @@ bucket b0's next 11 bits; the last part to arrive at the row's counter (atomic a
 8-bit digits over the survivors (in registers when they fit SELECT_RES) to the exact threshold, flags
 overflowed tiles, and stores each part's output offset; `_place_kernel` writes every part's selected keys
 from its offset (position order: the output ascending). Merge 2 then re-selects over the survivors.
+SELECT 2 (KT = BLOCK_N; `_topk_fused`): two launches, no memset: the score programs also count their keys in three
+histograms, the last to arrive reads the exact threshold off them, a parallel kernel places the selection.
 Workspace per row 8 B x (NT*(KT+1) + (topk/KT)*BLOCK_N + 2 pow2(topk) + 2); prefill runs in row chunks.
 Pools: flat [N, ...] or block views [NB, block_size, ...] of a packed pool (`_paging.pool_strides`), read
 in place through `row_offsets`.
@@ -48,10 +50,10 @@ in place through `row_offsets`.
 API: `indexer_topk(...)` (positions: the IR op), `output="rows"` (the positions' pool rows, -1
 padded: what attention kernels read), `key_format="mxfp4"`. Tunables: BLOCK_N, KT, SPLITS (programs
 per row), CAND, DOT, PREFETCH (score kernel: next tile in flight), num_warps / num_stages (score kernel),
-MERGE_TILE, MERGE_WARPS, FILTER / FILTER_PARTS, SELECT / SELECT_PARTS / SELECT_RES, HIST (score kernel:
-per-program first-digit histogram). Every kernel keeps the PDL contract (`_pdl`: `pdl_enter` first, the
-caches they read are written earlier in the step). Batch invariant (each row
-on its own).
+MERGE_TILE, MERGE_WARPS, FILTER / FILTER_PARTS, SELECT / SELECT_PARTS / SELECT_RES (SELECT 2: SELECT_PARTS,
+SELECT_TILE, SELECT_WB, SELECT_WARPS: `_topk_fused.fused_launch`), HIST (score kernel: per-program first-digit histogram).
+Every kernel keeps the PDL contract (`_pdl`: `pdl_enter` first, the caches they read are written earlier in the
+step). Batch invariant (each row on its own).
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ from ..kernel import KernelTemplate, Tunable, pow2_bucket
 from ._paging import context_bound, paging_args, pool_strides
 from ._indexer_tiles import _rescore_kernel, _score_kernel
 from ._pdl import launch_kwargs
+from ._topk_fused import fused_launch
 from ._topk_parallel import _filter_kernel, _place_kernel, _select_kernel
 from ._topk_select import _merge_kernel
 
@@ -96,48 +99,36 @@ def default_kt_pairs(block_n: int, topk: int, context: int) -> int:
 
 def heuristic(key: dict, target: str) -> dict:
     """cpu: few, big programs. GPU: the score pass is a stream of key tiles, so programs must be lean (~140
-    registers at BLOCK_N 128 / 4 warps, no tile held across iterations: the pipeliner streams FP8 codes into
-    shared memory with 16-byte async copies) and many (SPLITS: ~8 programs per SM).
-    Short contexts (L <= ~8 topk: a 128-key tile then holds >= 32 winners on average, so per-tile candidates
-    would be a large share of the keys anyway): every key is a candidate (KT = BLOCK_N: no per-tile sort,
-    no witness, never a rescore), one tile per program, the merge streams 2048 keys at a time.
-    Long contexts: the best two of each group of consecutive positions (CAND 1, `default_kt_pairs`), fp16
-    dots (DOT 3) at num_stages 1; the few tiles that hold more winners are rescored exactly. FILTER once a row
-    holds more than 4 x 2048 candidates (32K and up at batch 1, every long context).
-    H200 2026-11-29 (benches/bench_attention_decode.py, FP8 keys, 32 x 128 heads, top-2048, rows out,
-    graph replay): batch 1 at 8K: 25.7 us (MERGE_TILE 2048; 4096: 26.2, 8192 resident: 30.1 (spills); the
-    previous KT 64 candidates + rescore path 43.8; the score kernel alone 6.8); batch 32 at 128K: 646 us
-    (CAND 1, KT 32, num_stages 4; 30 of 32 rows rescore a few tiles; the score pass alone 417 us) vs 670 us
-    for CAND 0 KT 16 (tl.topk per tile); every selection exact.
-    H200 2026-11-29 session 6 (same bench): batch 1 at 8K: DOT 3 (fp16 dots) at num_stages 1 25.3 us vs 25.8 for
-    DOT 0 / num_stages 3 (the score pass alone 6.1 us: the merge is ~19 of the 25 us); MERGE_WARPS 16 or 4
-    27-30 us (worse); BLOCK_N 64 x 128 programs 25.0. ptxas (sm_90a) for the score kernel at BLOCK_N 128 / 4
-    warps: 209 registers at num_stages 4 and 168 at 1 (bf16), 176 / 154 with fp16 dots: num_stages > 1 buys no
-    shared-memory pipelining here (the block-table gather defeats it), only registers; PREFETCH 1 (189 regs,
-    two tiles in flight) and FILTER 1 (`_filter_kernel`: the merges run over a 22-bit pre-selection) are
-    not yet measured at batch 32 / 128K: the long-context default stays the session-5 best.
+    registers at BLOCK_N 128 / 4 warps, nothing held across tiles) and many (SPLITS: ~8 programs per SM).
+    Short contexts (L <= ~8 topk: a 128-key tile then holds >= 32 winners on average): every key is a candidate
+    (KT = BLOCK_N: no per-tile sort, no witness, never a rescore), one tile per program, SELECT 1 (parallel
+    threshold, last arriver over the survivors, `_place_kernel`), FILTER once a row holds > 4 x 2048 candidates.
+    Long contexts: the best two of each group of consecutive positions (CAND 1, `default_kt_pairs`), fp16 dots
+    (DOT 3) at num_stages 1, FILTER 1; the few tiles that hold more winners are rescored exactly.
     DOT is numerics, not a tunable: SPEC §5.6 asks fp32 accumulation, which DOT 0 and DOT 3 (e4m3 codes widened
     exactly to bf16 / fp16, fp32-accumulating tensor-core dots) give. DOT 1 (FP8 tensor-core dots, reduced-precision
     sums promoted to fp32 every 32-deep step) differs from the reference at near-ties within 1e-4; DOT 2 (no
     promotion) fails the check: both kept for an explicit config only.
-    H200 2026-11-29 session 7 (same bench, PDL on): FILTER 1 (pre-selection, the merges over its survivors) pays once
-    a row holds more than 4 merge tiles of candidates: batch 1 at 32K 34.1 us vs 73.7 (serial merge over 32768 keys;
-    score pass 11.1), at 8K 27.5 vs 24.6 (so off there); batch 32 at 128K 424 us (29.4% of read bandwidth) with
-    DOT 3 / num_stages 1 vs 494 without FILTER and 590 for the session-5/6 default (DOT 0, num_stages 4); the
-    score pass alone 316 us. SELECT 1 (`_select_kernel`: parallel threshold, the last program to arrive
-    finishes over the survivors, `_place_kernel` writes in parallel; 3 launches after the score pass, no
-    single-program pass over all candidates; 227 registers at 8 warps, ptxas sm_90a, Triton 3.6) and HIST 1
-    (per-program histogram: 252 registers at 4 warps against 136 without) compile for sm_90.
-    Then timed (same bench, the lead's second call, every variant exact against the IR reference): SELECT 1 with
-    16 parts and SELECT_RES 2048 at batch 1: 8K 21.1 us vs 24.3 (parts 8 / 32 / 64: 21.2 / 22.0 / 22.2), 32K
-    (with FILTER) 27.1 vs 34.2; batch 32 at 128K 427 vs 426 (neutral, so the long-context branch keeps the
-    merges). The short-context branch takes it (measured at batch 1; larger batches follow the same rule).
-    Session 8 (same bench, one call; 4.40 TB/s streaming read): batch 32 at 128K 429.7 us (29.3%): the score pass
-    303 us (41.6%), + filter and merge 1 45 us (stop_after="merge1": 347.6), + rescore and merge 2 82 us. Slower and
-    not kept: L2 bulk prefetch of the key tiles 1-4 tiles ahead (513-571 us), a 128-register cap (482), SPLITS 66
-    / 16 (512 / 701, with prefetch), PREFETCH 1 (656), 8 warps (642), SELECT 1 (527), KT 16 / 64 (520 / 549). The
-    score loop issues ~800 SASS instructions per thread per 128-key tile (int64 key compares and selects, the
-    head-sum shuffles): instruction-bound, like sparse MLA. Batch 1: 8K 21.5 us (BLOCK_N 64: 20.9)."""
+    H200 history (benches/bench_attention_decode.py, FP8 keys, 32 x 128 heads, top-2048, rows out, graph replay,
+    every selection exact): batch 1 at 8K: serial merge 25.3-25.7 us (score pass 6.1-6.8), SELECT 1 with 16 parts
+    21.1 us (8 / 32 / 64 parts 21.2 / 22.0 / 22.2; BLOCK_N 64 20.9), MERGE_WARPS 4 / 16 and MERGE_TILE 4096 / 8192
+    worse; 32K: serial merge 73.7, FILTER 34.1, SELECT 1 (+FILTER) 26.4-27.1. Batch 32 at 128K: 424-430 us (29.3%
+    of the read bandwidth): score pass 291-303, + filter and merge 1 45, + rescore and merge 2 82; slower and not
+    kept: L2 bulk prefetch (513-571), 128-register cap (482), SPLITS 66 / 16, PREFETCH 1 (656), 8 warps (642),
+    SELECT 1 (527), KT 16 / 64 (520 / 549), CAND 0 KT 16 (670). The score loop is instruction-bound (~800 SASS
+    instructions per thread per 128-key tile: int64 key compares, head-sum shuffles).
+    Session 9 (one H200 call): batch 1, the previous path at 8K 21.06 us = score pass + memset 6.41 + select and
+    place 14.5. A one-launch select (the last program to arrive streaming all of the row's keys) measured 22.4-27.8
+    us at 8K and 62.9-78.7 at 32K: one program streaming 4096 keys costs ~4.5 us (ptxas sm_90a: ~4000 SASS
+    instructions per thread at 8 warps for the pass), so the serial part must not touch the keys. SELECT 2
+    (`_topk_fused`: three histograms counted while scoring, the last arriver reads the threshold off ~2100 bins,
+    parallel placement, no memset) replaced it. Timed in the lead's call (benches/results/h200-2026-11-30-s9/
+    attention_decode_select2.json): batch 1 at 8K 13.67 us with 64 place parts on 4 warps, 8-warp score programs
+    (16 / 32 parts 15.6 / 14.9; 4-warp scoring 16.0; BLOCK_N 64 15.3) vs SELECT 1 21.45 in the same run; two
+    indexers in a row 29.3 vs 40.5 (PDL on). At 32K it loses (56.6-68.0 vs 26.7: the place pass scans the whole
+    row), so SELECT 2 runs for contexts up to 8K; and for one query row only: in the rank decode graph at batch 8
+    (8K) the select node took 39.8 us with it vs 34.2 with SELECT 1 (session 8), at batch 1 19.4 vs 27.8
+    (per node, gaps included; benches/results/h200-2026-11-30-s9/runtime_final.json)."""
     L, K, T = max(1, key["L"]), key["K"], max(1, key["T"])
     if target == "cpu":
         bn = 32 if L <= 256 else 128
@@ -145,6 +136,10 @@ def heuristic(key: dict, target: str) -> dict:
                     CAND=0, DOT=0)
     bn = 128
     nt = -(-L // bn)
+    if default_kt(bn, K, L) * 4 >= bn and L <= 8192 and T <= 1:
+        return dict(BLOCK_N=bn, KT=bn, SPLITS=max(1, min(nt, round(8 * 132 / T))), num_warps=8, num_stages=1,
+                    CAND=0, DOT=3, MERGE_TILE=2048, SELECT=2, SELECT_TILE=4096, SELECT_WB=256, SELECT_PARTS=64,
+                    SELECT_WARPS=4)
     if default_kt(bn, K, L) * 4 >= bn:
         return dict(BLOCK_N=bn, KT=bn, SPLITS=max(1, min(nt, round(8 * 132 / T))), num_warps=4, num_stages=1,
                     CAND=0, DOT=3, MERGE_TILE=2048, FILTER=int(nt * bn > 4 * 2048), FILTER_PARTS=16,
@@ -236,9 +231,21 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_tab
         raise ValueError(f"indexer_topk: config {cfg}: FILTER_PARTS / SELECT_PARTS must be powers of two in 1..1024, "
                          f"SELECT_RES a power of two >= 16")
     pdl = launch_kwargs()
+    fused = int(cfg.get("SELECT", 0)) == 2
+    if fused and kt != bn:
+        raise ValueError(f"indexer_topk: config {cfg}: SELECT 2 needs every key a candidate, KT == BLOCK_N")
     for r0 in range(0, T, chunk):
         r1 = min(T, r0 + chunk)
         n = r1 - r0
+        if fused:   # score + threshold, then placement (`_topk_fused`): two launches, no memset
+            fused_launch(q8[r0:r1], w[r0:r1], q_scale[r0:r1], (k8, ks, k_sb, k_sr, s_sb, s_sr), tbl, req[r0:r1], MB,
+                          pos[r0:r1], out[r0:r1], NT, topk, cfg, output == "rows", stop_after == "score",
+                          dict(HI=HI, DI=DI, HP=HP, BLOCK_N=bn, KEY_FMT=fmt, DOT_DT=dot_dt, LOG_BS=log_bs,
+                               IMPRECISE=imprecise, **pdl))
+            if stats is not None:
+                stats["overflowed_rows"] = stats.get("overflowed_rows", 0)
+                stats["overflowed_tiles"] = stats.get("overflowed_tiles", 0)
+            continue
         cand, tmin, ext, work, th = (torch.empty(n, m, dtype=torch.int64, device=dev)
                                      for m in (NT * kt, NT, max_ovf * bn, KW, 2))
         ovf = torch.empty(n, max_ovf, dtype=torch.int32, device=dev)
@@ -337,6 +344,7 @@ def _bucket(key: dict) -> dict:
 def _constraints(config: dict, key: dict, target: str) -> list[str]:
     bn, kt, smem = config["BLOCK_N"], config["KT"], config["BLOCK_N"] * key.get("DI", 128) * config["num_stages"]
     return [f"KT {kt} > BLOCK_N {bn}"] * (kt > bn) + \
+        [f"SELECT 2 needs KT == BLOCK_N, found KT {kt}"] * (config.get("SELECT", 0) == 2 and kt != bn) + \
         [f"key tiles BLOCK_N*DI*num_stages = {smem} B of shared memory"] * (target != "cpu" and smem > 200 * 1024)
 
 
@@ -348,12 +356,11 @@ def _supports(a, attrs, target) -> str | None:
 
 TUNABLES = (Tunable("BLOCK_N", (64, 128, 256)), Tunable("KT", (4, 8, 16, 32, 64)),
             Tunable("SPLITS", (1, 2, 4, 8, 16, 24, 32, 48, 64, 128)), Tunable("num_warps", (4, 8)),
-            Tunable("num_stages", (1, 2, 3, 4)), Tunable("MERGE_TILE", (512, 1024, 2048, 4096, 8192)),
+            Tunable("num_stages", (1, 2, 3, 4)), Tunable("MERGE_TILE", (1024, 2048, 4096)),
             Tunable("CAND", (0, 1)), Tunable("PREFETCH", (0, 1)), Tunable("FILTER", (0, 1)),
-            Tunable("FILTER_PARTS", (16, 32)), Tunable("SELECT", (0, 1)))
-# DOT fixes the numerics (see `heuristic`): never searched; MERGE_WARPS (measured worse off its default, session 6),
-# SELECT_PARTS / SELECT_RES (the search space stays under the tuner's enumeration limit) and HIST (252 registers in
-# the score kernel at sm_90, 136 without) only by an explicit config
+            Tunable("FILTER_PARTS", (16, 32)), Tunable("SELECT", (0, 1, 2)))
+# DOT fixes the numerics (never searched); MERGE_WARPS, SELECT_PARTS / SELECT_RES / SELECT_TILE / SELECT_WB /
+# SELECT_WARPS (the space stays under the tuner's enumeration limit) and HIST only by an explicit config
 
 TEMPLATES = [
     KernelTemplate(family="indexer_topk", backend="triton", ops=("indexer_topk",), launch=_launch, key_dims=_key,

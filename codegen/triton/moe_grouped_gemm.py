@@ -8,12 +8,11 @@ program per (pair, row block) for gate-up and per (pair, row block) for down, th
 in the down launch by the last slot of each token to finish, no permutation, two launches; FFMA inner
 product on the MXFP4 words (GV=2; session 6's kernels, GV=1 with an MMA-step option, stay callable).
 "grouped", below (many tokens per expert; batch-invariant mode always). H200, graph replay, PDL launches,
-session 7: T=1 top-2 27.7 us (3.4x the 8.2 us byte floor; session 6: 38.4), T=8 top-2 183.7 us (3.6x;
-session 6's MMA step 185, grouped unsplit 189). Where the T=1 time goes: the K loop costs ~36-40 SASS
-instructions per int32 word of 8 weights (sm_90, static count: decode 4 LOP3/SHF + 2 fp16->fp32 per code
-pair, 8 FFMA, activation loads): ~9 per weight byte, above the ~7.8 an SM can issue per byte it streams
-at 4.3 TB/s (128 lanes x ~1.75 GHz / 16.5 B a clock), so the loop is issue-bound at ~2.5-3x the floor;
-the rest is the two launches' ramp and tail.
+session 9: T=1 top-2 24.3 us (2.97x the 8.2 us byte floor; session 8 27.7, session 6 38.4), T=8 top-2
+151.8 us (2.97x; session 8 168.3). Where the T=1 time goes: the K loop costs ~36-41 SASS instructions per
+int32 word of 8 weights (sm_90, static count: decode 4 LOP3/SHF + 8 HADD2.F32 fp16->fp32 conversions on the
+FMA pipe, 8 FFMA, activation loads): gate-up runs at ~60% of its issue limit (12.6 us of the 24.3), the down
+launch (10.9 us for a third of the bytes, 255 registers) is latency-bound at ~1.7 warps per scheduler.
 
 Grouped pipeline (no host sync, deterministic, no atomics):
   1. `permute_tokens` (moe_router.py): routed pairs p = t·k + j grouped by expert (one program up to
@@ -312,7 +311,8 @@ def bucket(key: dict) -> dict:
 def heuristic(key: dict, target=None) -> dict:
     """Path and tiles measured on the H200 (benches/bench_moe.py). Up to GEMV_MAX_PAIRS routed pairs (T=1
     top-2, T=8 top-2): the per-pair path (_moe_gemv.py GV=2: two launches, FFMA on the MXFP4 words) with the
-    GEMV_T1 tiles (T=1: 27.7 us, session 6's 38.4; T=8: 168.3 us, GEMV_T8 186.3, session 6's 204.1). Dense expert weights run the GV=1 kernels with the same tiles. Grouped decode (<= 16 tokens per
+    GEMV_T1 tiles (T=1: 24.3 us, session 8's tiles 28.1 in the same run; T=8: 151.8 us, session 8's 169.0; see
+    _moe_configs.py). Dense expert weights run the GV=1 kernels with the same tiles. Grouped decode (<= 16 tokens per
     expert): a 16-token tile x 64 weight rows on 2 warps (mma.sync, see the module doc), K steps of 128,
     asm16, scales first (SL): 1.14 ms vs 1.37 for 128-row wgmma tiles; when the routed tiles fill the
     GPU (T=64, top-16) a register cap (DECODE_MAXNREG) raises occupancy from 4 to 6 programs per SM; there (session 8, same bench)
@@ -396,6 +396,6 @@ TEMPLATES = [KernelTemplate(
               Tunable("DEQ", ("asm16", "asm", "bytes", "bytes16", "dot_scaled")), Tunable("SPLIT", (1, 2, 4, 8))),
     # 233,280 configs (the tuner enumerates up to 250,000; PATH took GROUP_M's place, now fixed at 8).
     # Explicit-config options: SPLIT2, MAXNREG, PF (grouped) and the per-pair path's GV, GN, GK, GN2, GK2, GW2,
-    # PREF, XV, HX (GV=2), GMMA, GASM, GPROG (GV=1) (heuristic values measured on the H200, session 7)
+    # PREF, XV, HX, EARLY, GREG (GV=2), GMMA, GASM, GPROG (GV=1) (heuristic values measured on the H200, session 9)
     doc="routed experts: per-pair GEMVs (decode) or grouped GEMMs with permutation, fused SiTU-GLU/SwiGLU, "
         "fp32 slot-order combine; MXFP4 dequantised in registers (or tl.dot_scaled)")]

@@ -11,6 +11,9 @@ Per row x[0:D] (computed in fp32, or fp64 when x is fp64 under the interpreter):
               q = e4m3(y / scale), rounded to nearest even by hand on the fp32 bits, so the byte is the
               same on a GPU and in the interpreter (SPEC §5.4, `ir.formats.quantize_fp8_pow2`).
 
+GATHER (`fused.embedding_rms_norm`, passes/embedding_norm.py): row r is the table row ids[r] (a negative id
+counts from the end), stored as loaded to e[r] before the stages run on it.
+
 A program handles BLOCK_R rows of BLOCK_D >= D columns (one pass: the row stays in registers). Every
 row is reduced on its own, in an order fixed by (BLOCK_R, BLOCK_D, num_warps): under
 `batch_invariant` the key has no row count, so that order does not depend on the batch.
@@ -82,10 +85,11 @@ def _quantize_rows(y, col_ok, AMAX_FLOOR: tl.constexpr):
 
 
 @triton.jit
-def _norm_rot_quant_kernel(x_ptr, w_ptr, b_ptr, y_ptr, q_ptr, s_ptr, R, D, stride_x, stride_y, stride_q, eps,
-                           NORM: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROTATE: tl.constexpr,
-                           QUANT: tl.constexpr, STORE_Y: tl.constexpr, CDT: tl.constexpr,
-                           BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HPREC: tl.constexpr, PDL: tl.constexpr):
+def _norm_rot_quant_kernel(x_ptr, w_ptr, b_ptr, y_ptr, q_ptr, s_ptr, ids_ptr, e_ptr, R, D, V, stride_x, stride_y,
+                           stride_q, eps, NORM: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                           ROTATE: tl.constexpr, QUANT: tl.constexpr, STORE_Y: tl.constexpr, GATHER: tl.constexpr,
+                           CDT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HPREC: tl.constexpr,
+                           PDL: tl.constexpr):
     pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
@@ -93,7 +97,14 @@ def _norm_rot_quant_kernel(x_ptr, w_ptr, b_ptr, y_ptr, q_ptr, s_ptr, R, D, strid
     col_ok = cols[None, :] < D
     ok = row_ok[:, None] & col_ok
     rows64 = rows.to(tl.int64)
-    y = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=ok, other=0.0).to(CDT)
+    if GATHER:  # x is a table: row r is table row ids[r], kept as loaded in e
+        src = tl.load(ids_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+        src = tl.where(src < 0, src + V, src)
+        x = tl.load(x_ptr + src[:, None] * stride_x + cols[None, :], mask=ok, other=0.0)
+        tl.store(e_ptr + rows64[:, None] * D + cols[None, :], x, mask=ok)
+        y = x.to(CDT)
+    else:
+        y = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=ok, other=0.0).to(CDT)
     if NORM == 1:  # RMSNorm
         ms = tl.sum(y * y, axis=1) / D
         y = y / tl.sqrt(ms + eps)[:, None]
@@ -124,33 +135,50 @@ def norm_rot_quant(x: torch.Tensor, config: dict, *, norm: str | None = None, we
                    eps: float = 0.0, rotate: bool = False, quant: bool = False, store_y: bool = True):
     """Run the stages on x [..., D]; returns (y or None, q f8e4m3 or None, scale f32 or None)."""
     D = x.shape[-1]
-    lead = x.shape[:-1]
     x2 = x.reshape(-1, D)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    R = x2.shape[0]
+    return _run_rows(x2, x2.shape[0], x.shape[:-1], config, norm=norm, weight=weight, bias=bias, eps=eps,
+                     rotate=rotate, quant=quant, store_y=store_y)[:3]
+
+
+def embedding_rms_norm(table: torch.Tensor, ids: torch.Tensor, weight, eps: float, config: dict):
+    """(e, h): e[..] = table[ids[..]] and h = rms_norm(e) * weight, one pass over each gathered row (GATHER)."""
+    if table.dim() != 2 or table.stride(-1) != 1:
+        raise ValueError(f"embedding_rms_norm: table must be 2-D with unit-stride rows, found {tuple(table.shape)} "
+                         f"strides {table.stride()}")
+    if ids.dtype.is_floating_point:
+        raise ValueError(f"embedding_rms_norm: ids must be integers, found {ids.dtype}")
+    flat = ids.reshape(-1).contiguous()
+    y, _, _, e = _run_rows(table, flat.numel(), ids.shape, config, norm="rms", weight=weight, eps=eps, ids=flat)
+    return e, y
+
+
+def _run_rows(x2, R: int, lead, config: dict, *, norm=None, weight=None, bias=None, eps=0.0, rotate=False,
+              quant=False, store_y=True, ids=None):
+    """One launch over R rows of x2 [rows, D] (rows ids[r] of it when ids is given); (y, q, s, e), each None
+    when not asked for, reshaped to lead + their trailing dims."""
+    D = x2.shape[-1]
     bd = config["BLOCK_D"]
     if bd < D or (rotate and bd != D):
         raise ValueError(f"norm_rot_quant: BLOCK_D={bd} must be >= D={D} (== D for the Hadamard rotation)")
     if rotate and (D & (D - 1)) != 0:
         raise ValueError(f"hadamard needs a power-of-two last axis, found D={D}")
-    dev = x.device
-    y = torch.empty(R, D, dtype=x.dtype, device=dev) if store_y else None
+    dev = x2.device
+    y = torch.empty(R, D, dtype=x2.dtype, device=dev) if store_y else None
     q = torch.empty(R, D, dtype=torch.uint8, device=dev) if quant else None
     s = torch.empty(R, dtype=torch.float32, device=dev) if quant else None
+    e = torch.empty(R, D, dtype=x2.dtype, device=dev) if ids is not None else None
     if R > 0:
-        dummy = x2
-        grid = (triton.cdiv(R, config["BLOCK_R"]),)
-        _norm_rot_quant_kernel[grid](
-            x2, weight if weight is not None else dummy, bias if bias is not None else dummy,
-            y if y is not None else dummy, q if q is not None else dummy, s if s is not None else dummy,
-            R, D, x2.stride(0), D, D, float(eps),
-            NORM={None: 0, "rms": 1, "layer": 2}[norm], HAS_W=weight is not None, HAS_B=bias is not None,
-            ROTATE=rotate, QUANT=quant, STORE_Y=store_y, CDT=_cdt(x), HPREC=precision.precise_fp32(),
-            BLOCK_R=config["BLOCK_R"], BLOCK_D=bd, num_warps=config["num_warps"], **launch_kwargs())
-    return (None if y is None else y.reshape(*lead, D),
-            None if q is None else q.view(torch.float8_e4m3fn).reshape(*lead, D),
-            None if s is None else s.reshape(lead))
+        pick = lambda t: x2 if t is None else t  # noqa: E731
+        _norm_rot_quant_kernel[(triton.cdiv(R, config["BLOCK_R"]),)](
+            x2, pick(weight), pick(bias), pick(y), pick(q), pick(s), pick(ids), pick(e), R, D, x2.shape[0],
+            x2.stride(0), D, D, float(eps), NORM={None: 0, "rms": 1, "layer": 2}[norm], HAS_W=weight is not None,
+            HAS_B=bias is not None, ROTATE=rotate, QUANT=quant, STORE_Y=store_y, GATHER=ids is not None,
+            CDT=_cdt(x2), HPREC=precision.precise_fp32(), BLOCK_R=config["BLOCK_R"], BLOCK_D=bd,
+            num_warps=config["num_warps"], **launch_kwargs())
+    shp = lambda t: None if t is None else t.reshape(*lead, *t.shape[1:])  # noqa: E731
+    return (shp(y), None if q is None else shp(q.view(torch.float8_e4m3fn)), shp(s), shp(e))
 
 
 # ---- fused.indexer_front ----------------------------------------------------------------------------
@@ -231,6 +259,20 @@ def _launch_quant(a, attrs, config):
     return q, s
 
 
+def _launch_embedding_rms(a, attrs, config):
+    table, ids, weight = a.operands
+    return embedding_rms_norm(table, ids, weight, attrs["eps"], config)
+
+
+def _embedding_key(a, attrs) -> dict:
+    table, ids, _ = a.operands
+    key = row_key(table, attrs)
+    key["R"] = 1
+    for d in ids.shape:
+        key["R"] *= int(d)
+    return key
+
+
 def _template(family, op, launch, rotate=False, doc=""):
     return KernelTemplate(
         family=family, backend="triton", ops=(op,), launch=launch,
@@ -245,4 +287,10 @@ TEMPLATES = [
     _template("hadamard", "hadamard", _launch_hadamard, rotate=True, doc="x @ H_D / sqrt(D), fp32 dot"),
     _template("quant_fp8_pow2", "quantize_fp8_pow2", _launch_quant,
               doc="per-row e4m3 with scale 2^ceil(log2(max(amax,1e-4)/448)), exact bit arithmetic"),
+    KernelTemplate(
+        family="embedding_rms_norm", backend="triton", ops=("fused.embedding_rms_norm",),
+        launch=_launch_embedding_rms, key_dims=_embedding_key, heuristic=row_heuristic, tunables=TUNABLES,
+        bucket=row_bucket, constraints=row_constraints,
+        supports=lambda a, attrs, target: row_supports(a.operands[0]), batch_invariant=True,
+        doc="table rows gathered by ids (kept) and RMS-normalised in the same pass"),
 ]

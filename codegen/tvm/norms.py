@@ -1,4 +1,6 @@
-"""TVM row-norm family for the CPU: `rms_norm`, `attn_res_mix` and `fused.attn_res_mix_norm`.
+"""TVM row-norm family for the CPU: `rms_norm`, `attn_res_mix`, `fused.attn_res_mix_norm` and
+`fused.embedding_rms_norm` (the rows gathered by indexing, exact copies, then `rms_norm`: the unfused pair's
+numbers on the CPU, where a launch costs nothing worth fusing away).
 
 Per row x[0:d] (fp32 or fp64, the input's dtype):
     rms_norm     y = x / sqrt(sum(x^2)/d + eps) * w                                  (w optional)
@@ -242,6 +244,20 @@ def _launch_mix_norm(a, attrs, config):
     return (prefix, h) if part is not None else h
 
 
+def _launch_embedding_rms(a, attrs, config):
+    table, ids, weight = a.operands
+    e = table[ids]      # exact row copies; a negative id counts from the end, as `embedding` does
+    return e, rms_norm(e, weight, attrs["eps"], config)
+
+
+def _key_embedding(a, attrs) -> dict:
+    table, ids, _ = a.operands
+    n = 1
+    for d in ids.shape:
+        n *= int(d)
+    return {"T": n, "d": int(table.shape[-1]), "n": 1}
+
+
 def _key_rows(x, n: int = 1) -> dict:
     return {"T": _nrows(x), "d": int(x.shape[-1]), "n": n}
 
@@ -266,4 +282,6 @@ TEMPLATES = [] if not HAVE_TVM else [
     _template("tvm_attn_res_mix_norm", "fused.attn_res_mix_norm", _launch_mix_norm,
               lambda a, attrs: _key_rows(_fused_last(a, attrs), int(attrs["bank"]) + 1), _fused_last,
               "prefix add + AttnRes mix + the following RMSNorm on the CPU, one pass per row"),
+    _template("tvm_embedding_rms_norm", "fused.embedding_rms_norm", _launch_embedding_rms, _key_embedding,
+              lambda a, attrs: a.operands[0], "embedding rows (indexing) + rms_norm on the CPU"),
 ]

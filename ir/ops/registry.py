@@ -12,6 +12,10 @@
   every operand and result read or written once);
 - `inplace`: result index -> operand name that the op updates in place (a cache or state pool). The
   operand is consumed: the verifier rejects any later use of it.
+
+Every op also accepts the scheduling attributes of `SCHEDULING_ATTRS`, which say where a node runs, never
+what it computes: `overlap="<what it runs beside>"` puts the node on the runtime's second CUDA stream
+(k31c/runtime/executor.py; set by passes/overlapped_mla_query.py and passes/overlapped_moe_branches.py).
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ class Attr:
 
 def attr(*kinds, default=_REQUIRED) -> Attr:
     return Attr(tuple(kinds), default)
+
+
+SCHEDULING_ATTRS = {"overlap": attr(str)}
 
 
 @dataclass
@@ -85,7 +92,10 @@ class OpDef:
     def check_attrs(self, attrs: dict) -> list[str]:
         problems = []
         for k, v in attrs.items():
-            if k not in self.attrs:
+            if k in SCHEDULING_ATTRS and k not in self.attrs:
+                if not isinstance(v, SCHEDULING_ATTRS[k].kinds):
+                    problems.append(f"scheduling attribute {k}={v!r} must be a string")
+            elif k not in self.attrs:
                 problems.append(f"unknown attribute {k!r} (op {self.name} takes {', '.join(self.attrs) or 'none'})")
             elif not isinstance(v, self.attrs[k].kinds) or (isinstance(v, bool) and bool not in self.attrs[k].kinds
                                                                 and int in self.attrs[k].kinds):

@@ -36,6 +36,15 @@ def bucket_id(template: KernelTemplate, key: dict) -> str:
     return tuning_bucket_id(template.family, template.bucket(key))
 
 
+
+def _tensors(args):
+    """The CUDA tensors among a node's arguments (variadic operands are lists)."""
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            yield from _tensors(a)
+        elif isinstance(a, torch.Tensor) and a.is_cuda:
+            yield a
+
 class Executor(Interpreter):
     def __init__(self, module: Module, weights, choices: list[Choice], *, target: str = "cpu",
                  configs: dict | None = None, batch_invariant: bool = False, tuning=None,
@@ -57,9 +66,18 @@ class Executor(Interpreter):
         self.misses: Counter = Counter()  # bucket_id -> launches that used the heuristic
         self._packed: dict[str, PackedMXFP4] = {}
         self._checked: dict = {}  # (value, shape, dtype, env) -> symbols the check bound (see _check)
-        self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._side = self._side_stream
         self._pending: dict[int, torch.cuda.Event] = {}  # id(Value) produced on the side stream -> its event
         self.overlapped = 0  # nodes run on the side stream
+
+    def set_overlap(self, on: bool) -> bool:
+        """Run `overlap`-annotated nodes on the side stream (on: the default on CUDA) or in order on the main
+        stream (off: benches compare both); returns the previous setting. CUDA graphs captured afterwards
+        follow it (drop the captured ones to re-capture)."""
+        before = self._side is not None
+        self._side = self._side_stream if on else None
+        return before
 
     def run(self, fn, inputs):
         f = self.module.function(fn) if isinstance(fn, str) else fn
@@ -97,6 +115,10 @@ class Executor(Interpreter):
         if self._side is None or "overlap" not in n.attrs:
             return self._dispatch(n, args, env)
         self._side.wait_stream(main)  # its operands were produced on the main stream
+        for t in _tensors(args):
+            # the main stream may drop an operand right after this launch (its last reader): the allocator
+            # must not hand its memory to a main-stream kernel before the side stream has read it
+            t.record_stream(self._side)
         with torch.cuda.stream(self._side):
             outs = self._dispatch(n, args, env)
             ev = torch.cuda.Event()

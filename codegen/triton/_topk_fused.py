@@ -1,0 +1,257 @@
+"""Exact top-k of the DSA indexer in two launches, no memset (`indexer_topk` config SELECT 2, every key a
+candidate: KT = BLOCK_N), for short contexts at small batch (the rank decode step).
+
+Keys: key = (orderable(score) << 32) | (2^32 - 1 - position) (`_score_keys`): signed int64 order is the selection
+order (score desc, position asc) and keys are unique. t16 = the top 16 key bits in unsigned order (sign flipped);
+its top 11 bits are the first radix digit d0 (`_digit0`).
+ 1. `_score_select_kernel`, grid (rows, P): program (row, split) scores tiles split, split + P, ... (BLOCK_N
+    positions each), stores the keys in position order and counts each key three times with relaxed global
+    atomics: by d0 (2048 bins), by t16 (65536 bins) and by w21 = (t16 mod 2048) * 32 + key bits 43..47 (65536
+    bins: the 21-bit prefix, folded). It then arrives at the row's counter (acq_rel, after a barrier). The LAST
+    program to arrive reads three small histograms (`_threshold`): all d0 bins (the topk-th largest key's digit
+    b0), the 32 t16 bins under b0 (5 more bits), and the 32 w21 bins of that 16-bit prefix (5 more bits: used only
+    when they sum to the 16-bit bucket's count, i.e. no other 16-bit bucket folds onto them). Each is a radix
+    step (`_radix_step`) that stops once the boundary bucket is taken whole (scores are 32-bit floats, so a 21-bit
+    prefix leaves ~0-2 keys per bucket at 8K keys). Only when it is not taken whole does it scan the row's keys for
+    the boundary bucket (work row of WB keys, then 8-bit steps in registers; more than WB: 8-bit passes over every
+    key). The exact threshold (prefix, pmask) -- the selection is exactly the keys with (k & pmask) >= prefix --
+    goes to `th`; the counter is reset.
+ 2. `_place_select_kernel`, grid (rows, PARTS): part p counts the selected keys before its range (a compare and a
+    sum, no compaction), writes its selected keys from there in position order (as positions or pool rows: the
+    output ascending) and stores 0 into the histogram bins its keys counted, so the buffer is zero again for the
+    next launch (`zeroed_rows`, the counter protocol of `_gemv.combine_in_launch`).
+The serial program touches ~2100 histogram bins, never the 8K keys (one program streaming 4096 keys costs ~4.5 µs
+on the H200: ~4000 SASS instructions per thread at 8 warps, session 9). A row whose context holds <= topk
+positions is written whole by its program 0 of step 1. PDL: `pdl_enter` first in both kernels. Batch invariant:
+each row from its own keys.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._indexer_tiles import _load_q, _tile_keys
+from ._paging import rows_of
+from ._pdl import launch_kwargs, pdl_enter
+from ._topk_select import INVALID, _collect_vals, _hist_vals, _radix_step
+
+H0 = tl.constexpr(2048)        # d0 bins
+H16 = tl.constexpr(65536)      # t16 bins (and folded w21 bins)
+ROW_WORDS = 2048 + 2 * 65536 + 1   # int32 per row of the zeroed buffer: d0, t16, w21 histograms, arrival counter
+
+
+@triton.jit
+def _top16(k):
+    """The top 16 key bits in unsigned order (0 .. 65535); `_digit0` is its top 11 bits."""
+    return ((k >> 48) & 65535).to(tl.int32) ^ 32768
+
+
+@triton.jit
+def _fold21(t16, k):
+    """The 21-bit prefix folded into 65536 bins: (t16 mod 2048) * 32 + key bits 43..47."""
+    return (t16 & 2047) * 32 + ((k >> 43) & 31).to(tl.int32)
+
+
+@triton.jit
+def _scan_refine(crow, n_c, wrow, need, prefix, pmask, TILE: tl.constexpr, WB: tl.constexpr):
+    """The boundary bucket (keys matching prefix/pmask) gathered from the row's keys (read through L2: other
+    programs wrote them) into the work row; 8-bit steps at bits 40, 32, ..., 0 over it in registers (over every key
+    when more than WB match). Returns (prefix, pmask)."""
+    n_w = tl.zeros([], tl.int32)
+    for off in range(0, n_c, TILE):
+        o = off + tl.arange(0, TILE)
+        k = tl.load(crow + o, mask=o < n_c, other=INVALID, cache_modifier=".cg")
+        hit = (o < n_c) & (k != INVALID) & ((k & pmask) == prefix)
+        at = n_w + tl.cumsum(hit.to(tl.int32), 0) - 1
+        tl.store(wrow + at, k, mask=hit & (at < WB))
+        n_w += tl.sum(hit.to(tl.int32), 0)
+    tl.debug_barrier()
+    idx = tl.arange(0, 256)
+    done = tl.zeros([], tl.int32)
+    if n_w <= WB:
+        wo = tl.arange(0, WB)
+        wk = tl.load(wrow + wo, mask=wo < n_w, other=INVALID)
+        for p in tl.static_range(6):
+            if done == 0:
+                need, prefix, pmask, done = _radix_step(_hist_vals(wk, wo < n_w, prefix, pmask, 40 - 8 * p), idx, need,
+                                                        prefix, pmask, 40 - 8 * p, 8, 0)
+    else:
+        for p in tl.static_range(6):
+            if done == 0:
+                h = tl.zeros([256], tl.int32)
+                for off in range(0, n_c, TILE):
+                    o = off + tl.arange(0, TILE)
+                    k = tl.load(crow + o, mask=o < n_c, other=INVALID, cache_modifier=".cg")
+                    h += _hist_vals(k, o < n_c, prefix, pmask, 40 - 8 * p)
+                need, prefix, pmask, done = _radix_step(h, idx, need, prefix, pmask, 40 - 8 * p, 8, 0)
+    return prefix, pmask
+
+
+@triton.jit
+def _threshold(crow, hrow, n_c, wrow, TOPK, TILE: tl.constexpr, WB: tl.constexpr):
+    """Step 1's last program: (prefix, pmask) of the row's top-k from its three histograms (module doc)."""
+    i11 = tl.arange(0, H0)
+    need, prefix, pmask, done = _radix_step(tl.load(hrow + i11, cache_modifier=".cg"), i11,
+                                            TOPK + tl.zeros([], tl.int32), tl.zeros([], tl.int64),
+                                            tl.zeros([], tl.int64), 53, 11, 1024)
+    i5 = tl.arange(0, 32)
+    if done == 0:
+        b0 = ((prefix >> 53) & 2047).to(tl.int32) ^ 1024
+        need, prefix, pmask, done = _radix_step(tl.load(hrow + H0 + b0 * 32 + i5, cache_modifier=".cg"), i5, need,
+                                                prefix, pmask, 48, 5, 0)
+    if done == 0:
+        t16 = _top16(prefix)
+        h21 = tl.load(hrow + H0 + H16 + (t16 & 2047) * 32 + i5, cache_modifier=".cg")
+        if tl.sum(h21, 0) == tl.load(hrow + H0 + t16, cache_modifier=".cg"):   # no other 16-bit bucket folded in
+            need, prefix, pmask, done = _radix_step(h21, i5, need, prefix, pmask, 43, 5, 0)
+    if done == 0:
+        prefix, pmask = _scan_refine(crow, n_c, wrow, need, prefix, pmask, TILE, WB)
+    return prefix, pmask
+
+
+@triton.jit
+def _score_select_kernel(q_ptr, w_ptr, qs_ptr, k_ptr, ks_ptr, k_sb, k_sr, s_sb, s_sr, tbl_ptr, req_ptr, MB, pos_ptr,
+                         key_ptr, hist_ptr, arrive_ptr, work_ptr, th_ptr, out_ptr, NT, TOPK,
+                         HI: tl.constexpr, DI: tl.constexpr, HP: tl.constexpr, BLOCK_N: tl.constexpr,
+                         KEY_FMT: tl.constexpr, DOT_DT: tl.constexpr, LOG_BS: tl.constexpr, IMPRECISE: tl.constexpr,
+                         TILE: tl.constexpr, WB: tl.constexpr, ROWS_OUT: tl.constexpr, SCORE_ONLY: tl.constexpr,
+                         PDL: tl.constexpr):
+    """Step 1 of the module doc. SCORE_ONLY (a profiling aid): score and count, no arrival, no threshold."""
+    pdl_enter(PDL)
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    ctx = tl.load(pos_ptr + row) + 1
+    if ctx <= TOPK:   # everything is selected
+        if split == 0:
+            tblrow = tbl_ptr + tl.load(req_ptr + row) * MB
+            for j0 in range(0, TOPK, 1024):
+                j = j0 + tl.arange(0, 1024)
+                jj = rows_of(tblrow, j, j < ctx, LOG_BS) if ROWS_OUT else j.to(tl.int64)
+                tl.store(out_ptr + row.to(tl.int64) * TOPK + j, tl.where(j < ctx, jj, -1), mask=j < TOPK)
+    else:
+        tblrow = tbl_ptr + tl.load(req_ptr + row) * MB
+        qa, qb, wq = _load_q(q_ptr, w_ptr, qs_ptr, row, HI, DI, HP, KEY_FMT, DOT_DT)
+        n_tiles = tl.cdiv(ctx, BLOCK_N)
+        crow = key_ptr + row.to(tl.int64) * NT * BLOCK_N
+        hrow = hist_ptr + row.to(tl.int64) * (H0 + 2 * H16)
+        for tile in range(split, n_tiles, tl.num_programs(1)):
+            key = _tile_keys(qa, qb, wq, k_ptr, ks_ptr, k_sb, k_sr, s_sb, s_sr, tblrow, ctx, tile * BLOCK_N, DI,
+                             BLOCK_N, KEY_FMT, DOT_DT, LOG_BS, IMPRECISE)
+            tl.store(crow + tile * BLOCK_N + tl.arange(0, BLOCK_N), key)
+            live = key != INVALID
+            t16 = _top16(key)
+            tl.atomic_add(hrow + (t16 >> 5), 1, mask=live, sem="relaxed")
+            tl.atomic_add(hrow + H0 + t16, 1, mask=live, sem="relaxed")
+            tl.atomic_add(hrow + H0 + H16 + _fold21(t16, key), 1, mask=live, sem="relaxed")
+        if not SCORE_ONLY:
+            tl.debug_barrier()
+            ticket = tl.atomic_add(arrive_ptr + row, 1, sem="acq_rel")
+            if ticket == tl.num_programs(1) - 1:   # the last program of the row: every key and count is visible
+                tl.debug_barrier()
+                prefix, pmask = _threshold(crow, hrow, n_tiles * BLOCK_N, work_ptr + row.to(tl.int64) * WB, TOPK,
+                                           TILE, WB)
+                tl.store(th_ptr + row.to(tl.int64) * 2, prefix)
+                tl.store(th_ptr + row.to(tl.int64) * 2 + 1, pmask)
+                tl.atomic_xchg(arrive_ptr + row, 0, sem="relaxed")
+
+
+@triton.jit
+def _place_select_kernel(key_ptr, hist_ptr, th_ptr, out_ptr, tbl_ptr, req_ptr, MB, pos_ptr, NT, TOPK,
+                         BLOCK_N: tl.constexpr, PARTS: tl.constexpr, TILE: tl.constexpr, OWN: tl.constexpr,
+                         ROWS_OUT: tl.constexpr, LOG_BS: tl.constexpr, PDL: tl.constexpr):
+    """Step 2 of the module doc: part `part` of the row's keys (ranges of ceil(n_c / PARTS) keys), counted before
+    its range TILE keys at a time, its own keys OWN at a time (OWN >= the range: one step)."""
+    pdl_enter(PDL)
+    row = tl.program_id(0)
+    part = tl.program_id(1)
+    ctx = tl.load(pos_ptr + row) + 1
+    if ctx > TOPK:
+        n_c = tl.cdiv(ctx, BLOCK_N) * BLOCK_N
+        per = tl.cdiv(n_c, PARTS)
+        lo = part * per
+        n = tl.maximum(0, tl.minimum(per, n_c - lo))
+        prefix = tl.load(th_ptr + row.to(tl.int64) * 2)
+        pmask = tl.load(th_ptr + row.to(tl.int64) * 2 + 1)
+        crow = key_ptr + row.to(tl.int64) * NT * BLOCK_N
+        hrow = hist_ptr + row.to(tl.int64) * (H0 + 2 * H16)
+        orow = out_ptr + row.to(tl.int64) * TOPK
+        tblrow = tbl_ptr + tl.load(req_ptr + row) * MB
+        cnt = tl.zeros([], tl.int32)
+        for off in range(0, lo, TILE):   # selected keys before this part: the output offset
+            o = off + tl.arange(0, TILE)
+            k = tl.load(crow + o, mask=o < lo, other=INVALID)
+            cnt += tl.sum(((o < lo) & (k != INVALID) & ((k & pmask) >= prefix)).to(tl.int32), 0)
+        for off in range(0, n, OWN):
+            o = off + tl.arange(0, OWN)
+            k = tl.load(crow + lo + o, mask=o < n, other=INVALID)
+            cnt = _collect_vals(k, o < n, prefix, pmask, orow, cnt, tblrow, TOPK, ROWS_OUT, LOG_BS)
+            live = (o < n) & (k != INVALID)   # zero the bins these keys counted (step 1)
+            t16 = _top16(k)
+            tl.store(hrow + (t16 >> 5), 0, mask=live)
+            tl.store(hrow + H0 + t16, 0, mask=live)
+            tl.store(hrow + H0 + H16 + _fold21(t16, k), 0, mask=live)
+        if part == PARTS - 1:
+            for j0 in range(0, TOPK, 1024):
+                j = j0 + tl.arange(0, 1024)
+                tl.store(orow + j, tl.full([1024], -1, tl.int64), mask=(j >= cnt) & (j < TOPK))
+
+
+_ZEROED: dict[tuple, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []   # outgrown buffers: a captured CUDA graph may still point at them
+
+
+def zeroed_rows(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(histograms int32 [rows, 2048 + 2 * 65536], arrival counters int32 [rows]) that are all 0 between launches
+    (step 2 zeroes the bins step 1 counted, step 1 resets the counter), one buffer per (device, stream) as
+    `_gemv.tile_counters`: launches on one stream run one after another. Zeroed once when made (inside a graph
+    capture the zeroing is captured too, harmless); an outgrown buffer is replaced but kept alive."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    bins = ROW_WORDS - 1
+    need = rows * ROW_WORDS
+    buf = _ZEROED.get(key)
+    if buf is None or buf.numel() < need:
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = torch.zeros(max(need, 4 * ROW_WORDS), dtype=torch.int32, device=device)
+        _ZEROED[key] = buf
+    return buf[:rows * bins].view(rows, bins), buf[rows * bins:need]
+
+
+FUSED_ROWS = 64         # rows per launch pair (the zeroed histograms take 520 KB a row)
+
+
+def fused_launch(qc, wc, sc, pools, tbl, rc, MB, pc, oc, NT, topk, cfg, rows_out, score_only, consts):
+    """SELECT 2 (`_topk_fused`): `_score_select_kernel` over grid (rows, SPLITS), then `_place_select_kernel` over
+    grid (rows, SELECT_PARTS); at most FUSED_ROWS rows per launch pair (the zeroed histograms: 520 KB a row).
+    SELECT_TILE: keys per step of the placement's count (the last arriver's rare scan: <= 1024, fewer registers);
+    SELECT_WB: the boundary bucket's work row (rare path); SELECT_WARPS: the placement's warps."""
+    n_all, bn, dev = qc.shape[0], consts["BLOCK_N"], qc.device
+    tile, wb, parts = (int(cfg.get(k, d)) for k, d in (("SELECT_TILE", 4096), ("SELECT_WB", 256), ("SELECT_PARTS", 16)))
+    if any(v & (v - 1) or v < 16 for v in (tile, wb)) or parts & (parts - 1) or not 1 <= parts <= 1024:
+        raise ValueError(f"indexer_topk: config {cfg}: SELECT_TILE / SELECT_WB must be powers of two >= 16, "
+                         f"SELECT_PARTS a power of two in 1..1024")
+    splits = max(1, min(int(cfg["SPLITS"]), NT))
+    for r0 in range(0, n_all, FUSED_ROWS):
+        r1 = min(n_all, r0 + FUSED_ROWS)
+        n = r1 - r0
+        keys = torch.empty(n, NT * bn, dtype=torch.int64, device=dev)
+        work = torch.empty(n, wb, dtype=torch.int64, device=dev)
+        th = torch.empty(n, 2, dtype=torch.int64, device=dev)
+        if score_only:   # profiling: counts go to scratch, the zeroed buffer stays zero
+            hist = torch.empty(n, ROW_WORDS - 1, dtype=torch.int32, device=dev)
+            arrive = hist
+        else:
+            hist, arrive = zeroed_rows(dev, n)
+        _score_select_kernel[(n, splits)](qc[r0:r1], wc[r0:r1], sc[r0:r1], *pools, tbl, rc[r0:r1], MB, pc[r0:r1], keys,
+                                          hist, arrive, work, th, oc[r0:r1], NT, topk, TILE=min(tile, 1024), WB=wb,
+                                          ROWS_OUT=rows_out, SCORE_ONLY=score_only, num_warps=int(cfg["num_warps"]),
+                                          num_stages=int(cfg["num_stages"]), **consts)
+        if not score_only:
+            _place_select_kernel[(n, parts)](keys, hist, th, oc[r0:r1], tbl, rc[r0:r1], MB, pc[r0:r1], NT, topk,
+                                             BLOCK_N=bn, PARTS=parts, TILE=tile, ROWS_OUT=rows_out,
+                                             OWN=min(tile, max(16, triton.next_power_of_2(-(-NT * bn // parts)))),
+                                             LOG_BS=consts["LOG_BS"], num_warps=int(cfg.get("SELECT_WARPS", 8)),
+                                             **launch_kwargs())

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from tests.conftest import tiny_model
-from tests.test_pass_pipeline import (assert_equal_results, assert_ir, assert_same_numerics, expected_counts,
+from tests.test_pass_pipeline import (assert_equal_results, assert_rewrites, assert_same_numerics, expected_counts,
                                       rewritten, run_pass_on_text)
 
 NAME = "attn_res_fusion"
@@ -59,9 +59,7 @@ def _weights_inputs(seed: int) -> tuple[dict, dict]:
 
 
 def test_before_expected_and_equal_results():
-    m, ctx = run_pass_on_text(NAME, BEFORE)
-    assert ctx.counters[NAME] == 2
-    assert_ir(m, EXPECTED)
+    m = assert_rewrites(NAME, BEFORE, EXPECTED, 2)
     assert_equal_results(BEFORE, m, *_weights_inputs(0))
 
 

@@ -11,7 +11,7 @@ from codegen.triton.embedding import embedding
 from codegen.triton.norm_quant import embedding_rms_norm, norm_rot_quant, row_heuristic
 from tests.conftest import tiny_model
 from tests.helpers import assert_close_rel
-from tests.test_pass_pipeline import (assert_equal_results, assert_ir, assert_same_numerics, expected_counts,
+from tests.test_pass_pipeline import (assert_equal_results, assert_rewrites, assert_same_numerics, expected_counts,
                                       rewritten, run_pass_on_text)
 
 NAME = "embedding_norm"
@@ -38,9 +38,7 @@ EXPECTED = HEAD + """
 
 
 def test_before_expected_and_equal_results():
-    m, ctx = run_pass_on_text(NAME, BEFORE)
-    assert ctx.counters[NAME] == 1
-    assert_ir(m, EXPECTED)
+    m = assert_rewrites(NAME, BEFORE, EXPECTED, 1)
     g = torch.Generator().manual_seed(0)
     weights = {"table": torch.randn(10, 8, generator=g), "w": torch.randn(8, generator=g)}
     assert_equal_results(BEFORE, m, weights, {"tokens": torch.tensor([3, 0, 9, -1])})

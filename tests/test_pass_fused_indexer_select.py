@@ -16,7 +16,7 @@ from ir.ref import mla as ref_mla
 from ir.verifier import VerifyError, verify
 from passes.base import PassError
 from tests.conftest import tiny_model
-from tests.test_pass_pipeline import (assert_ir, assert_same_numerics, expected_counts, layer_counts, rewritten,
+from tests.test_pass_pipeline import (assert_rewrites, assert_same_numerics, expected_counts, layer_counts, rewritten,
                                       run_pass_on_text)
 
 NAME = "fused_indexer_select"
@@ -61,9 +61,7 @@ def _inputs(seed=0):
 
 
 def test_before_expected_and_equal_results():
-    m, ctx = run_pass_on_text(NAME, BEFORE)
-    assert ctx.counters[NAME] == 1
-    assert_ir(m, EXPECTED)
+    m = assert_rewrites(NAME, BEFORE, EXPECTED, 1)
     weights = {"kv_b": torch.randn(16, 4, generator=torch.Generator().manual_seed(1))}
     before = Interpreter(parse_module(BEFORE), weights).run("decode", _inputs())
     after = Interpreter(m, weights).run("decode", _inputs())

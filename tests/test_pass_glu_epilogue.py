@@ -12,12 +12,11 @@ import torch
 from codegen.triton.gemm import gemm, heuristic as gemm_heuristic, packed_weight
 from codegen.triton.glu import binary
 from codegen.triton.packed_glu import packed_linear_glu
-from ir.interpreter import Interpreter
-from ir.parser import parse_module
 from ir.ref.basic import situ_glu as situ_ref
 from tests.conftest import tiny_model
 from tests.helpers import assert_close_rel
-from tests.test_pass_pipeline import assert_ir, assert_same_numerics, layer_counts, rewritten, run_pass_on_text
+from tests.test_pass_pipeline import (assert_equal_results, assert_rewrites, assert_same_numerics, layer_counts,
+                                      rewritten, run_pass_on_text)
 
 NAME = "glu_epilogue"
 
@@ -58,15 +57,10 @@ EXPECTED = HEAD + """
 
 
 def test_before_expected_and_equal_results():
-    m, ctx = run_pass_on_text(NAME, BEFORE)
-    assert ctx.counters[NAME] == 1
-    assert_ir(m, EXPECTED)
+    m = assert_rewrites(NAME, BEFORE, EXPECTED, 1)
     g = torch.Generator().manual_seed(0)
     weights = {n: torch.randn(*s, generator=g) for n, s in {"wz": (3, 4), "wg": (5, 4), "wu": (5, 4)}.items()}
-    x = torch.randn(6, 4, generator=g)
-    before = Interpreter(parse_module(BEFORE), weights).run("decode", {"x": x})
-    after = Interpreter(m, weights).run("decode", {"x": x})
-    assert all(torch.equal(a, b) for a, b in zip(after, before))
+    assert_equal_results(BEFORE, m, weights, {"x": torch.randn(6, 4, generator=g)})
 
 
 def test_shared_operands_or_other_readers_are_left_alone():

@@ -18,8 +18,8 @@ from passes.base import PassError
 from k31c.runtime.executor import Executor
 from tests.conftest import tiny_model
 from tests.helpers import assert_close_rel
-from tests.test_pass_pipeline import (assert_ir, assert_same_numerics, expected_counts, layer_counts, rewritten,
-                                      run_pass_on_text)
+from tests.test_pass_pipeline import (assert_ir, assert_rewrites, assert_same_numerics, expected_counts, layer_counts,
+                                      rewritten, run_pass_on_text)
 
 NAME = "kda_decode_fusion"
 
@@ -118,9 +118,7 @@ def _run(m, seed=0):
 
 
 def test_before_expected_and_equal_results():
-    m, ctx = run_pass_on_text(NAME, BEFORE)
-    assert ctx.counters[NAME] == 1  # the chunked prefill layer is left alone
-    assert_ir(m, EXPECTED)
+    m = assert_rewrites(NAME, BEFORE, EXPECTED, 1)  # the chunked prefill layer is left alone
     before, after = _run(parse_module(BEFORE)), _run(m)
     assert all(torch.equal(a, b) for a, b in zip(after, before))  # output, conv state, recurrent state
 

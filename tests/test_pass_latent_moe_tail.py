@@ -10,7 +10,7 @@ from ir.interpreter import Interpreter
 from ir.parser import parse_module
 from ir.ref.basic import rms_norm
 from tests.conftest import tiny_model
-from tests.test_pass_pipeline import (assert_ir, assert_same_numerics, expected_counts, layer_counts, rewritten,
+from tests.test_pass_pipeline import (assert_rewrites, assert_same_numerics, expected_counts, layer_counts, rewritten,
                                       run_pass_on_text)
 
 NAME = "latent_moe_tail"
@@ -47,9 +47,7 @@ EXPECTED = HEAD + """
 
 
 def test_before_expected_and_equal_results():
-    m, ctx = run_pass_on_text(NAME, BEFORE)
-    assert ctx.counters[NAME] == 1
-    assert_ir(m, EXPECTED)
+    m = assert_rewrites(NAME, BEFORE, EXPECTED, 1)
     g = torch.Generator().manual_seed(0)
     weights = {n: torch.randn(*s, generator=g) for n, s in
                {"w1": (3, 5, 4), "w2": (3, 4, 5), "w3": (3, 5, 4), "norm": (4,), "up": (6, 4)}.items()}

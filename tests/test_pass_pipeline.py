@@ -46,6 +46,14 @@ def assert_ir(m: Module, expected: str):
     assert print_module(parse_module(text)) == text
 
 
+def assert_rewrites(name: str, before: str, expected: str, count: int) -> Module:
+    """Pass `name` on the Before text fires `count` times and leaves exactly the Expected text; the module."""
+    m, ctx = run_pass_on_text(name, before)
+    assert ctx.counters[name] == count
+    assert_ir(m, expected)
+    return m
+
+
 def assert_equal_results(before_text: str, after: Module, weights: dict, inputs: dict, fn: str = "decode"):
     """The rewritten module gives the original text's results bit for bit in the reference interpreter."""
     from ir.interpreter import Interpreter

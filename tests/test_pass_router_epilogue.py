@@ -13,12 +13,11 @@ import torch
 from codegen.triton.gemm import gemm, heuristic as gemm_heuristic
 from codegen.triton.moe_router import router
 from codegen.triton.routed_gemm import ROUTE_MAX_M, routed_linear
-from ir.interpreter import Interpreter
-from ir.parser import parse_module
 from ir.ref.moe import moe_router as router_ref
 from tests.conftest import tiny_model
 from tests.helpers import assert_close_rel
-from tests.test_pass_pipeline import assert_ir, assert_same_numerics, layer_counts, rewritten, run_pass_on_text
+from tests.test_pass_pipeline import (assert_equal_results, assert_rewrites, assert_same_numerics, layer_counts,
+                                      rewritten, run_pass_on_text)
 
 NAME = "router_epilogue"
 ATTRS = 'topk=2, activation="sigmoid", renormalize=true, scaling=2.5, n_group=1, topk_group=1'
@@ -68,13 +67,9 @@ def _weights(seed=0):
 
 
 def test_before_expected_and_equal_results():
-    m, ctx = run_pass_on_text(NAME, BEFORE)
-    assert ctx.counters[NAME] == 1
-    assert_ir(m, EXPECTED)
+    m = assert_rewrites(NAME, BEFORE, EXPECTED, 1)
     h = torch.randn(5, 4, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    before = Interpreter(parse_module(BEFORE), _weights()).run("decode", {"h": h})
-    after = Interpreter(m, _weights()).run("decode", {"h": h})
-    assert all(torch.equal(a, b) for a, b in zip(after, before))
+    assert_equal_results(BEFORE, m, _weights(), {"h": h})
 
 
 def test_a_plain_linear_without_bias_is_fused_and_shared_logits_are_left_alone():

@@ -14,7 +14,7 @@ from ir.parser import parse_module
 from ir.ref import mla as ref_mla
 from ir.verifier import VerifyError, verify
 from tests.conftest import tiny_model
-from tests.test_pass_pipeline import (assert_ir, assert_same_numerics, expected_counts, layer_counts, rewritten,
+from tests.test_pass_pipeline import (assert_rewrites, assert_same_numerics, expected_counts, layer_counts, rewritten,
                                       run_pass_on_text)
 
 NAME = "value_gate"
@@ -65,9 +65,7 @@ def _inputs(seed=0):
 
 
 def test_before_expected_and_equal_results():
-    m, ctx = run_pass_on_text(NAME, BEFORE)
-    assert ctx.counters[NAME] == 1  # the decompressed (prefill) attention is left unfused
-    assert_ir(m, EXPECTED)
+    m = assert_rewrites(NAME, BEFORE, EXPECTED, 1)  # the decompressed (prefill) attention is left unfused
     weights = {"kv_b": torch.randn(16, 6, generator=torch.Generator().manual_seed(1))}
     for fn in ("decode", "prefill"):
         before = Interpreter(parse_module(BEFORE), weights).run(fn, _inputs())[0]

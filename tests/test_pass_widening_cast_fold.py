@@ -15,7 +15,7 @@ from ir.interpreter import Interpreter
 from ir.parser import parse_module
 from tests.conftest import tiny_model
 from tests.helpers import assert_close_rel
-from tests.test_pass_pipeline import assert_ir, assert_same_numerics, layer_counts, rewritten, run_pass_on_text
+from tests.test_pass_pipeline import assert_rewrites, assert_same_numerics, layer_counts, rewritten, run_pass_on_text
 
 NAME = "widening_cast_fold"
 
@@ -41,9 +41,7 @@ EXPECTED = HEAD + """
 
 
 def test_before_expected_and_equal_results():
-    m, ctx = run_pass_on_text(NAME, BEFORE)
-    assert ctx.counters[NAME] == 1
-    assert_ir(m, EXPECTED)
+    m = assert_rewrites(NAME, BEFORE, EXPECTED, 1)
     g = torch.Generator().manual_seed(0)
     weights = {"gate": torch.randn(6, 4, generator=g)}
     h = torch.randn(5, 4, generator=g).to(torch.bfloat16)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._mla_tiles import _LN2, _fp8_to, _k_pe, _k_pe_raw, _rows_at, _sub_deq, _sub_raw, _sub_tile
+from ._mla_tiles import (_LN2, _fp8_to, _k_pe, _k_pe_raw, _program_span, _rows_at, _sub_deq, _sub_raw,
+                         _sub_tile)
 from ._pdl import pdl_enter
 
 
@@ -58,16 +59,8 @@ def _mla_heads_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, po
     significant bits kept) before the conversion, and the head's logits by 2^-n after the dots (exact).
     CVT 1 (F16 on an FP8 pool, GPU): rows widened by `_e4m3_to_f16` right after the load."""
     pdl_enter(PDL)
-    t = tl.program_id(0)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    sp = tl.program_id(2)
-    hm = h < H
-    pos = tl.load(pos_ptr + t)
-    tblrow = tbl_ptr + tl.load(req_ptr + t) * MB
-    n_ctx = KSEL if SPARSE else pos + 1
-    start = sp * CHUNK
-    end = tl.minimum(start + CHUNK, n_ctx)
-    th = t.to(tl.int64) * H + h
+    t, h, hm, th, sp, tblrow, start, end = _program_span(pos_ptr, tbl_ptr, req_ptr, MB, H, KSEL, CHUNK, BLOCK_H,
+                                                         SPARSE)
     k = tl.arange(0, KV)
     r = tl.arange(0, DR)
     qa = tl.load(qa_ptr + th[:, None] * KV + k[None, :], mask=hm[:, None], other=0.0)   # [BLOCK_H, KV]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._mla_tiles import _LN2, _k_pe, _rows_at, _sub_tile
+from ._mla_tiles import _LN2, _k_pe, _program_span, _rows_at, _sub_tile
 from ._pdl import pdl_enter
 
 
@@ -43,16 +43,8 @@ def _mla_sparse_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, p
     PAGED: context entries are request positions, mapped to pool rows through the token's block-table
     row; otherwise they are pool rows already (a selection of rows)."""
     pdl_enter(PDL)
-    t = tl.program_id(0)  # tokens on grid axis 0 (up to 2**31 - 1; axes 1 and 2 stop at 65535)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    sp = tl.program_id(2)
-    hm = h < H
-    pos = tl.load(pos_ptr + t)
-    tblrow = tbl_ptr + tl.load(req_ptr + t) * MB
-    n_ctx = KSEL if SPARSE else pos + 1
-    start = sp * CHUNK
-    end = tl.minimum(start + CHUNK, n_ctx)
-    th = t.to(tl.int64) * H + h                                    # [BLOCK_H] row of q / o
+    t, h, hm, th, sp, tblrow, start, end = _program_span(pos_ptr, tbl_ptr, req_ptr, MB, H, KSEL, CHUNK, BLOCK_H,
+                                                         SPARSE)
     r = tl.arange(0, DR)
     qpT = tl.load(qp_ptr + th[None, :] * DR + r[:, None], mask=hm[None, :], other=0.0).to(DOT_DT)
     KB: tl.constexpr = KV // SUB

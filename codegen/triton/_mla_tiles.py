@@ -164,3 +164,17 @@ def _combine_kernel(po_ptr, plse_ptr, o_ptr, lse_ptr, NSPLIT, KV: tl.constexpr, 
     if tl.program_id(1) == 0:
         tl.store(lse_ptr + i, tl.where(den > 0.0, mx + tl.log(den), float("-inf")))
 
+
+@triton.jit
+def _program_span(pos_ptr, tbl_ptr, req_ptr, MB, H, KSEL, CHUNK, BLOCK_H: tl.constexpr, SPARSE: tl.constexpr):
+    """What a sparse-MLA program works on (grid: tokens, head blocks, context splits): token t, heads h
+    [BLOCK_H] (hm: those that exist), th = t·H + h (the q / o row), split sp, the token's block-table row and
+    its piece [start, end) of the context (the KSEL selected entries, or positions 0..pos)."""
+    t = tl.program_id(0)  # tokens on grid axis 0 (up to 2**31 - 1; axes 1 and 2 stop at 65535)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    sp = tl.program_id(2)
+    tblrow = tbl_ptr + tl.load(req_ptr + t) * MB
+    n_ctx = KSEL if SPARSE else tl.load(pos_ptr + t) + 1
+    start = sp * CHUNK
+    end = tl.minimum(start + CHUNK, n_ctx)
+    return t, h, h < H, t.to(tl.int64) * H + h, sp, tblrow, start, end

@@ -96,7 +96,8 @@ def idx_variants(T, L, K):
                dict(two, BLOCK_N=64, KT=64, SPLITS=2 * two["SPLITS"]) if L <= 8192 else
                dict(two, SPLITS=max(1, two["SPLITS"] // 2))]
         out = out[:2] if T > 1 else out
-    else:
+    else:   # long contexts: the default only (session 10: PREFETCH 1 under a 168-register cap, 3 programs per SM,
+        # 481-483 us vs 433; uncapped, session 8: 656)
         out = []
     seen, uniq = [], []
     for c in [base] + out:
@@ -104,3 +105,24 @@ def idx_variants(T, L, K):
             seen.append(c)
             uniq.append(c)
     return base, uniq
+
+
+def mla_variants(T):
+    """(heuristic's config, variants) of the F16 path (fp16 dots, per-head power-of-two query scaling): the session-9
+    default (no LSUM), LSUM 1 (softmax denominators per row lane, summed once after the loop: 7 barriers per step
+    instead of 10, 671 SASS instructions per thread against 696, Triton 3.7 build) with 2-4 stages (4: gathered rows
+    two steps ahead, 110.6 KB of shared memory, still 2 programs per SM) and CHUNK 256. Session 10 measured and
+    removed (batch 64): an L1 prefetch of the piece's selection, rescaling only where a maximum moved, the query
+    operand re-laid out from shared memory under a 168-register cap (3 programs per SM): 74.7-106 us vs 74.2."""
+    from codegen.triton.mla_sparse import heuristic
+    base = heuristic({"H": 12, "L": 2048, "KV": 512, "fmt": 1, "sparse": 1, "T": T, "bi": 0}, "cpu" if SMOKE else "h200")
+    if SMOKE:
+        return base, [base, dict(base, F16=1), dict(base, F16=1, LSUM=1)]
+    s9 = dict(ORIENT=1, BLOCK_H=16, BLOCK_N=32, num_warps=4, PREFETCH=1, F16=1,
+              **(dict(num_stages=3, CHUNK=512) if T >= 32 else dict(num_stages=1, CHUNK=32)))
+    if T == 1:
+        alt = [s9, dict(s9, LSUM=1), dict(s9, LSUM=1, num_stages=2), dict(s9, LSUM=1, CHUNK=64, num_stages=2)]
+    else:
+        alt = [s9, dict(s9, LSUM=1), dict(s9, num_stages=4), dict(s9, LSUM=1, num_stages=4),
+               dict(s9, LSUM=1, num_stages=4, CHUNK=256), dict(s9, LSUM=1, num_stages=2)]
+    return base, [base] + [c for c in alt if c != base]

@@ -8,6 +8,7 @@ Importing this module before triton selects the interpreter when no GPU is prese
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -92,6 +93,21 @@ def fla_prefill(x, lengths):
     return lambda: fla()[0](*args, scale=D ** -0.5, initial_state=init, output_final_state=True)  # noqa: E731
 
 
+def kernel_split_ms(fn, calls=3) -> dict:
+    """ms per call of each GPU kernel fn launches (torch.profiler, after one warm-up call): where the time goes."""
+    fn(), torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out: dict = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t > 0:
+            out[ev.key[:60]] = round(out.get(ev.key[:60], 0) + t / calls / 1e3, 4)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 # ------------------------------------------------------------------------------------------ decode
 def decode_operands(lengths, heads, seed=1):
     """The fused node's 17 operands (fp32; `low` casts them), K3 gate with dt_bias, conv width 4, rank D."""
@@ -102,6 +118,12 @@ def decode_operands(lengths, heads, seed=1):
     return [r(T, P), r(T, P), r(T, P), r(P, K) * 0.5, r(P, K) * 0.5, r(P, K) * 0.5, r(R + 1, K - 1, 3 * P),
             r(T, D), r(P, D) / D ** 0.5, r(heads) * 0.5, r(P), r(T, heads), r(R + 1, heads, D, D) * 0.3, r(T, P),
             r(D), torch.arange(1, R + 1, device=DEV), cu]
+
+
+def dec(split, bv, rb=128, gemv=0, early=1, warps=4, gate_mm=0, maxnreg=0, prefetch=1):
+    """A fused-decode config (kda_decode's template keys)."""
+    return {"SPLIT": split, "BV": bv, "WARPS": warps, "PREFETCH": prefetch, "GATE_MM": gate_mm, "RB": rb,
+            "MAXNREG": maxnreg, "GEMV": gemv, "EARLY": early}
 
 
 def low(ops):
@@ -156,6 +178,30 @@ def _fla_compile_only(part, parts):
     Autotuner._bench = bench
 
 
+def poison_key(*parts) -> str:
+    return json.dumps(parts, sort_keys=True, default=str)
+
+
+def poisoned(suffix="") -> set:
+    """Keys (`poison_key`) of the candidates that killed a warm-up's CUDA context (an illegal address: every later
+    call of that process fails, so the main process must not run them): one per line of $KDA_BENCH_POISON; with
+    suffix ".ok", those a warm-up ran without error."""
+    path = os.environ.get("KDA_BENCH_POISON", "") + suffix
+    return set(open(path).read().split("\n")) - {""} if len(path) > len(suffix) and os.path.exists(path) else set()
+
+
+def _warm_one(key, fn):
+    """Run fn once (synchronised, so an asynchronous fault is its own); a CUDA error is noted and ends the process."""
+    res: dict = {}
+    attempt(res, "warm", lambda: (fn(), torch.cuda.synchronize()))
+    bad = "CUDA error" in res.get("warm_error", "")
+    if os.environ.get("KDA_BENCH_POISON"):
+        with open(os.environ["KDA_BENCH_POISON"] + ("" if bad else ".ok"), "a") as f:
+            f.write(key + "\n")
+    if bad:
+        os._exit(3)
+
+
 def warm_up(what, prefill_configs, decode_jobs, decode_cases):
     """Subprocess: compile into the disk cache (a failing candidate is skipped: the check phase records it) part
     i of n ("prefill:i:n", "decode:i:n") of our prefill configs / decode jobs (B, heads, qlen, config, pdl), or
@@ -165,11 +211,12 @@ def warm_up(what, prefill_configs, decode_jobs, decode_cases):
     if kind == "prefill":
         x = prefill_inputs([T_PRE])
         for cfg in prefill_configs[i::n]:
-            attempt({}, "warm", ours_prefill(x, x["pool"].clone(), cfg))
+            _warm_one(poison_key("prefill", cfg), ours_prefill(x, x["pool"].clone(), cfg))
     if kind == "decode":
         for B, heads, qlen, cfg, pdl in decode_jobs[i::n]:
             _pdl.set_enabled(pdl)
-            attempt({}, "warm", decode_run(low(decode_operands([qlen] * B, heads)), cfg, keep=qlen > 1))
+            _warm_one(poison_key("decode", B, heads, qlen, cfg),
+                      decode_run(low(decode_operands([qlen] * B, heads)), cfg, keep=qlen > 1))
     if kind == "fla":
         _fla_compile_only(i, n)
         for B, heads, qlen, *_ in decode_cases if i == 0 else []:

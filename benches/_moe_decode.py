@@ -57,14 +57,9 @@ DECODE_VARIANTS = {      # (T, k) -> named overrides of the heuristic's config, 
     # 128-row tiles on 2 warps (mma.sync), which halve the activation tiles re-read from L2 per weight byte (the
     # down kernel reads as many activation bytes as weight bytes at BN2=64; BN2=128 gained 8% in the first SL=3):
     # down 128 x 64 (138 registers, no spill), gate-up 128 x 64 too (214 registers: 4 programs an SM)
-    (64, 16): {"sl3": {"SL": 3},
-               "sl3_bk64_s4": {"SL": 3, "BK": 64, "BK2": 64, "num_stages": 4},
-               "sl3_bk64_s4_dn128": {"SL": 3, "BK": 64, "BK2": 64, "BN2": 128, "num_stages": 4},
-               "dn128_bk64": {"BN2": 128, "BK2": 64},
-               "up128_dn128_bk64_s4": {"BN": 128, "BK": 64, "BN2": 128, "BK2": 64, "num_stages": 4, "MAXNREG": 0},
-               # 32-token tiles: the bench's routings give ~102 live experts but ~121 16-token tiles (an expert's
-               # second tile decodes its weights again), ~103 32-token tiles (210 registers, no spill)
-               "bm32_sl3_bk64_s4": {"BM": 32, "SL": 3, "BK": 64, "BK2": 64, "num_stages": 4, "MAXNREG": 0}},
+    # T=64 top-16: swept in bench_moe.py's t64 section (_moe_t64.py), the gate-up and down kernels apart (these
+    # variants would stack on DECODE_T64's register caps and mislead)
+    (64, 16): {},
 }
 
 

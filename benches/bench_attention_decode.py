@@ -22,9 +22,12 @@ selection vs the IR reference (exact, ties to the lower position), MLA o~ / lse 
 eager bitwise over 50 replays with PDL on (a kernel breaking the PDL contract races). Ratios: bytes the call must
 read / time vs the measured bandwidth (`frac_of_measured_bw`), and previous / new (`summary`; MLA also the best
 opt-in F16 variant vs the default, checked the same way; the indexer also its best SELECT 2 variant). Breakdowns:
-the best SELECT 2 config's score pass alone (its SCORE_ONLY specialisation, no memset), MLA's best without the
-query absorption. `kernels`: registers, spills, shared memory of every compiled indexer / MLA specialisation
-(`_attention_checks.kernel_inventory`); `zeroed_workspace_after_all`: SELECT 2 left its histograms at zero.
+the best SELECT 2 config's score pass alone (its SCORE_ONLY specialisation, no memset), the long-context default's
+score pass alone (`stop_after="score"`: the rest is candidate filter, merge and rescore), MLA's best without the
+query absorption, and at batch 64 MLA's default and best with every token reading token 0's rows (L2 resident: the
+kernel's cost without HBM) and with contiguous 64-row blocks (`_mla_diagnostics`). `kernels`: registers, spills,
+shared memory of every compiled indexer / MLA specialisation (`_attention_checks.kernel_inventory`);
+`zeroed_workspace_after_all`: SELECT 2 left its histograms at zero.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ if SMOKE:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 import bench_attention as ba  # noqa: E402  (inputs, paging, indexer check; reads BENCH_SMOKE itself)
 from codegen.triton import _pdl  # noqa: E402
-from _attention_checks import graph_vs_eager, kernel_inventory  # noqa: E402
+from _attention_checks import graph_vs_eager, kernel_inventory, mla_variants as _mla_variants  # noqa: E402
 from _attention_checks import idx_previous_config as _idx_prev, idx_variants as _idx_variants  # noqa: E402
 
 BS, SCALE = ba.BLOCK_SIZE, ba.SCALE
@@ -163,6 +166,9 @@ def sec_idx(tag, warm=None):
     new = prev if base == prev_cfg else measure(f"{tag}_new_default", calls(base), nbytes, config=base)
     off = measure(f"{tag}_new_default_pdl_off", calls(base), nbytes, pdl=False, config=base)
     check(f"{tag}_new_default_vs_ir_reference", lambda: ba._indexer_check(sets[0], K, base))
+    if base.get("SELECT") != 2:   # score pass vs the rest (candidates merge / select) of the default path
+        measure(f"{tag}_new_default_score_pass_only", [ba._indexer_call(d, K, base, stop_after="score") for d in sets],
+                nbytes, config=base)
     check(f"{tag}_new_default_graph_vs_eager", lambda: graph_vs_eager(calls(base)[0]))
     ms = [new]
     for i, cfg in enumerate(variants[1:]):
@@ -223,22 +229,16 @@ def _mla_check(d, cfg):
     return {"ok": fin and e_o < 2e-2 and e_l < 2e-3, "config": cfg, "rel_err_o": e_o, "rel_err_lse": e_l}
 
 
-def _mla_variants(T):
-    """(heuristic's config, variants): F16 1 (fp16 dots with per-head power-of-two query scaling; e4m3 rows widened
-    in registers before any re-layout: 701 SASS instructions per step-thread in the loop against 1611, Triton 3.7
-    build) with its step / chunk / pipelining options, and the session-7 sweep's best (CHUNK 512)."""
-    from codegen.triton.mla_sparse import heuristic
-    base = heuristic({"H": 12, "L": 2048, "KV": 512, "fmt": 1, "sparse": 1, "T": T, "bi": 0}, "cpu" if SMOKE else "h200")
-    if SMOKE:
-        return base, [base, dict(base, F16=1)]
-    f16 = dict(base, F16=1)
-    if T == 1:
-        alt = [f16, dict(f16, num_stages=2), dict(base, BLOCK_N=64, num_warps=8, num_stages=2, CHUNK=64)]
-    else:
-        alt = [dict(base, CHUNK=512), f16, dict(f16, CHUNK=512), dict(f16, num_stages=2), dict(f16, CHUNK=512, num_stages=2),
-               dict(f16, CHUNK=512, num_stages=3), dict(f16, PREFETCH=0, num_stages=2, CHUNK=512),
-               dict(f16, BLOCK_N=64, num_warps=8, CHUNK=512), dict(f16, BLOCK_N=16, CHUNK=512), dict(f16, CHUNK=128)]
-    return base, [base] + [c for c in alt if c != base]
+def _mla_diagnostics(tag, d, cfgs, nbytes):
+    """Where the time goes at batch 64: the same launches with every token reading token 0's rows (1.2 MB, L2
+    resident: what the kernel costs without HBM) and with each token's first K positions (whole 64-row blocks,
+    36 KB contiguous: DRAM locality) instead of a random selection."""
+    T = d["rows"].shape[0]
+    l2 = dict(d, rows=d["rows"][:1].expand(T, -1).contiguous())
+    seq = dict(d, rows=ba._all_rows(d["tbl"], d["ctx"])[:, :d["rows"].shape[1]].contiguous())
+    for name, cfg in cfgs:
+        measure(f"{tag}_diag_{name}_l2_resident_rows", [_mla_call(l2, cfg)], nbytes, config=cfg)
+        measure(f"{tag}_diag_{name}_contiguous_rows", [_mla_call(seq, cfg)], nbytes, config=cfg)
 
 
 def sec_mla(tag, warm=None):
@@ -267,6 +267,9 @@ def sec_mla(tag, warm=None):
     ms = [new] + [measure(f"{tag}_variant{i}", [_mla_call(d, cfg) for d in sets], nbytes, config=cfg)
                   for i, cfg in enumerate(variants[1:])]
     best = _summarize(tag, prev, new, ms)
+    for i, m in enumerate(ms[1:]):   # every timed variant with a new option: vs float64
+        if m and (m["config"].get("LSUM") or m["config"].get("num_stages", 1) > 3):
+            check(f"{tag}_variant{i}_vs_float64", lambda: _mla_check(sets[0], m["config"]))
     f16 = [m for m in ms if m and m.get("config", {}).get("F16")]
     best16 = min(f16, key=lambda m: m["median_us"], default=None)
     if new and best16 and tag in DOC["summary"]:   # F16 is opt-in until measured: the heuristic's default vs it
@@ -278,6 +281,11 @@ def sec_mla(tag, warm=None):
         DOC["summary"][tag]["new_default_pdl_off_us"] = off["median_us"]
     if best is not None and best is not new:
         check(f"{tag}_best_vs_float64", lambda: _mla_check(sets[0], best["config"]))
+        off_b = measure(f"{tag}_best_pdl_off", [_mla_call(d, best["config"]) for d in sets], nbytes, pdl=False)
+        DOC["summary"].get(tag, {})["best_pdl_off_us"] = off_b and off_b["median_us"]
+    if T > 1 and new:
+        _mla_diagnostics(tag, sets[0], [("default", base)] + ([("best", best["config"])] if best and best is not new
+                                                              else []), nbytes)
     if best is not None and not SMOKE:   # without the query absorption (and o~ kept in bf16): kernel + combine
         from codegen.triton.mla_sparse import sparse_latent_attention, split_kv_b
         d = sets[0]

@@ -7,12 +7,14 @@ cache in parallel; every timing waits for them to end:
          the rank preset; B=64 x 8 tokens with states kept); prefill kernel-2 tiles and kernel-1 variants at B=1
          T=8192 vs ir.ref
   time   copy bandwidth (the byte floors) and launch gap; decode per launch in ONE CUDA graph of launches on
-         distinct (L2-cold) pools, PDL on (new candidates first, then the previous ones), the previous heuristic
-         and the best with PDL off; fla fused_recurrent_kda (f given; + the f GEMM), floor B*H*D*D*4*2 bytes; a
-         PDL race check per case (a chain whose every launch reads the previous one's output and the state the
-         launch two back wrote: graph replays with PDL equal PDL-off eager launches, bitwise); prefill B=4 x 8192
-         kernel-1 variants and kernel-2 tiles apart, whole prefill (heuristic, previous, best tiles, best kernel 1
-         with the best tiles) vs fla chunk_kda; then B=1 x 8192 and 1 x 32768 while time is left
+         distinct (L2-cold) pools, PDL on (new candidates, then the previous ones), the previous heuristic and the
+         best with PDL off; fla fused_recurrent_kda (f given; + the f GEMM), floor B*H*D*D*4*2 bytes; a PDL race
+         check per case (graph replays of a chain reading the previous launch's output and the state written two
+         launches back equal PDL-off eager launches, bitwise); prefill B=4 x 8192: kernel-1 variants and kernel-2
+         tiles apart, whole prefill (heuristic, previous, best tiles, best kernel 1 with the best tiles; per-kernel
+         split by torch.profiler, fla's too) vs fla chunk_kda; then B=1 x 8192 and 1 x 32768 while time is left
+A candidate whose warm-up met a CUDA error (a dead context: in session 10 one kernel-1 variant's illegal address ended
+every later case) is skipped, and new kernel-1 variants run here only once a warm-up ran them cleanly.
 Run: `python benches/bench_kda.py` on a CUDA machine; cases that would start after KDA_BENCH_DEADLINE_S (140) are
 skipped; KDA_BENCH_SWEEP=1 adds session 9's (slower) variants; KDA_BENCH_FLA_PREFILL=0 leaves fla's prefill out;
 KDA_BENCH_TINY=1: toy shapes in the interpreter (a dry run on a CPU).
@@ -28,9 +30,12 @@ import time
 
 import torch
 # _kda_bench_inputs before triton: it picks the interpreter on a CPU
-from _kda_bench_inputs import (ACT, B_DEC, DEV, FLA, FLA_PREFILL, H, H_RANK, T_PRE, TINY, D, attempt,  # noqa: I001
-                               decode_operands, decode_run, f_given, fla_decode, fla_prefill, low, n_chain,
-                               ours_prefill, prefill_bytes, prefill_inputs, rel, resources, wait_all, warm_up)
+from _kda_bench_inputs import (ACT, DEV, FLA, FLA_PREFILL, H, T_PRE, TINY, D, attempt,  # noqa: I001
+                               decode_operands, decode_run, f_given, fla_decode, fla_prefill, kernel_split_ms, low,
+                               n_chain, ours_prefill, poison_key, poisoned, prefill_bytes, prefill_inputs, rel,
+                               resources, wait_all, warm_up)
+from _kda_bench_variants import (_INTRA_KEYS, DECODE_CASES, PREV_PREFILL, decode_candidates, decode_jobs,  # noqa: I001
+                                 state_configs)
 from _report import BenchReport, copy_bandwidth_GBps, graph_ms, median_ms  # benches/ (the script's folder)
 
 import triton  # noqa: E402
@@ -38,7 +43,8 @@ import triton.language as tl  # noqa: E402
 
 from codegen.triton import _pdl  # noqa: E402
 from codegen.triton._kda_common import device_chunk_table  # noqa: E402
-from codegen.triton.kda_decode import heuristic as decode_heuristic  # noqa: E402
+from codegen.triton._kda_intra64 import _kda_intra64_kernel  # noqa: E402
+from codegen.triton._kda_state import _kda_state_kernel  # noqa: E402
 from codegen.triton.kda_prefill import heuristic as prefill_heuristic, run_intra, run_state  # noqa: E402
 from ir.ref import kda as ref  # noqa: E402
 from tests.kda_decode_case import unfused_decode as unfused  # noqa: E402  (the fp32 op sequence the kernel fuses)
@@ -48,43 +54,6 @@ DOC, save, section = REPORT.doc, REPORT.save, REPORT.section
 ms = lambda fn, rep=100: median_ms(fn, DEV, rep)  # noqa: E731
 STATE: dict = {}  # results of the check phase the time phase uses
 DEADLINE = float(os.environ.get("KDA_BENCH_DEADLINE_S", "140"))  # later cases are skipped
-# previous = the heuristic of sessions 5-7 (benches/results/h200-2026-11-29-s6/kda_helper.json)
-PREV_PREFILL = {"BK": 64, "BV_INTRA": 64, "WARPS_INTRA": 4, "STAGES_INTRA": 2, "BV": 32, "WARPS": 4, "STAGES": 3,
-                "SPLIT_INTRA": 0, "LOWP_A": 1, "LOWP_WU": 1}
-# KDA_BENCH_SWEEP=1 adds session 8 round 2 sweep (benches/results/h200-2026-11-30-s8/kda_round2.json): every variant
-# was slower than the heuristic, so the default run leaves it out
-SWEEP = os.environ.get("KDA_BENCH_SWEEP") == "1"
-# kernel 2 (BV, WARPS, STAGES), timed at B=4 (ms, s8 r2; heuristic 128 x 4 x 2: 0.519): 64 x 4 x 1 0.706, 128 x 4 x 1
-# 0.850, 64 x 8 x 1 1.312; s8: 128 x 8 x 2 0.634, 32 x 4 x 3 1.036; 64 x 4 x 3 0.570 (kept as the runner-up)
-STATE_VARIANTS = [(64, 4, 1), (128, 4, 1), (64, 8, 1)] * SWEEP + [(128, 4, 2), (64, 4, 3)]
-# kernel 1 over the heuristic's config, timed at B=4 (ms; heuristic BK 64, BV_INTRA 64, 4 warps, 2 stages: 2.684):
-# s8 round 2: 1 stage 2.862, BK 32 x 1 stage 3.432, BV_INTRA 128 2.853, BV_INTRA 32 2.992, BK 32 + BV_INTRA 128 2.827,
-# 2 warps 5.281; s8: 8 warps 4.67, BK 128 x 8 warps 4.91, 3 stages 4.23
-_INTRA_KEYS = ("BK", "BV_INTRA", "WARPS_INTRA", "STAGES_INTRA")
-INTRA_VARIANTS = [{"STAGES_INTRA": 1}, {"BK": 32, "STAGES_INTRA": 1}, {"BV_INTRA": 128}, {"BV_INTRA": 32},
-                  {"BK": 32, "BV_INTRA": 128}, {"WARPS_INTRA": 2}] * SWEEP
-
-
-def dec(split, bv, rb=128, gemv=0, early=1, warps=4, gate_mm=0, maxnreg=0, prefetch=1):
-    return {"SPLIT": split, "BV": bv, "WARPS": warps, "PREFETCH": prefetch, "GATE_MM": gate_mm, "RB": rb,
-            "MAXNREG": maxnreg, "GEMV": gemv, "EARLY": early}
-
-
-# (B, heads, tokens per request, new candidates, previous ones): previous = the session-8 heuristic first; EARLY=1
-# loads the weights, the metadata and the state block before the PDL wait. Session 8 also timed split 16, one
-# program per head (8 / 16 warps), GEMV gates at B=1 and MAXNREG 168 / one [D, 128] block / BV 32 at B=64: all
-# slower (kda_decode.heuristic's docstring). Session 9 at B=64 (µs; heuristic 88.2): split programs (one
-# [D, D/split] block each) with the gate GEMM before the kernel: split 2 EARLY 145.7, split 2 130.7, split 4 EARLY
-# 166.9; split 2 EARLY with the whole rank in one in-kernel step 160.1; one program per head with 8 warps 137.6
-DECODE_CASES = [
-    (B_DEC, H, 1, [dec(2, 64, gate_mm=1), dec(2, 64, early=0, gate_mm=1), dec(4, 32, gate_mm=1), dec(2, 64),
-                   dec(1, 64, 32, early=0, gate_mm=1, warps=8)] * SWEEP,
-     [dec(1, 64, 32, early=0, gate_mm=1), dec(1, 64, 32, early=0, gemv=1)]),
-    (1, H_RANK, 1, [], [dec(4, 32), dec(8, 16, early=0)]),
-    (1, H, 1, [], [dec(4, 32), dec(2, 64)]),
-    (B_DEC, H, 8, [], [dec(1, 64, 32, early=0)])]
-
-
 def late(what) -> bool:  # past the deadline: note the skipped case
     over = time.time() - REPORT.t0 > DEADLINE
     DOC["notes"] += [f"{what} skipped: past KDA_BENCH_DEADLINE_S={DEADLINE:.0f}"] if over else []
@@ -112,32 +81,6 @@ def _empty_kernel(x):
     tl.store(x + tl.program_id(0), 1.0)
 
 
-def state_configs():
-    """Kernel-2 tiles and kernel-1 variants (over the previous config), as (kind, full config)."""
-    state = [{**PREV_PREFILL, "BV": min(bv, D), "WARPS": w, "STAGES": st} for bv, w, st in STATE_VARIANTS]
-    return [("state", c) for i, c in enumerate(state) if c not in state[:i]] + \
-        [("intra", {**PREV_PREFILL, **v, "BK": min(v.get("BK", 64), D)}) for v in INTRA_VARIANTS]
-
-
-def decode_candidates(B, heads, qlen, new, previous):
-    """New candidates, then the previous ones (the first: the session-8 heuristic), then the heuristic if not among
-    them; returns (candidates, heuristic, index of the previous heuristic)."""
-    heur = decode_heuristic({"D": D, "H": heads, "R": B, "T": B * qlen}, DEV)
-    cands = [{**c, "BV": min(c["BV"], D // c["SPLIT"])} for c in new + previous]
-    return cands + ([heur] if heur not in cands else []), heur, len(new)
-
-
-def decode_jobs():
-    """(B, heads, qlen, config, pdl) the decode warm-ups compile: every candidate with PDL on, and with PDL off the
-    previous heuristic and the first new candidate."""
-    jobs = []
-    for B, heads, qlen, new, prev in DECODE_CASES:
-        cands, _, i_prev = decode_candidates(B, heads, qlen, new, prev)
-        jobs += [(B, heads, qlen, c, pdl) for j, c in enumerate(cands) for pdl in (True, False)
-                 if pdl or j in (0, i_prev)]
-    return jobs
-
-
 # ------------------------------------------------------------------------------------------ checks
 @section
 def check_decode():
@@ -150,6 +93,9 @@ def check_decode():
         cands, heur, i_prev = decode_candidates(B, heads, qlen, new, prev)
         ok = []
         for i, cfg in enumerate(cands):
+            if poison_key("decode", B, heads, qlen, cfg) in poisoned():  # it would kill this process's context
+                record(f"decode_check_B{B}_H{heads}_q{qlen}", config=cfg, error="CUDA error in its warm-up: skipped")
+                continue
             try:
                 out = decode_run(low(ops), cfg, keep=qlen > 1)()
                 errs = dict(rel_err_out=rel(out[0].float(), y_ref), rel_err_state=rel(out[2][1:], want[12][1:]))
@@ -173,6 +119,10 @@ def check_prefill():
     o_ref = ref.kda_chunked(x["q"], x["k"], x["v"], x["g"], x["beta"], want, x["slots"], x["cu"], D ** -0.5)
     STATE["state"], STATE["intra"] = [], []
     for kind, cfg in state_configs():
+        key = poison_key("prefill", cfg)  # new kernel-1 variants run here only after a warm-up ran them cleanly
+        if key in poisoned() or (kind == "intra" and DEV == "cuda" and key not in poisoned(".ok")):
+            record(f"prefill_check_{kind}", config=cfg, error="CUDA error in its warm-up, or not warmed up: skipped")
+            continue
         mine = x["pool"].clone()
         try:
             o = ours_prefill(x, mine, cfg)()
@@ -182,7 +132,8 @@ def check_prefill():
             record(f"prefill_check_{kind}", T=T_PRE, **errs, tol=1e-2, ok=good, config=cfg)
         except Exception as e:  # noqa: BLE001
             record(f"prefill_check_{kind}", config=cfg, error=f"{type(e).__name__}: {str(e)[:200]}")
-    DOC["kernel_resources_prefill"] = resources(intra=pre._kda_intra_kernel, state=pre._kda_state_kernel)
+    DOC["kernel_resources_prefill"] = resources(intra=pre._kda_intra_kernel, intra64=_kda_intra64_kernel,
+                                                state=_kda_state_kernel)
 
 
 @section
@@ -303,7 +254,7 @@ def time_prefill_case(lengths, variants=False):
     intra = [(ms(lambda: run_intra(*args, heur), rep=50), heur)]
     res["intra_ms"] = intra[0][0]
     for cfg in STATE.get("intra", []) if variants else []:  # kernel 1 alone (the variant's own workspace)
-        key = "intra_ms_" + "_".join(f"{k}{cfg[k]}" for k in _INTRA_KEYS)
+        key = "intra_ms_" + "_".join(f"{k}{cfg.get(k, 0)}" for k in _INTRA_KEYS)
         attempt(res, key, lambda: ms(lambda: run_intra(*args, cfg), rep=50))  # noqa: B023
         intra += [(res[key], cfg)] if key in res else []
     for cfg in (STATE.get("state") or [PREV_PREFILL]) if variants else []:
@@ -322,8 +273,11 @@ def time_prefill_case(lengths, variants=False):
         res["best_state_tiles"] = {k: best[1][k] for k in ("BV", "WARPS", "STAGES")}
         res["best_state_tiles_ms"] = ms(ours_prefill(x, x["pool"].clone(), best[1]))  # kernel 1 as the heuristic's
         k1 = min(intra, key=lambda p: p[0])[1]  # the fastest kernel 1 with the fastest kernel-2 tiles
-        res["best_config"] = {**best[1], **{k: k1[k] for k in _INTRA_KEYS}}
+        res["best_config"] = STATE["best_intra"] = {**best[1], **{k: k1.get(k, 0) for k in _INTRA_KEYS}}
         attempt(res, "best_ms", lambda: ms(ours_prefill(x, x["pool"].clone(), res["best_config"])))
+    elif "best_intra" in STATE:  # the best kernel 1 at B=4 with this batch's kernel-2 tiles
+        cfg = {**heur, **{k: STATE["best_intra"][k] for k in _INTRA_KEYS}}
+        attempt(res, "best_intra_ms", lambda: ms(ours_prefill(x, x["pool"].clone(), cfg)))
     res["x_byte_floor"] = res["heuristic_ms"] / (res["bytes"] / DOC["ceilings"].get("copy_GBps", 1) / 1e6)
     record(f"prefill_B{R}_T{lengths[0]}", **res)
     STATE.setdefault("prefill", {})[tuple(lengths)] = res
@@ -344,7 +298,7 @@ def time_fla_prefill(*cases):
         attempt(res, "first_call_s", lambda: (fla_prefill(x, lengths)(), torch.cuda.synchronize(),  # noqa: B023
                                               time.time() - t)[-1])  # autotune included
         attempt(res, "fla_ms", lambda: ms(fla_prefill(x, lengths)))  # noqa: B023
-        for k in ("heuristic_ms", "previous_ms", "best_state_tiles_ms", "best_ms"):
+        for k in ("heuristic_ms", "previous_ms", "best_state_tiles_ms", "best_ms", "best_intra_ms"):
             res[f"speedup_vs_fla_{k[:-3]}"] = res.get("fla_ms", 0) / mine[k] if k in mine else None
         record(f"fla_prefill_B{len(lengths)}_T{lengths[0]}", **res, ours_heuristic_ms=mine["heuristic_ms"])
 
@@ -357,21 +311,38 @@ def time_prefill(*cases):
 
 
 # ------------------------------------------------------------------------------------------ main
+@section
+def kernel_splits(lengths):
+    """Where the prefill time goes: ms per kernel (torch.profiler) of ours (heuristic, best) and fla's chunk_kda at
+    `lengths`; last, so that the profiler cannot perturb a timing."""
+    mine = STATE.get("prefill", {}).get(tuple(lengths))
+    if mine is None or DEV != "cuda" or late(f"kernel splits {len(lengths)} x {lengths[0]}"):
+        return
+    x, res = prefill_inputs(lengths, seed=2), {}
+    for name, cfg in (("heuristic", mine["heuristic_config"]), ("best", mine.get("best_config"))):
+        if cfg:
+            attempt(res, f"ours_{name}", lambda: kernel_split_ms(ours_prefill(x, x["pool"].clone(), cfg)))  # noqa: B023
+    attempt(res, "fla", lambda: kernel_split_ms(fla_prefill(x, lengths))) if FLA_PREFILL else None
+    record(f"kernel_split_ms_B{len(lengths)}_T{lengths[0]}", **res)
+
+
 def main():
     if "--warm" in sys.argv:
         return warm_up(sys.argv[-1], [c for _, c in state_configs()], decode_jobs(), DECODE_CASES)
     spawn = lambda what: subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm", what])  # noqa: E731
+    os.environ["KDA_BENCH_POISON"] = f"/tmp/kda_bench_poison_{os.getpid()}.txt"  # see _kda_bench_inputs.poisoned
     gpu = DEV == "cuda"
     n_dec, n_fla = (int(os.environ.get(f"KDA_BENCH_WARM_{k}", v)) for k, v in (("DECODE", "6"), ("FLA", "5")))
     warm_dec = [spawn(f"decode:{i}:{n_dec}") for i in range(n_dec)] if gpu else []
-    warm_pre = [spawn(f"prefill:{i}:3") for i in range(3)] if gpu else []
+    warm_pre = [spawn(f"prefill:{i}:4") for i in range(4)] if gpu else []
     warm_fla = [spawn(f"fla:{i}:{n_fla}") for i in range(n_fla)] if FLA else []
     DOC["machine"] = {"host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
                       "triton": triton.__version__, "device": torch.cuda.get_device_name() if gpu else "cpu",
                       "tiny": TINY, "fla": getattr(__import__("fla"), "__version__", "?") if FLA else "not used"}
     wait_all(warm_dec, "decode", 60, DOC, REPORT.t0)
     check_decode()
-    wait_all(warm_pre, "prefill", 30, DOC, REPORT.t0)
+    wait_all(warm_pre, "prefill", 45, DOC, REPORT.t0)
+    DOC["notes"] += [f"killed a warm-up's CUDA context: {k}" for k in sorted(poisoned())]
     check_prefill()
     # nothing may time while a warm-up still runs kernels (the fla ones run each compiled kernel once): in session
     # 8 the timings overlapped them (B=64 decode 103 us vs 88 in s6 with the same code, PDL off)
@@ -384,6 +355,7 @@ def main():
     time_prefill(([T_PRE], False), ([4 * T_PRE], False))
     time_fla_prefill([T_PRE], [4 * T_PRE])
     time_decode((8,))
+    kernel_splits([T_PRE] * 4)
     print(save()[:0])
     print(f"\n== summary (total {time.time() - REPORT.t0:.0f} s; passing checks: kda.json) ==")
     skip = ("name", "bytes", "H", "D", "tol", "byte_floor_us", "launch_gap_us", "heuristic_config", "chain")

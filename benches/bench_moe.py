@@ -12,11 +12,13 @@ best again with PDL off and bitwise-checked, one empty launch (the graph's per-l
 routed experts' weight bytes over the measured copy bandwidth (floor) and over the read bandwidth, plus
 a torch._grouped_mm peer on bf16 weights (eager); prefill (T=8192) as TFLOP/s over the measured bf16 and fp8 ceilings; the whole
 MoE layer (d=7168, 2 shared experts) vs the reference layer written inline here, in torch eager and
-torch.compile, plus a torch._grouped_mm peer. Every kernel variant is checked against an fp32
-reference on bf16-exact weights before it is timed.
+torch.compile, plus a torch._grouped_mm peer; t64 (issue 5's decode target, T=64 top-16: the grouped
+gate-up and down kernels swept apart with registers / spills / SASS per K step, a read-pattern probe;
+_moe_t64.py). Every kernel variant is checked against an fp32 reference on bf16-exact weights before it is timed.
 
     python benches/bench_moe.py            # on a CUDA machine: ~6 min on the H200, 3 of them inductor
     MOE_BENCH_SECTIONS=router,decode python benches/bench_moe.py      # ~150 s
+    MOE_BENCH_SECTIONS=t64 MOE_BENCH_DECODE_DEADLINE=140 python benches/bench_moe.py   # ~120 s
     MOE_BENCH_SECTIONS=decode,prefill MOE_BENCH_SWEEP=wide python benches/bench_moe.py   # variant sweep
     MOE_BENCH_SECTIONS=prefill,layer,decode MOE_BENCH_LAYER_T=8192 python benches/bench_moe.py   # a subset
 
@@ -42,6 +44,7 @@ from _moe_common import (ACT, B1, B2, COMPILE_DEADLINE, D, DEV, DOC, E, ELL, EPS
 from _moe_decode import (DECODE_SHAPES, DECODE_VARIANTS, GEMV_SWEEP, PREVIOUS, decode_case,  # noqa: E402
                          decode_parts, gemv_parts, decode_side_measurements, decode_variant, launch_floor, summarize_decode,
                          wide_check)
+from _moe_t64 import t64_sweep  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------- ceilings
@@ -220,6 +223,12 @@ def router():
 
 
 @section
+def t64():
+    """Issue 5's decode target, T=64 top-16: the grouped gate-up and down kernels swept apart (_moe_t64.py)."""
+    t64_sweep()
+
+
+@section
 def prefill():
     best, _ = sweep("prefill_experts_gemms", T_PREFILL, PREFILL_CFGS, True, 256, prefill_floor, PREFILL_DEADLINE)
     if best:
@@ -324,7 +333,8 @@ def main():
                               mem_GiB=round(p.total_memory / 2 ** 30, 1))
     DOC["shapes"] = {"E": E, "topk": K, "latent": ELL, "inter": INTER, "d": D, "decode_T": T_DECODE,
                      "prefill_T": T_PREFILL, "shared_inter": SHARED_I}
-    for step in [ceilings, make_weights] + [{"decode": decode, "layer": layer, "prefill": prefill, "router": router}[n]
+    for step in [ceilings, make_weights] + [{"decode": decode, "layer": layer, "prefill": prefill, "router": router,
+                                               "t64": t64}[n]
                                              for n in SECTIONS]:
         step()
     DOC["total_s"] = round(time.time() - REPORT.t0, 1)

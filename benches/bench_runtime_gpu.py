@@ -17,7 +17,9 @@ Measured (one JSON document, stdout and $OUT/runtime_gpu.json, saved after every
 - graph replay vs eager logits on the same state (the capture check: pad rows, scratch, side stream), the
   graph replayed --check-replays times against the eager step run with programmatic dependent launch off;
 - pdl: the decode graph's device time with programmatic dependent launch on and off (alternated twice);
-- prefill throughput at 8K and 32K tokens (one request);
+- trace: the decode graph of batch 1 and 8 kernel by kernel under the profiler (benches/_graph_trace.py:
+  durations, idle gaps, two-stream time), and batch 1's graph as a DOT dump ($OUT/graph_b1.dot);
+- prefill throughput at 8K and 32K tokens (one request; median of --prefill-repeats);
 - peers on the same weights: the reference interpreter (torch eager) and torch.compile of it (strict
   compilation fails on the reference, DynamicOutputShapeException from the KDA reference's nonzero, so the
   default compiles with suppress_errors: frames that fail run eagerly; the JSON names the mode).
@@ -187,6 +189,7 @@ def main():
     ap.add_argument("--engine-steps", type=int, default=24, help="timed steps of the engine_decode section")
     ap.add_argument("--budget-s", type=float, default=400, help="skip the remaining sections past this")
     ap.add_argument("--compile-timeout-s", type=int, default=90)
+    ap.add_argument("--prefill-repeats", type=int, default=3, help="timed prefills of each length (median)")
     ap.add_argument("--compile-modes", default="suppress",
                     help="torch.compile attempts in order: strict (fails on the reference: the KDA reference's "
                          "nonzero has a data-dependent shape), suppress (failing frames run eagerly)")
@@ -412,6 +415,30 @@ def main():
         torch.cuda.empty_cache()
 
     @rep.section
+    def trace():
+        """The decode graph of batch 1 and 8 at the first context, kernel by kernel under the profiler
+        (benches/_graph_trace.py): durations, the device's idle gaps between kernels, two-stream overlap."""
+        if not cuda:
+            return doc["notes"].append("trace: needs a cuda device (CUPTI)")
+        from benches._graph_trace import graph_node_kinds, graph_trace
+
+        ctx = contexts[0]
+        rt = runtime(ctx, 8)
+        for b in (1, 8):
+            replay, g, _ = replay_us(rt, b)
+            t = graph_trace(g.graph)
+            if b == 1 and os.environ.get("OUT"):  # the graph's nodes (kernels, memcpy/memset, event edges) as DOT
+                try:
+                    t["graph_nodes"] = graph_node_kinds(rt, b, os.path.join(os.environ["OUT"], f"graph_b{b}.dot"))
+                except Exception as e:  # the dump is a diagnostic: keep the trace
+                    t["graph_nodes"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            reset(rt, ctx)
+            doc.setdefault("trace", {})[f"{ctx}_b{b}"] = {"graph_replay_us": replay, **t}
+            print(json.dumps({k: v for k, v in t.items() if k not in ("kernels", "by_name")}), flush=True)
+        del rt
+        torch.cuda.empty_cache()
+
+    @rep.section
     def host():
         """Where a graphed decode step's wall time goes at the first context, batch 1 and 8 (µs, medians of
         50): validating the step (`check_step`), writing the graph's pinned metadata buffer, the host cost of
@@ -557,14 +584,19 @@ def main():
             for r in rt.requests.values():
                 r.length = 0
             rt.prefill({"r1": toks})  # warm-up at the same shapes: kernel compilation and config buckets
-            if cuda:
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            rt.prefill({"r0": toks})
-            if cuda:
-                torch.cuda.synchronize()
-            s = time.perf_counter() - t
-            m = {"name": "prefill_compiled", "tokens": n, "seconds": s, "tokens_per_s": n / s}
+            times = []
+            for _ in range(args.prefill_repeats):  # the same prompt prefilled again from position 0
+                rt.requests["r0"].length = 0
+                if cuda:
+                    torch.cuda.synchronize()
+                t = time.perf_counter()
+                rt.prefill({"r0": toks})
+                if cuda:
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t)
+            s = sorted(times)[len(times) // 2]
+            m = {"name": "prefill_compiled", "tokens": n, "seconds": s, "tokens_per_s": n / s,
+                 "seconds_each": times}
             doc["measurements"].append(m)
             print(json.dumps(m), flush=True)
             del rt
@@ -618,7 +650,7 @@ def main():
     build()
     if "art" in st:
         sections = {"graph_check": graph_check, "decode": decode, "pdl": pdl, "overlap": overlap, "nodes": nodes,
-                    "host": host,
+                    "trace": trace, "host": host,
                     "engine_decode": engine_decode,
                     "reference_peer": reference_peer,
                     "prefill": prefill, "torch_compile_peer": torch_compile_peer}

@@ -1,5 +1,5 @@
-"""KDA chunked prefill and gate kernels (codegen/triton/kda_prefill.py, _kda_common.py, _kda_wu.py) against
-the literal references: `ir.ref.kda` (recurrence, chunked form, gate) and fla-core's naive KDA; the tiny model
+"""KDA chunked prefill and gate kernels (codegen/triton/kda_prefill.py, _kda_common.py, _kda_chunk_tiles.py,
+_kda_wu.py) against the literal references: `ir.ref.kda` (recurrence, chunked form, gate) and fla-core's naive KDA; the tiny model
 through both KDA kernels; the H200 heuristics. The fused decode's own tests: tests/test_kda_decode_kernels.py.
 CPU: Triton interpreter, fp32, tiny shapes (chunk 64 kept); the bf16 full-shape check runs on a GPU only
 (benches/bench_kda.py times it)."""
@@ -45,6 +45,7 @@ def _pool(gen, S, H, D, Dv):
     (2, 32, 32, [1, 5, 64, 70], None),                                   # CPU heuristic: one slice
     (2, 32, 16, [130, 3], {"BK": 16, "BV_INTRA": 16, "BV": 8}),           # several slices / V blocks
     (2, 32, 16, [130, 3], {"BK": 16, "BV": 8, "SPLIT_INTRA": 1, "BK_WU": 16, "BV_WU": 8}),  # A + W/U kernels
+    (2, 32, 16, [130, 3], {"BK": 16, "BV_INTRA": 8, "BV": 8, "A64": 1}),  # kernel 1 in 64-row form
 ])
 def test_prefill_ragged_vs_recurrence(H, D, Dv, lengths, config):
     g = _gen(1)
@@ -129,10 +130,12 @@ def bf16_in_interpreter(monkeypatch):
 
 
 @pytest.mark.parametrize("config", [{}, {"LOWP_A": 1, "LOWP_WU": 1}, {"SPLIT_INTRA": 1, "LOWP_WU": 1, "BK_WU": 16},
-                                    {"BK": 64, "LOWP_A": 1, "LOWP_WU": 1}])  # the last: the H200 heuristic's form
+                                    {"BK": 64, "LOWP_A": 1, "LOWP_WU": 1},  # the H200 heuristic's form
+                                    {"BK": 32, "LOWP_A": 1, "LOWP_WU": 1, "A64": 1}])
 def test_prefill_bf16_inputs_and_bf16_products(bf16_in_interpreter, config):
     """bf16 q/k/v/beta (bf16 workspace, bf16 tensor-core products where the config asks) within the bf16
-    contract (1e-2) of the fp32 recurrence; also the intra kernel split in two (A + inverse, then W/U)."""
+    contract (1e-2) of the fp32 recurrence; also the intra kernel split in two (A + inverse, then W/U) and kernel 1
+    in 64-row form (A64)."""
     g = _gen(10)
     H, D, lengths = 1, 64, [130, 9]
     q, k, v, gate, beta = _inputs(g, sum(lengths), H, D)
@@ -160,10 +163,12 @@ def _max_subblock_span(gate, lengths):
     return max(spans)
 
 
-@pytest.mark.parametrize("variant,a_log_scale", [("lower_bound", 0.0), ("softplus", 0.5), ("softplus", 3.0)])
-def test_prefill_fused_gate(variant, a_log_scale):
+@pytest.mark.parametrize("variant,a_log_scale,config", [
+    ("lower_bound", 0.0, None), ("softplus", 0.5, None), ("softplus", 3.0, None),
+    ("lower_bound", 0.0, {"A64": 1}), ("softplus", 3.0, {"A64": 1})])
+def test_prefill_fused_gate(variant, a_log_scale, config):
     """Raw f/A_log/dt_bias through the fused gate equals kda_gate + recurrence; A_log*3 makes decays
-    so strong that sub-blocks take the exact (per-column) diagonal path."""
+    so strong that sub-blocks take the exact (per-column) diagonal path (also in the 64-row forms)."""
     g = _gen(4)
     H, D, lengths = 2, 16, [1, 5, 64, 70]
     T = sum(lengths)
@@ -178,7 +183,7 @@ def test_prefill_fused_gate(variant, a_log_scale):
     slots = torch.tensor([3, 1, 0, 2])
     mine, want = pool.clone(), pool.clone()
     o = kda_prefill(q, k, v, None, beta, mine, slots, _cu(lengths), D ** -0.5, f=f, A_log=A_log, dt_bias=dt_bias,
-                    lower_bound=lb)
+                    lower_bound=lb, config=config)
     o_ref = ref.kda_recurrence(q, k, v, gate, beta, want, slots, _cu(lengths), D ** -0.5)
     assert_close_rel(o, o_ref, 1e-5, f"o, fused {variant} gate")
     assert_close_rel(mine, want, 1e-5, f"states, fused {variant} gate")
@@ -296,14 +301,16 @@ def test_prefill_state_kernel_smem_matches_the_h200():
 
 def test_gpu_heuristics_are_the_measured_configs():
     """The H200 heuristics pick what benches/bench_kda.py measured fastest (session 8), and satisfy the
-    templates' constraints: prefill bf16 products with BK 64, kernel 2 BV 128 x 4 warps x 2 stages for 4 x 32
+    templates' constraints: prefill bf16 products, the 64-row kernel 1 with BK 32 under a 168-register cap (session
+    10), kernel 2 BV 128 x 4 warps x 2 stages for 4 x 32
     (request, head) pairs (BV 32 for one request and without the batch, as batch-invariant mode asks); decode
     split 4 with EARLY at B=1 (H 12 and 32), one program per (request, head) with the gate GEMM at B=64."""
     (t_pre, _), (t_dec,) = PREFILL_TEMPLATES, DECODE_TEMPLATES
     for R, (bv, warps, stages) in {1: (32, 4, 3), 2: (64, 4, 3), 4: (128, 4, 2), None: (32, 4, 3)}.items():
         key = {"H": 32, "D": 128, "Dv": 128, "T": 8192 * (R or 1)} | ({"R": R} if R else {})
         cfg = t_pre.heuristic(key, "cuda")
-        assert (cfg["BK"], cfg["LOWP_A"], cfg["LOWP_WU"], cfg["SPLIT_INTRA"]) == (64, 1, 1, 0)
+        assert (cfg["BK"], cfg["LOWP_A"], cfg["LOWP_WU"], cfg["SPLIT_INTRA"]) == (32, 1, 1, 0)
+        assert (cfg["A64"], cfg["BV_INTRA"], cfg["MAXNREG_INTRA"]) == (1, 32, 168)
         assert (cfg["BV"], cfg["WARPS"], cfg["STAGES"]) == (bv, warps, stages), (R, cfg)
         assert t_pre.constraints(cfg, {"R": 1, **key}, "cuda") == []
     want = {(64, 32): (1, 64, 1, 32, 0), (1, 32): (4, 32, 0, 128, 1), (1, 12): (4, 32, 0, 128, 1),
@@ -315,3 +322,42 @@ def test_gpu_heuristics_are_the_measured_configs():
         assert t_dec.constraints(cfg, key, "cuda") == []
     assert t_dec.heuristic({"H": 32, "D": 128, "T": 512, "R": 64}, "cuda")["GATE_MM"] == 0  # 8-token verification
     assert "EARLY" in t_dec.constraints({"SPLIT": 2, "BV": 32, "EARLY": 1}, {"D": 128}, "cuda")[0]
+
+
+_SM90_PREFILL = r'''
+import os
+os.environ["TRITON_INTERPRET"] = "0"
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile as tc
+from codegen.aot.record import Recorder
+from codegen.triton import kda_prefill as kp
+target = GPUTarget("cuda", 90, 32)
+T, H, D = 128, 2, 128
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(T, H, D, generator=g).bfloat16() for _ in range(3))
+cfg = kp.heuristic({"H": H, "D": D, "Dv": D, "T": T, "R": 1}, "cuda")
+for a64 in (0, 1):
+    with Recorder(target) as rec:
+        kp.kda_prefill(q, k, v, -torch.rand(T, H, D, generator=g), torch.rand(T, H, generator=g).bfloat16(),
+                       torch.zeros(1, H, D, D), torch.zeros(1, dtype=torch.int64), torch.tensor([0, T]), 0.088,
+                       config=dict(cfg, A64=a64))
+    for spec in rec.specs.values():
+        fn, sig, cx, at, opts = spec.compile_args
+        print(a64, fn.fn.__name__, len(tc(ASTSource(fn, sig, cx, at), target=target, options=dict(vars(opts))).asm["ptx"]) > 0)
+'''
+
+
+def test_prefill_kernels_compile_for_sm90():
+    """The GPU heuristic's prefill (kernel 1 in both forms, A64 0 / 1, and kernel 2) compiled to PTX for sm_90 in a
+    subprocess through the AOT recorder: the interpreter runs each jit helper untyped, the compiler types them."""
+    import os
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-c", _SM90_PREFILL], env=dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=repo),
+                       capture_output=True, text=True, timeout=300, cwd=repo)
+    assert p.returncode == 0, p.stderr[-3000:]
+    built = {tuple(line.split()) for line in p.stdout.splitlines()}
+    assert {("0", "_kda_intra_kernel", "True"), ("1", "_kda_intra64_kernel", "True"),
+            ("1", "_kda_state_kernel", "True")} <= built, p.stdout

@@ -307,6 +307,29 @@ def test_f16_heads_path_on_quantised_pools(fmt):
         mla_sparse_decode(*_args(b), config=F16_HEADS)
 
 
+@pytest.mark.parametrize("fmt", ["fp32", "fp8"])
+def test_row_lane_denominators_match_reference(fmt):
+    """LSUM 1 (softmax denominators kept per row lane, summed after the loop) over several steps per piece (CHUNK 48 =
+    3 steps of 16 rows, pieces merged by LSE), in one piece, and in 40-row pieces (not a power of two: the last step
+    half empty), with -1 padded selections: o~ vs the reference on the same pool, lse vs float64; fp8 with the F16
+    path (scaled queries). ORIENT 0 rejects LSUM."""
+    b = _batch(9, [(40, 2), (21, 1), (6, 1)])
+    if fmt == "fp8":
+        pool, ls = quantize_latent_fp8(b["lat"])
+        kw = dict(latent_format="fp8", latent_scale=ls)
+        deq = dequantize_latent(pool, "fp8", KV, ls, 1.0)
+    else:
+        pool, kw, deq = b["lat"], {}, b["lat"]
+    for cfg in (dict(HEADS, LSUM=1, CHUNK=48), dict(HEADS_WHOLE, LSUM=1), dict(HEADS, LSUM=1, CHUNK=40)):
+        cfg = dict(cfg, F16=1) if fmt == "fp8" else cfg
+        o, lse = mla_sparse_decode(*_args(b, pool), **kw, return_lse=True, config=cfg)
+        assert_close_rel(o, ref.mla_attention(*_args(b, deq), "absorbed"), 1e-5 if fmt == "fp32" else 2e-2,
+                         f"{fmt} LSUM o {cfg}")
+        assert_close_rel(lse, _lse64(b, deq), 1e-5 if fmt == "fp32" else 1e-4, f"{fmt} LSUM lse {cfg}")
+    with pytest.raises(ValueError, match="LSUM"):
+        mla_sparse_decode(*_args(b), config=dict(ONE_PASS, LSUM=1))
+
+
 @triton.jit
 def _pow2_scale_probe(a_ptr, up_ptr, down_ptr, N: tl.constexpr):
     i = tl.arange(0, N)
@@ -330,7 +353,7 @@ def test_pow2_query_scale_is_exact_and_below_fp16_max():
 
 
 _SM90_F16 = r'''
-import os
+import os, re
 os.environ["TRITON_INTERPRET"] = "0"
 import torch
 from triton.backends.compiler import GPUTarget
@@ -342,21 +365,24 @@ T, H, N = 2, 12, 256
 pool = torch.zeros(N, 576, dtype=torch.uint8).view(torch.float8_e4m3fn)
 rows = torch.arange(T * 64).view(T, 64) % N
 cfg = dict(ORIENT=1, BLOCK_H=16, BLOCK_N=32, CHUNK=64, num_warps=4, num_stages=1, PREFETCH=1, F16=1)
-with Recorder(target) as rec:
-    sparse_latent_attention(torch.zeros(T, H, 512, dtype=torch.bfloat16), torch.zeros(T, H, 64, dtype=torch.bfloat16),
-                            pool, torch.full((T,), 500), None, 0.1, rows, latent_format="fp8", config=cfg, block_size=64,
-                            out_dtype=torch.bfloat16)
-for spec in rec.specs.values():
-    fn, sig, cx, attrs, opts = spec.compile_args
-    if fn.fn.__name__ == "_mla_heads_kernel":
-        ptx = tc(ASTSource(fn, sig, cx, attrs), target=target, options=dict(vars(opts))).asm["ptx"]
-        print(ptx.count("cvt.rn.f16x2.e4m3x2"), ptx.count("ld.shared.b8"), ptx.count("ldmatrix"))
+for c in (cfg, dict(cfg, LSUM=1, num_stages=3)):
+    with Recorder(target) as rec:
+        sparse_latent_attention(torch.zeros(T, H, 512, dtype=torch.bfloat16), torch.zeros(T, H, 64, dtype=torch.bfloat16),
+                                pool, torch.full((T,), 500), None, 0.1, rows, latent_format="fp8", config=c,
+                                block_size=64, out_dtype=torch.bfloat16)
+    for spec in rec.specs.values():
+        fn, sig, cx, attrs, opts = spec.compile_args
+        if fn.fn.__name__ == "_mla_heads_kernel":
+            ptx = tc(ASTSource(fn, sig, cx, attrs), target=target, options=dict(vars(opts))).asm["ptx"]
+            print(ptx.count("cvt.rn.f16x2.e4m3x2"), ptx.count("ld.shared.b8"), ptx.count("ldmatrix"),
+                  len(re.findall(r"cp\.async\.wait_group\s+2", ptx)))
 '''
 
 
 def test_f16_heads_kernel_widens_rows_before_the_relayout_on_sm90():
     """The sm_90 build of the F16 path widens e4m3 rows in registers (`_e4m3_to_f16`) and feeds both dots through
-    16-bit ldmatrix, with no byte-wise shared-memory loads (the bf16 path transposes the 8-bit tile byte by byte).
+    16-bit ldmatrix, with no byte-wise shared-memory loads (the bf16 path transposes the 8-bit tile byte by byte);
+    so does the batch-64 default (LSUM 1, 3 stages), whose gathers are cp.async groups waited on a step ahead.
     Compiled in a subprocess (not interpreting) through the AOT recorder; ptxas is not needed for the PTX."""
     import os
     import subprocess
@@ -365,5 +391,8 @@ def test_f16_heads_kernel_widens_rows_before_the_relayout_on_sm90():
     p = subprocess.run([sys.executable, "-c", _SM90_F16], env=dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=repo),
                        capture_output=True, text=True, timeout=240, cwd=repo)
     assert p.returncode == 0, p.stderr[-3000:]
-    cvt, bytewise, ldm = map(int, p.stdout.split())
+    (cvt, bytewise, ldm, _), (cvt2, bytewise2, ldm2, wait2) = [map(int, line.split())
+                                                                for line in p.stdout.splitlines()]
     assert cvt > 0 and ldm > 0 and bytewise == 0, p.stdout
+    # the batch-64 default (LSUM, 3 stages): the same widening, gathers in cp.async groups one step ahead
+    assert cvt2 > 0 and ldm2 > 0 and bytewise2 == 0 and wait2 > 0, p.stdout

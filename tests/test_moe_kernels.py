@@ -376,7 +376,8 @@ def test_heuristics_satisfy_constraints_at_model_shapes():
                 assert tt.constraints(tcfg, tkey, tgt) == [], (tkey, tcfg)
                 # bf16 activations: the PTX decode on Hopper; Blackwell's tcgen05 needs shared-memory
                 # operands, so there tl.dot_scaled (register operands would fall back to FMA dots)
-                dec = "asm16" if T * 16 / 112 <= 16 and not bi else "asm"
+                # (T=64: its grid fills the GPU, DECODE_T64's asm16i, the left shifts as multiplies)
+                dec = ("asm16i" if T == 64 else "asm16") if T * 16 / 112 <= 16 and not bi else "asm"
                 assert cfg["DEQ"] == (dec if tgt is h200 else "dot_scaled"), (key, cfg)
             cpu = te.heuristic(te.bucket(key), {"compute_capability": None})
             assert cpu["DEQ"] == "bytes" and te.constraints(cpu, key, None) == []
@@ -387,7 +388,8 @@ def test_heuristics_satisfy_constraints_at_model_shapes():
     key1 = {"T": 1, "E": 112, "K": 2, "L": 3584, "I": 3072, "MX": 1, "BF16": 1, "BI": 0}
     c1, c64 = te.heuristic(te.bucket(key1), h200), te.heuristic(te.bucket({**key1, "T": 64, "K": 16}), h200)
     assert c1["PATH"] == "gemv" and c64["PATH"] == "grouped" and gg.decode_split(2 * 48, 28) == 4
-    assert c64["SPLIT"] == 1 and "MAXNREG" not in c1 and c64["MAXNREG"] == gg.DECODE_MAXNREG
+    assert c64["SPLIT"] == 1 and "MAXNREG" not in c1 and all(c64[k] == v for k, v in gg.DECODE_T64.items())
+    assert c64["MAXNREG2"] != c64["MAXNREG"] and c64["BN2"] == 64      # the down kernel's own cap and tiles
     assert te.heuristic(te.bucket(key1), {"compute_capability": None})["SPLIT"] == 1  # the interpreter: no split
     assert te.constraints({**c1, "SPLIT": 4}, key1, h200) == []
     bi = {**key1, "BI": 1}

@@ -19,7 +19,7 @@ from codegen.triton import _moe_tiles as tiles
 from codegen.triton import moe_grouped_gemm as gg
 from ir.packed import PackedMXFP4
 from tests.helpers import assert_close_rel
-from tests.test_moe_kernels import E, L, _experts, _gen, _mx, _ref_experts, _routing
+from tests.test_moe_kernels import E, I, L, _experts, _gen, _mx, _ref_experts, _routing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -55,8 +55,14 @@ def _run_ptx(asm: str, operands: dict) -> dict:
         f = torch.from_numpy(h.astype(np.int32).astype(np.int16)).view(torch.float16).float()
         return f.view(torch.int32).numpy().astype(np.uint32)
 
-    ops = {"mov.b32": lambda a: a, "cvt.f32.f16": f16_to_f32, "shl.b32": lambda a, n: (a << n).astype(np.uint32), "shr.b32": lambda a, n: a >> n,
-           "or.b32": lambda a, b: a | b, "and.b32": lambda a, b: a & b, "prmt.b32": prmt, "mul.rn.bf16x2": bf16x2_mul}
+    def mul_lo(a, b):
+        return ((np.asarray(a, dtype=np.uint64) * np.asarray(b, dtype=np.uint64)) & 0xFFFFFFFF).astype(np.uint32)
+
+    ops = {"mov.b32": lambda a: a, "mov.u32": lambda a: a, "cvt.f32.f16": f16_to_f32,
+           "shl.b32": lambda a, n: (a << n).astype(np.uint32), "shr.b32": lambda a, n: a >> n,
+           "shr.u32": lambda a, n: a >> n, "add.u32": lambda a, b: (np.asarray(a, dtype=np.uint64) + b).astype(np.uint32),
+           "mul.lo.u32": mul_lo, "or.b32": lambda a, b: a | b, "and.b32": lambda a, b: a & b, "prmt.b32": prmt,
+           "mul.rn.bf16x2": bf16x2_mul}
     for line in asm.splitlines():
         line = line.strip().rstrip(";")
         if not line or line in "{}" or line.startswith(".reg"):
@@ -100,11 +106,16 @@ def test_e2m1_ptx_decode_is_exact_for_every_byte_pair(wide):
 
 
 @pytest.mark.parametrize("wide", [False, True])
-def test_e2m1_ptx_16bit_word_decode_is_exact(wide):
-    """The 16-bit-word PTX decode (DEQ asm16: E2M1_ASM16[c] gives code c of two int16 elements), emulated
-    on every 16-bit value in each half of the register under E8M0 scales 2^-127 .. 2^127, equals the
-    float64 dequantisation of those bytes."""
+@pytest.mark.parametrize("deq", ["asm16", "asm16i"])
+def test_e2m1_ptx_16bit_word_decode_is_exact(wide, deq):
+    """The 16-bit-word PTX decode (DEQ asm16: E2M1_ASM16[c] gives code c of two int16 elements; asm16i: its
+    left shifts as multiplies by 2^n + (%dynamic_smem_size >> 24)), emulated on every 16-bit value in each half
+    of the register under E8M0 scales 2^-127 .. 2^127 (code 1, the value 0.5, a bf16 subnormal before the
+    scale), equals the float64 dequantisation of those bytes."""
     import numpy as np
+
+    table = {("asm16", False): tiles.E2M1_ASM16, ("asm16", True): tiles.E2M1_ASM16_WIDE,
+             ("asm16i", False): tiles.E2M1_ASM16I, ("asm16i", True): tiles.E2M1_ASM16I_WIDE}[deq, wide]
 
     words = np.arange(1 << 16, dtype=np.uint32)
     other = np.random.default_rng(7).permutation(words).astype(np.uint32)
@@ -113,8 +124,8 @@ def test_e2m1_ptx_16bit_word_decode_is_exact(wide):
         f = s << 7 if wide else (s + 126) << 7
         got = {}
         for c in range(4):
-            out = _run_ptx((tiles.E2M1_ASM16_WIDE if wide else tiles.E2M1_ASM16)[c].value,
-                           {"$1": x, "$2": np.uint32(f | (f << 16))})["$0"]
+            out = _run_ptx(table[c].value, {"$1": x, "$2": np.uint32(f | (f << 16)),
+                                            "%dynamic_smem_size": np.uint32(12544)})["$0"]
             for half, name in ((out & 0xFFFF, "j"), (out >> 16, "j1")):
                 got[name, c] = torch.from_numpy(half.astype(np.int32).astype(np.int16)).view(torch.bfloat16).double()
         for name, vals in (("j", words), ("j1", other)):
@@ -165,24 +176,30 @@ _AOT = textwrap.dedent("""
                                   ("down", gg._moe_down_kernel, 90, 5, (16, 64, 128, 4)),
                                   ("gate_up", gg._moe_gate_up_kernel, 90, 5, (16, 64, 128, 1, 3)),   # SL=3, 2
                                   ("down", gg._moe_down_kernel, 90, 5, (16, 64, 128, 1, 3)),
-                                  ("gate_up", gg._moe_gate_up_kernel, 90, 5, (16, 64, 128, 1, 2))]:
+                                  ("gate_up", gg._moe_gate_up_kernel, 90, 5, (16, 64, 128, 1, 2)),
+                                  ("gate_up", gg._moe_gate_up_kernel, 90, 5, (16, 64, 64, 1, 3, 4)),  # KU=4
+                                  ("down", gg._moe_down_kernel, 90, 5, (16, 64, 64, 1, 3, 4)),
+                                  ("gate_up", gg._moe_gate_up_kernel, 90, 6, (16, 64, 64, 1, 3))]:   # asm16i
         split = cfg[3] if len(cfg) > 3 else 1
         sl = cfg[4] if len(cfg) > 4 else int(wf == 5)
+        ku = cfg[5] if len(cfg) > 5 else 1
         ce = dict(E_PAD=128, W_FMT=wf, IEEE=False, DT=tl.bfloat16, WIDE=False, PF=cc == 90 and len(cfg) < 5, SL=sl, BM=cfg[0], BN=cfg[1],
-                  BK=cfg[2], GROUP_M=8, SPLIT=split)
+                  BK=cfg[2], GROUP_M=8, SPLIT=split, KU=ku)
         if name == "gate_up":
             ce.update(TOPK=16, ACT=0, HAS_BETA2=True)
         if split > 1:
             name += f"_split{split}"
         if len(cfg) > 4:
             name += f"_sl{sl}"
+        if ku > 1:
+            name += f"_ku{ku}"
         ce["PDL"] = True
         sig, attrs = {}, {}
         for i, a in enumerate(fn.arg_names):
             sig[a] = ("constexpr" if a in ce else "*i32" if a in ("pair_ptr", "counts_ptr", "offsets_ptr")
                       else "*fp32" if split > 1 and (a, name) in (("h_ptr", "gate_up"), ("o_ptr", "down"))
                       else "*bf16" if a in ("z_ptr", "h_ptr", "o_ptr") or (a[0] in "ws" and not wf)
-                      else "*i16" if a[0] == "w" and wf == 5 else "*i32" if a[0] == "s" and a.endswith("_ptr") and sl == 2
+                      else "*i16" if a[0] == "w" and wf in (5, 6) else "*i32" if a[0] == "s" and a.endswith("_ptr") and sl == 2
                       else "*u8" if a.endswith("_ptr")
                       else "fp32" if a.startswith("beta") else "i64" if a == "stride_we" else "i32")
             # the SL entries: as the T=64 launches specialise (scale strides divisible by 16)
@@ -193,6 +210,7 @@ _AOT = textwrap.dedent("""
                            options={"num_warps": 2 if len(cfg) > 4 else 8, "num_stages": 3})   # SL: the decode tiles
         ptx = k.asm["ptx"]
         res[f"{name}_sm{cc}_w{wf}_pdl"] = ptx.count("griddepcontrol.wait")
+        res[f"{name}_sm{cc}_w{wf}_imad_decode"] = ptx.count("%dynamic_smem_size")  # asm16i's unfoldable zero
         res[f"{name}_sm{cc}_w{wf}"] = sorted(set(re.findall(r"(tcgen05\\.mma[.\\w:]*|wgmma\\.mma_async|mma\\.sync)", ptx)))
         # the decoded weight tile goes to wgmma from registers, never through shared memory
         res[f"{name}_sm{cc}_w{wf}_smem_operand"] = len(re.findall(r"local_load[^\\n]*dot_op<\\{opIdx = 0", k.asm["ttgir"]))
@@ -307,6 +325,11 @@ def test_gpu_paths_compile_for_sm100_and_sm90():
     # tile; int32 scale words (SL=2) compile
     assert res["gate_up_sl3_sm90_w5_smem_operand"] == 0 and res["down_sl3_sm90_w5_smem_operand"] == 0, res
     assert res["gate_up_sl2_sm90_w5"], res
+    # KU=4 (four K steps an iteration, their weight rows' pieces requested together) and asm16i (the decode's left
+    # shifts as multiplies): the same register decode
+    for k in ("gate_up_sl3_ku4_sm90_w5", "down_sl3_ku4_sm90_w5", "gate_up_sl3_sm90_w6"):
+        assert res[k] == ["mma.sync"] and res[k + "_smem_operand"] == 0 and res[k + "_pdl"] == 1, (k, res)
+    assert res["gate_up_sl3_sm90_w6_imad_decode"] > 0 and res["gate_up_sl3_sm90_w5_imad_decode"] == 0, res
 
 
 # ---- host side of the grouped kernels' GPU-motivated options, run in the interpreter (fp32, tiny shapes)
@@ -346,3 +369,28 @@ def test_expert_pair_outputs_launches_apart():
         assert part.shape == o.shape
     y = gg.combine_pairs(o, w, ids, E)
     assert_close_rel(y, _ref_experts(z, w, ids, w1, w2, w3, "silu", None, None), 1e-5, "both launches")
+
+
+@pytest.mark.parametrize("ku,ku2,deq", [(1, 1, "bytes16"), (4, 2, "bytes"), (2, 1, "bytes16")])
+def test_grouped_down_kernel_own_launch_options(ku, ku2, deq):
+    """The down kernel's own warps / stages / register cap (num_warps2, num_stages2, MAXNREG2; T=64's heuristic sets
+    them apart from the gate-up's) give the same result; so do K steps unrolled KU / KU2 to an iteration (the
+    steps past K masked: l = I = 64 with BK 32 x KU 4 covers 128 columns); a cap outside 32..255 is rejected,
+    and an unrolled K with split-K."""
+    g = _gen(601)
+    T, k = 6, 3
+    z = torch.randn(T, L, generator=g)
+    w, ids = _routing(g, T, k, "skewed")
+    w1, w2, w3 = (_mx(x) for x in _experts(g))
+    bk = 32 if deq == "bytes" else 64
+    cfg = {"BM": 16, "BN": 32, "BK": bk, "BN2": 32, "BK2": bk, "DEQ": deq, "SL": 3, "num_warps": 2,
+           "num_stages": 2, "num_warps2": 1, "num_stages2": 3, "MAXNREG": 128, "MAXNREG2": 96, "KU": ku, "KU2": ku2}
+    y = gg.moe_experts(z, w, ids, w1, w2, w3, "situ", 4.0, 25.0, cfg)
+    assert_close_rel(y, _ref_experts(z, w, ids, w1, w2, w3, "situ", 4.0, 25.0), 1e-5, f"launch options {cfg}")
+    if ku > 1:
+        with pytest.raises(ValueError, match="unsplit K"):
+            gg.moe_experts(z, w, ids, w1, w2, w3, "situ", 4.0, 25.0, {**cfg, "SPLIT": 2})
+    key = {"T": T, "E": E, "K": k, "L": L, "I": I, "MX": 1, "BF16": 0, "BI": 0}
+    full = {**gg.heuristic(gg.bucket(key), None), **cfg}
+    assert gg.constraints(full, key, None) == []
+    assert any("MAXNREG2=300" in c for c in gg.constraints({**full, "MAXNREG2": 300}, key, None))

@@ -258,9 +258,11 @@ _RETIRED: list[torch.Tensor] = []  # replaced counter sets: a captured CUDA grap
 def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """int32 arrival counters (all 0 between launches) for `combine_in_launch`, one set per (device, stream):
     kernels on one stream run one after another, so they can share a set; kernels that may overlap (graph
-    branches captured from other streams) get their own. Zeroed once when made (inside a graph capture the
-    zeroing is captured too, harmless: each launch leaves its counters at 0); a set outgrown by a launch with
-    more tiles is replaced but kept alive, since a graph captured earlier may still use it."""
+    branches captured from other streams) get their own. Zeroed once when made: each launch leaves its
+    counters at 0. A set first made inside a graph capture has its zeroing captured too (correct, but a fill
+    kernel on every replay): k31c/runtime/cuda_graphs.py warms up on the stream it captures on, so the set
+    exists before. A set outgrown by a launch with more tiles is replaced but kept alive, since a graph
+    captured earlier may still use it."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (str(device), stream)
     cnt = _COUNTERS.get(key)

@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._kda_common import _load2, _st64, kda_gate_math
+from ._kda_common import kda_gate_math
+from ._kda_chunk_tiles import _load2, _st64
 
 
 @triton.jit

@@ -40,7 +40,7 @@ def _mla_heads_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, po
                       KV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                       FMT: tl.constexpr, SPARSE: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr,
                       PAGED: tl.constexpr, LOG_BS: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
-                      QSCALE: tl.constexpr = 0, CVT: tl.constexpr = 0):
+                      QSCALE: tl.constexpr = 0, CVT: tl.constexpr = 0, LSUM: tl.constexpr = 0):
     """ORIENT 1 (heads-major): the program's BLOCK_H heads are the M dimension of both dots, the
     BLOCK_N context rows of a step the N (logits) and K (values) dimension, one pass per step:
         S = [q~ ; q_pe] [c_KV ; k_pe]^T   [BLOCK_H, BLOCK_N]  (q~ and q_pe held in registers, loaded once)
@@ -57,7 +57,11 @@ def _mla_heads_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, po
     convert in one instruction per pair, where bf16 takes a detour through fp32): each head's q~ and q_pe are
     multiplied by powers of two 2^n (`_pow2_scale`: max |q| * 2^n in [2^13, 2^14), no fp16 overflow, 11
     significant bits kept) before the conversion, and the head's logits by 2^-n after the dots (exact).
-    CVT 1 (F16 on an FP8 pool, GPU): rows widened by `_e4m3_to_f16` right after the load."""
+    CVT 1 (F16 on an FP8 pool, GPU): rows widened by `_e4m3_to_f16` right after the load.
+    LSUM 1: the softmax denominators are kept per (head, row lane) and summed over the lanes once after the loop,
+        l[h, n] = alpha_h l[h, n] + p[h, n],   l_h = sum_n l[h, n]
+    (the same sum in another order; a step then reduces over its rows only for the maximum, one cross-warp
+    reduction instead of two)."""
     pdl_enter(PDL)
     t, h, hm, th, sp, tblrow, start, end = _program_span(pos_ptr, tbl_ptr, req_ptr, MB, H, KSEL, CHUNK, BLOCK_H,
                                                          SPARSE)
@@ -79,7 +83,10 @@ def _mla_heads_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, po
         spe = pe_scale
     acc = tl.zeros([BLOCK_H, KV], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], -1e30, tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if LSUM:
+        l_i = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+    else:
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     if PREFETCH >= 1:
         nro, nvalid = _rows_at(idx_ptr, t, KSEL, start, end, tblrow, sb, sr, BLOCK_N, SPARSE, PAGED, LOG_BS)
     if PREFETCH == 2:   # this step's bytes in flight one step ahead, its rows resolved two steps ahead
@@ -120,9 +127,14 @@ def _mla_heads_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, po
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        if LSUM:
+            l_i = l_i * alpha[:, None] + p
+        else:
+            l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DT), c, input_precision=PREC)
         m_i = m_new
+    if LSUM:
+        l_i = tl.sum(l_i, 1)
     has = l_i > 0.0
     inv = tl.where(has, v_scale / tl.where(has, l_i, 1.0), 0.0)
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * _LN2, float("-inf"))

@@ -45,6 +45,24 @@ GEMV_MMA_S6 = {"GV": 1, "GN": 16, "GK": 128, "GN2": 16, "GK2": 128, "GW2": 0, "G
 GEMV_TILES = {k: v for k, v in GEMV_T1.items() if k not in ("num_warps", "num_stages")}
 GPU_SLOTS = 528             # 4 decode programs on each of the H200's 132 SMs (219 registers a thread)
 DECODE_MAXNREG = 168        # the cap that fits 6 when the programs fill several waves (T=64: 1.11 vs 1.16 ms)
+# grouped decode that fills the GPU with asm16 (T=64 top-16): the gate-up and down kernels tuned apart (the down
+# kernel's own warps / stages / cap: num_warps2, num_stages2, MAXNREG2). H200 session 10 (bench_moe.py t64, graph
+# replay, one run, ms; benches/_moe_t64.py): whole op 1.055 with session 8's SL 3 / BK 64 / 4 stages / cap 168 /
+# BN2 128 -> 1.010 with this (40.0% of read bandwidth, graph replay bitwise equal to eager; PDL off 1.006).
+# Gate-up alone 0.691: cap 128 with 3 stages 0.684 (cap 128 / 4 stages 0.704, uncapped 0.703 (ptxas takes 128),
+# 144 0.700, 112 0.713 (spills), 6 stages 0.808, SL 1 0.777, BN 32 x BK 128 0.785, 4-warp wgmma 0.887-0.897).
+# Down alone 0.352: BN2 64 at a 96 cap 0.341 (10 programs an SM; BN2 128 uncapped 0.354, cap 128 0.352, 6 stages
+# 0.398, 4-warp wgmma 0.396). Both sit near the access pattern's ceiling: the weights alone read with the gate-up's
+# grid and 32 bytes a row a K step move 2.32 TB/s (0.602 ms for its bytes; 64 bytes 2.55-2.76, 128 bytes 4.10),
+# and Nsight Compute puts L2 tag lookups at 67% (gate-up) / 76% (down) of peak, the ALU pipe at 63% / 51%, issue
+# slots 53% / 54% (session 8's config: ~460 SASS instructions per warp per K step of 2x64x64 weights, 3.5 per
+# element, 2.25 of them the decode). So 60% needs weight rows requested ~128 bytes at a time AND fewer ALU
+# instructions per element (at this count the ALU pipe alone binds at ~0.6 ms).
+# The same session's second run (benches/results/h200-2026-11-30-s10/moe_t64_run2.json): this config 1.012, with the
+# decode's left shifts as IMADs (DEQ asm16i, _moe_decode16.py) 0.997 (gate-up 0.659 -> 0.640; wide-scale check ok);
+# K steps unrolled (KU 2 / 4) 1.06-1.18 (slower), 32-token tiles 1.152, the down kernel's KU 2 / 3 stages 1.005.
+DECODE_T64 = {"DEQ": "asm16i", "SL": 3, "BK": 64, "BK2": 64, "num_stages": 3, "MAXNREG": 128,
+              "BN2": 64, "num_warps2": 2, "num_stages2": 4, "MAXNREG2": 96}
 
 
 def decode_split(programs: int, k_steps: int, most: int = 8) -> int:
@@ -62,7 +80,7 @@ def constraints(config: dict, key: dict, target=None) -> list[str]:
     for bk in ("BK", "BK2"):
         if mx and config[bk] % 32:
             out.append(f"{bk}={config[bk]} must be a multiple of the MXFP4 block (32)")
-    if config["DEQ"] in ("dot_scaled", "asm", "asm16"):
+    if config["DEQ"] in ("dot_scaled", "asm", "asm16", "asm16i"):
         cc = target_cc(target)
         if not (mx and key["BF16"]):
             out.append(f"DEQ={config['DEQ']} needs MXFP4 weights and bf16 activations")
@@ -86,6 +104,14 @@ def constraints(config: dict, key: dict, target=None) -> list[str]:
             out.append(f"{name}={config[name]} must be one of {allowed} (per-pair path, _moe_gemv.py)")
     if config.get("EARLY", 0) not in (0, 1, 2, 3):
         out.append(f"EARLY={config['EARLY']} must be 0..3 (bit 0: the down kernel's early reads, bit 1: gate-up's)")
+    for ku, split in (("KU", "SPLIT"), ("KU2", "SPLIT2")):
+        if config.get(ku, 1) not in (1, 2, 4):
+            out.append(f"{ku}={config[ku]} must be 1, 2 or 4 (K steps an iteration)")
+        elif config.get(ku, 1) > 1 and config.get(split, config.get("SPLIT", 1)) > 1:
+            out.append(f"{ku}={config[ku]} needs an unsplit K ({split}=1)")
+    for cap in ("MAXNREG", "MAXNREG2"):
+        if config.get(cap) and not 32 <= config[cap] <= 255:
+            out.append(f"{cap}={config[cap]} must be 0 (no cap) or 32..255 registers")
     if config.get("GREG"):
         if target_cc(target) is None:
             out.append("GREG (a register cap) needs a CUDA target")
@@ -96,7 +122,7 @@ def constraints(config: dict, key: dict, target=None) -> list[str]:
     # per stage: the activation tile (twice for MXFP4: as loaded and split into even/odd columns) and the
     # w1, w3 tiles (MXFP4 half a byte per element, bf16 weights two)
     stage = config["BM"] * config["BK"] * 2 * (2 if mx else 1) + config["BN"] * config["BK"] * (1 if mx else 4)
-    smem = config["num_stages"] * stage
+    smem = config["num_stages"] * stage * config.get("KU", 1)
     if smem > 220 * 1024:
         out.append(f"gate-up pipeline needs ~{smem // 1024} KiB of shared memory (> 220)")
     return out

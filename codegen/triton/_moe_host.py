@@ -10,6 +10,9 @@ E8M0 [E, N, K/32]), read as stored and dequantised in registers (config DEQ):
   - "asm16" (bf16 activations, sm_90): the packed bytes read as int16 elements of four codes
     (_moe_tiles.E2M1_ASM16: one shift and mask per field and a bf16x2 multiply by 2^(s-1) give code c
     of two elements); K columns come out as four tiles (4j + c), the activations split alike.
+  - "asm16i" (the T=64 decode default, DECODE_T64: 0.997 vs 1.012 ms with asm16): asm16 with its left shifts
+    as integer multiplies (IMAD, the FMA pipe) by powers of two the compiler cannot fold
+    (_moe_tiles.E2M1_ASM16I): fewer ALU-pipe instructions.
   - "asm" (bf16, sm_90): two bytes per PTX instance (_moe_tiles.E2M1_ASM), even and odd K columns.
     In both, Triton moves the layout conversion onto the packed tile (cp.async to shared memory, then
     narrow loads in the MMA operand layout): the decoded tile never passes through shared memory.
@@ -26,11 +29,12 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from codegen.triton._moe_tiles import DENSE, MX_ASM, MX_ASM16, MX_BYTES, MX_BYTES16, MX_DOT_SCALED
+from codegen.triton._moe_tiles import DENSE, MX_ASM, MX_ASM16, MX_ASM16I, MX_BYTES, MX_BYTES16, MX_DOT_SCALED
 from ir.packed import PackedMXFP4
 
-DEQ_MODES = {"bytes": MX_BYTES, "dot_scaled": MX_DOT_SCALED, "asm": MX_ASM, "bytes16": MX_BYTES16, "asm16": MX_ASM16}
-_BYTE_DECODE = {"asm16": "asm", "bytes16": "bytes"}      # what a 16-bit-word decode falls back to
+DEQ_MODES = {"bytes": MX_BYTES, "dot_scaled": MX_DOT_SCALED, "asm": MX_ASM, "bytes16": MX_BYTES16, "asm16": MX_ASM16,
+             "asm16i": MX_ASM16I}
+_BYTE_DECODE = {"asm16": "asm", "asm16i": "asm", "bytes16": "bytes"}      # what a 16-bit-word decode falls back to
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -105,9 +109,9 @@ def _kernel_weight(fmt: str, q: torch.Tensor, s: torch.Tensor | None, deq: str, 
     if deq not in DEQ_MODES:
         raise ValueError(f"DEQ must be one of {sorted(DEQ_MODES)}, found {deq!r}")
     code = DEQ_MODES[deq]
-    if code in (MX_DOT_SCALED, MX_ASM, MX_ASM16) and act_dtype != torch.bfloat16:
+    if code in (MX_DOT_SCALED, MX_ASM, MX_ASM16, MX_ASM16I) and act_dtype != torch.bfloat16:
         raise ValueError(f"DEQ={deq} needs bf16 activations, found {act_dtype}")
-    q16 = _int16_view(q) if code in (MX_BYTES16, MX_ASM16) else q      # 16-bit words: 4 codes an element
+    q16 = _int16_view(q) if code in (MX_BYTES16, MX_ASM16, MX_ASM16I) else q      # 16-bit words: 4 codes each
     code, q = (code, q16) if q16 is not None else (DEQ_MODES[_BYTE_DECODE[deq]], q)
     wide = act_dtype == torch.bfloat16 and code != MX_DOT_SCALED and _wide_scales(s)
     return code, q, s, (q.stride(0), q.stride(1), s.stride(0), s.stride(1)), wide

@@ -1,6 +1,6 @@
 """Device helpers of the grouped expert GEMMs (moe_grouped_gemm.py): expert tile lookup, raster
-swizzle, MXFP4 decode (pure Triton, or PTX on byte pairs / on 16-bit words / on the per-pair path's int32
-words: code c and c+4 of a word as fp32 E2M1 · 2^-14, `_codes`), the MMA step over dense
+swizzle, MXFP4 decode (pure Triton, or PTX on byte pairs / on 16-bit words (_moe_decode16.py) / on the per-pair
+path's int32 words: code c and c+4 of a word as fp32 E2M1 · 2^-14, `_codes`), the MMA step over dense
 or packed weights in the swapped orientation (weights as the MMA's M side, tokens as N), and the GLU
 epilogue. Not a kernel family (no TEMPLATES).
 
@@ -18,9 +18,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-DENSE, MX_BYTES, MX_DOT_SCALED, MX_ASM, MX_BYTES16, MX_ASM16 = 0, 1, 2, 3, 4, 5     # W_FMT codes (host side)
-_DENSE, _MX_BYTES, _MX_DOT_SCALED, _MX_ASM, _MX_BYTES16, _MX_ASM16 = (
-    tl.constexpr(c) for c in (DENSE, MX_BYTES, MX_DOT_SCALED, MX_ASM, MX_BYTES16, MX_ASM16))
+from codegen.triton._moe_decode16 import (E2M1_ASM16, E2M1_ASM16_WIDE, E2M1_ASM16I, E2M1_ASM16I_WIDE,  # noqa: F401
+                                          _asm16)
+
+DENSE, MX_BYTES, MX_DOT_SCALED, MX_ASM, MX_BYTES16, MX_ASM16, MX_ASM16I = 0, 1, 2, 3, 4, 5, 6   # W_FMT (host side)
+_DENSE, _MX_BYTES, _MX_DOT_SCALED, _MX_ASM, _MX_BYTES16, _MX_ASM16, _MX_ASM16I = (
+    tl.constexpr(c) for c in (DENSE, MX_BYTES, MX_DOT_SCALED, MX_ASM, MX_BYTES16, MX_ASM16, MX_ASM16I))
 
 # E2M1 -> bf16 for two packed bytes per instance (inline_asm_elementwise, pack=2): $2 holds bytes b0
 # (element j, bits 0..7) and b1 (element j+1) (the 16-bit pair, zero-extended by LLVM; ptxas drops the
@@ -54,30 +57,7 @@ mul.rn.bf16x2 $0, a, $3;
 mul.rn.bf16x2 $1, b, $3;
 }""")
 
-# E2M1 -> bf16 on 16-bit words (DEQ asm16, pack=2): the packed weights are read as int16 elements of
-# four codes each (K columns 4j .. 4j+3, code c in bits 4c..4c+3); $1 holds elements j (bits 0..15)
-# and j+1 (bits 16..31), $2 the bf16x2 factors; $0 = (code c of j, code c of j+1) as bf16x2. The two
-# halves are independent elements laid out alike, so ONE shift per field moves both codes into place,
-# no byte permute: sign 4c+3 -> 15 and e e m 4c..4c+2 -> 8..6 of each half,
-#   $0 = ((x << 12-4c) & 0x80008000 | (x << 6-4c) & 0x01C001C0) · f   (a negative shift: to the right),
-# 4-5 logic instructions and one bf16x2 multiply per 2 weight elements, no byte-pair packing of the
-# operand. One instance per code c (E2M1_ASM16[c]): single-result asm lets Triton move the layout
-# conversion to the dot operand onto the int16 tile, so the decoded values never pass through shared
-# memory. The K columns come out split four ways (4j + c); _load_bt splits the activations alike.
-_SHIFT = {1: "shl", -1: "shr"}
-
-
-def _e2m1_16(c: int, wide: bool) -> tl.constexpr:
-    sa, sb = 12 - 4 * c, 6 - 4 * c
-    sign = f"shl.b32 a, $1, {sa};\nand.b32 a, a, 0x80008000;" if sa else "and.b32 a, $1, 0x80008000;"
-    mag = f"{_SHIFT[1 if sb > 0 else -1]}.b32 b, $1, {abs(sb)};\nand.b32 b, b, 0x01C001C0;"
-    scale = "mov.b32 b, 0x7E807E80;\nmul.rn.bf16x2 a, a, b;\n" if wide else ""
-    return tl.constexpr("{\n.reg .b32 a, b;\n" + sign + "\n" + mag + "\nor.b32 a, a, b;\n" + scale
-                        + "mul.rn.bf16x2 $0, a, $2;\n}")
-
-
-E2M1_ASM16 = (_E16_0, _E16_1, _E16_2, _E16_3) = tuple(_e2m1_16(c, False) for c in range(4))
-E2M1_ASM16_WIDE = (_E16W_0, _E16W_1, _E16W_2, _E16W_3) = tuple(_e2m1_16(c, True) for c in range(4))
+# E2M1 -> bf16 on 16-bit words (DEQ asm16 / asm16i): _moe_decode16.py
 
 
 @triton.jit
@@ -215,12 +195,12 @@ def _mxfp4_quarters(q_ptr, s_ptr, qbase, sbase, rn, n_ok, k0, K, stride_qn, stri
                 + tl.arange(0, 8)[None, None, :], mask=g_ok[:, :, None], other=0)              # [BN, G, 8] i16
     s = s_pre if SL else _step_scales(s_ptr, sbase, rn, n_ok, k0, K, stride_sn, BN, BK, _MX_BYTES, PF)
     f = _scale_factor(s, DT, WIDE)[:, :, None]
-    if ASM:
+    if ASM:             # ASM 2: asm16i, the shifts as multiplies (E2M1_ASM16I)
         f = tl.broadcast_to(f, (BN, G, 8))
-        w0 = _asm16(q, f, 0, WIDE)
-        w1 = _asm16(q, f, 1, WIDE)
-        w2 = _asm16(q, f, 2, WIDE)
-        w3 = _asm16(q, f, 3, WIDE)
+        w0 = _asm16(q, f, 0, WIDE, ASM == 2)
+        w1 = _asm16(q, f, 1, WIDE, ASM == 2)
+        w2 = _asm16(q, f, 2, WIDE, ASM == 2)
+        w3 = _asm16(q, f, 3, WIDE, ASM == 2)
     else:
         qi = q.to(tl.int32)
         w0 = _decode(qi << 28, f, DT, WIDE)
@@ -229,29 +209,6 @@ def _mxfp4_quarters(q_ptr, s_ptr, qbase, sbase, rn, n_ok, k0, K, stride_qn, stri
         w3 = _decode(qi << 16, f, DT, WIDE)
     return (tl.reshape(w0, (BN, BK // 4)), tl.reshape(w1, (BN, BK // 4)), tl.reshape(w2, (BN, BK // 4)),
             tl.reshape(w3, (BN, BK // 4)))
-
-
-@triton.jit
-def _asm16(q, f, C: tl.constexpr, WIDE: tl.constexpr):
-    """Code C of every int16 element of q, times f (bf16): E2M1_ASM16[C] (E2M1_ASM16_WIDE when WIDE)."""
-    if WIDE:
-        if C == 0:
-            return tl.inline_asm_elementwise(_E16W_0, "=r,r,r", [q, f], dtype=tl.bfloat16, is_pure=True, pack=2)
-        elif C == 1:
-            return tl.inline_asm_elementwise(_E16W_1, "=r,r,r", [q, f], dtype=tl.bfloat16, is_pure=True, pack=2)
-        elif C == 2:
-            return tl.inline_asm_elementwise(_E16W_2, "=r,r,r", [q, f], dtype=tl.bfloat16, is_pure=True, pack=2)
-        else:
-            return tl.inline_asm_elementwise(_E16W_3, "=r,r,r", [q, f], dtype=tl.bfloat16, is_pure=True, pack=2)
-    else:
-        if C == 0:
-            return tl.inline_asm_elementwise(_E16_0, "=r,r,r", [q, f], dtype=tl.bfloat16, is_pure=True, pack=2)
-        elif C == 1:
-            return tl.inline_asm_elementwise(_E16_1, "=r,r,r", [q, f], dtype=tl.bfloat16, is_pure=True, pack=2)
-        elif C == 2:
-            return tl.inline_asm_elementwise(_E16_2, "=r,r,r", [q, f], dtype=tl.bfloat16, is_pure=True, pack=2)
-        else:
-            return tl.inline_asm_elementwise(_E16_3, "=r,r,r", [q, f], dtype=tl.bfloat16, is_pure=True, pack=2)
 
 
 @triton.jit
@@ -264,7 +221,7 @@ def _load_bt(rows_ptr, row_ok, k0, K, W_FMT: tl.constexpr, DT: tl.constexpr, BK:
     if W_FMT == _MX_BYTES or W_FMT == _MX_ASM:
         even, odd = tl.split(tl.reshape(a, (a.shape[0], BK // 2, 2)))
         return tl.trans(even), tl.trans(odd), tl.trans(even), tl.trans(odd)
-    elif W_FMT == _MX_BYTES16 or W_FMT == _MX_ASM16:
+    elif W_FMT == _MX_BYTES16 or W_FMT == _MX_ASM16 or W_FMT == _MX_ASM16I:
         c02, c13 = tl.split(tl.reshape(a, (a.shape[0], BK // 4, 2, 2)))       # column 4j + 2p + q: split q
         c0, c2 = tl.split(c02)                                                  # then p
         c1, c3 = tl.split(c13)
@@ -303,9 +260,9 @@ def _mma_step_t(acc, b, b1, b2, b3, w_ptr, s_ptr, wbase, sbase, rn, n_ok, k0, K,
                     mask=n_ok[:, None] & (kb < K // 2)[None, :], other=0)
         s = s_pre if SL else _step_scales(s_ptr, sbase, rn, n_ok, k0, K, stride_sn, BN, BK, W_FMT, PF)
         return tl.dot_scaled(q, s.to(tl.uint8), "e2m1", b, None, "bf16", acc, fast_math=True)
-    elif W_FMT == _MX_BYTES16 or W_FMT == _MX_ASM16:
+    elif W_FMT == _MX_BYTES16 or W_FMT == _MX_ASM16 or W_FMT == _MX_ASM16I:
         w0, w1, w2, w3 = _mxfp4_quarters(w_ptr, s_ptr, wbase, sbase, rn, n_ok, k0, K, stride_wn, stride_sn, s_pre,
-                                         BN, BK, DT, WIDE, W_FMT == _MX_ASM16, SL, PF)
+                                         BN, BK, DT, WIDE, (W_FMT == _MX_ASM16) + 2 * (W_FMT == _MX_ASM16I), SL, PF)
         return _dot(w3, b3, _dot(w2, b2, _dot(w1, b1, _dot(w0, b, acc, IEEE), IEEE), IEEE), IEEE)
     else:
         w_even, w_odd = _mxfp4_halves(w_ptr, s_ptr, wbase, sbase, rn, n_ok, k0, K, stride_wn, stride_sn, s_pre,

@@ -20,9 +20,12 @@ Two kernels:
      Config SPLIT_INTRA=1 stores L^-1 (fp32) instead and runs phase 2 as `_kda_wu.py`'s kernel;
      LOWP_A / LOWP_WU (bf16/fp16 inputs only) round the operands of the phase-1 / phase-2 products to
      bf16 (bf16 tensor cores, fp32 accumulation) instead of tf32 products of fp32 operands.
-  2. `_kda_state_kernel`, one program per (request, head, Dv block), sequential over the request's chunks
-     with S in registers (fp32): d, o and the next S; writes o, optional checkpoint states, and the final
-     state back to the pool row `state_slot[r]` in place (Dv blocks: wider for batches, see `heuristic`).
+     Config A64=1 runs `_kda_intra64.py`'s kernel instead: the same workspace from [64, *] tiles only
+     (row-masked 64-row products accumulating one [64, 64] A and Aqk, L^-1 as one [64, 64] tile).
+  2. `_kda_state.py`'s kernel, one program per (request, head, Dv block), sequential over the request's
+     chunks with S in registers (fp32): d, o and the next S; writes o, optional checkpoint states, and the
+     final state back to the pool row `state_slot[r]` in place (Dv blocks: wider for batches, `heuristic`).
+MAXNREG_INTRA caps kernel 1's registers (CUDA) so that more programs share an SM.
 Chunks are cut from each request's first token (the last one partial; padded rows are exact no-ops); the
 chunk table is built on the device by one kernel (`_kda_common.device_chunk_table`).
 `kda_prefill(..., checkpoint_positions=...)` also cuts chunks at the requested positions, so the states there
@@ -37,9 +40,11 @@ import triton
 import triton.language as tl
 
 from ..kernel import KernelTemplate, Tunable, pow2_bucket
-from ._kda_common import (_SAFE_SPAN, BC, CHUNK, _diag_exact, _inv_unit_lower, _load2, _mask_rows, _row_block,
-                          _solve_store, _spans, _st, _st64, _sub, device_chunk_table, host_chunk_table, kda_gate,
-                          kda_gate_math)
+from ._kda_common import BC, CHUNK, device_chunk_table, host_chunk_table, kda_gate
+from ._kda_chunk_tiles import (_diag_exact, _gate_slice, _inv_unit_lower, _key_slice, _load2, _mask_rows, _row_block,
+                               _solve_store, _spans, _st, _st64, _sub, decay_slices)
+from ._kda_intra64 import run_intra64
+from ._kda_state import _SMEM_BYTES, run_state, state_kernel_smem
 from ._kda_wu import new_inverse_workspace, run_wu
 from codegen.triton import _precision as precision
 
@@ -64,34 +69,17 @@ def _kda_intra_kernel(q, k, v, g, beta, dtb, alog, chunk_start, chunk_len, W, U,
     base = (n.to(tl.int64) * H + h) * 64
     lw = GW + base * D                           # this chunk-head's lc [64, D], fp32
     rows = tl.arange(0, 64)
-    blk = rows[:, None] // BC
-    # ---- phase 0: lc = cumulative decay since each 16-row sub-block's start (padded rows add 0)
-    for kb in range(0, D, BK):
-        cols = kb + tl.arange(0, BK)
-        gg = _load2(g, t0, L, s_g, cols)
-        if GATE != 0:
-            if HAS_BIAS:
-                gg += tl.load(dtb + cols).to(tl.float32)[None, :]
-            a_h = tl.exp(tl.load(alog + h).to(tl.float32))
-            gg = tl.where((rows < L)[:, None], kda_gate_math(gg, a_h, lower_bound, GATE), 0.0)
-        lc = tl.reshape(tl.cumsum(tl.reshape(gg, [4, BC, BK]), axis=1), [64, BK])
-        tl.store(lw + rows[:, None] * D + cols[None, :], lc)
-        tl.store(GL + (n.to(tl.int64) * H + h) * D + cols, tl.sum(gg, axis=0))     # G_C
-    tl.debug_barrier()  # lc (written by other threads) is read below
+    # ---- phase 0: lc = cumulative decay since each 16-row sub-block's start (padded rows add 0); G_C
+    decay_slices(g, dtb, alog, h, t0, L, s_g, lw, GL + (n.to(tl.int64) * H + h) * D, lower_bound, D, BK, GATE,
+                 HAS_BIAS)
     # ---- phase 1 over key-channel slices: row blocks [16, 64] of A (keys x keys), Aqk (queries x keys)
     z = tl.zeros([BC, 64], dtype=tl.float32)
     a0, a1, a2, a3, p0, p1, p2, p3 = z, z, z, z, z, z, z, z
     n_unsafe = 0
     for kb in range(0, D, BK):
         cols = kb + tl.arange(0, BK)
-        s0, s1, s2, s3, u0, u1, u2, u3 = _spans(lw, cols, D)
-        n_unsafe += u0.to(tl.int32) + u1.to(tl.int32) + u2.to(tl.int32) + u3.to(tl.int32)
-        lf, kf = tl.load(lw + rows[:, None] * D + cols[None, :]), _load2(k, t0, L, s_k, cols)
-        s_row = tl.where(blk == 0, s0[None, :], tl.where(blk == 1, s1[None, :], tl.where(blk == 2, s2[None, :],
-                                                                                          s3[None, :])))
-        kend = kf * tl.exp(s_row - lf)
-        unsafe = tl.where(blk == 0, u0, tl.where(blk == 1, u1, tl.where(blk == 2, u2, u3)))
-        kd = tl.where(unsafe, 0.0, kf * tl.exp(tl.minimum(-lf, _SAFE_SPAN)))
+        s1, s2, unsafe, kf, lf, kend, kd = _key_slice(lw, k, t0, L, s_k, cols, D)
+        n_unsafe += unsafe
         a0, p0 = _row_block(0, k, q, lw, t0, L, s_k, s_q, cols, kend, kd, s1, s2, a0, p0, D, PREC, LOWP_A)
         a1, p1 = _row_block(1, k, q, lw, t0, L, s_k, s_q, cols, kend, kd, s1, s2, a1, p1, D, PREC, LOWP_A)
         a2, p2 = _row_block(2, k, q, lw, t0, L, s_k, s_q, cols, kend, kd, s1, s2, a2, p2, D, PREC, LOWP_A)
@@ -140,56 +128,13 @@ def _kda_intra_kernel(q, k, v, g, beta, dtb, alog, chunk_start, chunk_len, W, U,
     b64 = tl.load(beta + (t0 + rows) * s_b, mask=rows < L, other=0.0).to(tl.float32)[:, None]
     for kb in range(0, D, BK):
         cols = kb + tl.arange(0, BK)
-        s0, s1, s2, s3, u0, u1, u2, u3 = _spans(lw, cols, D)
-        lf, kf = tl.load(lw + rows[:, None] * D + cols[None, :]), _load2(k, t0, L, s_k, cols)
-        pre = tl.where(blk == 0, 0.0, tl.where(blk == 1, s0[None, :], tl.where(blk == 2, (s0 + s1)[None, :],
-                                                                                (s0 + s1 + s2)[None, :])))
-        suf = tl.where(blk == 0, (s0 + s1 + s2 + s3)[None, :], tl.where(blk == 1, (s1 + s2 + s3)[None, :],
-                                                                         tl.where(blk == 2, (s2 + s3)[None, :],
-                                                                                  s3[None, :])))
-        e = tl.exp(pre + lf)                      # e^G
+        kf, e, ec = _gate_slice(lw, k, t0, L, s_k, cols, D)     # k, e^G, e^{G_C - G}
         _solve_store(W + base * D, D, cols, kf * e * b64, l0, l1, l2, l3, PREC)
         _st64(QG + base * D, cols, D, _load2(q, t0, L, s_q, cols) * e * scale)
-        _st64(KG + base * D, cols, D, kf * tl.exp(suf - lf))
+        _st64(KG + base * D, cols, D, kf * ec)
     for vb in range(0, DV, BV):
         cols = vb + tl.arange(0, BV)
         _solve_store(U + base * DV, DV, cols, _load2(v, t0, L, s_v, cols) * b64, l0, l1, l2, l3, PREC)
-
-
-@triton.jit
-def _kda_state_kernel(W, U, QG, KG, AQK, GL, o, s_o, state, slots, chunk_start, chunk_len, req_chunks,
-                      CK, ck_index, H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                      HAS_CK: tl.constexpr, PREC: tl.constexpr):
-    r, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    slot = tl.load(slots + r).to(tl.int64)
-    c_lo, c_hi = tl.load(req_chunks + r).to(tl.int64), tl.load(req_chunks + r + 1).to(tl.int64)
-    dk = tl.arange(0, D)
-    cv = vb * BV + tl.arange(0, BV)
-    rows = tl.arange(0, 64)
-    sp = state + ((slot * H + h) * D + dk[:, None]) * DV + cv[None, :]
-    S = tl.load(sp).to(tl.float32)
-    for c in range(c_lo, c_hi):
-        base = c * H + h  # int64 (the loop bounds are)
-        t0 = tl.load(chunk_start + c).to(tl.int64)
-        L = tl.load(chunk_len + c)
-        w = tl.load(W + (base * 64 + rows[:, None]) * D + dk[None, :])
-        qg = tl.load(QG + (base * 64 + rows[:, None]) * D + dk[None, :])
-        kg = tl.load(KG + (base * 64 + rows[:, None]) * D + dk[None, :])
-        u = tl.load(U + (base * 64 + rows[:, None]) * DV + cv[None, :]).to(tl.float32)
-        aqk = tl.load(AQK + (base * 64 + rows[:, None]) * 64 + rows[None, :])
-        gl = tl.exp(tl.load(GL + base * D + dk))
-        sd = S.to(w.dtype)
-        d = u - tl.dot(w, sd, input_precision=PREC)
-        dd = d.to(w.dtype)
-        out = tl.dot(aqk, dd, tl.dot(qg, sd, input_precision=PREC), input_precision=PREC)
-        tl.store(o + (t0 + rows)[:, None] * s_o + h * DV + cv[None, :], out.to(o.dtype.element_ty),
-                 mask=(rows < L)[:, None])
-        S = S * gl[:, None] + tl.dot(tl.trans(kg), dd, input_precision=PREC)
-        if HAS_CK:
-            ci = tl.load(ck_index + c)
-            if ci >= 0:
-                tl.store(CK + ((ci.to(tl.int64) * H + h) * D + dk[:, None]) * DV + cv[None, :], S)
-    tl.store(sp, S.to(state.dtype.element_ty))
 
 
 # ---------------------------------------------------------------------------------- host side
@@ -221,36 +166,25 @@ def run_intra(q, k, v, graw, beta, starts, lens, scale, cfg, *, gate_mode=0, A_l
     ai = new_inverse_workspace(W) if split else dummy
     prec, lb = precision.fast_fp32() if low else "ieee", float(lower_bound) if lower_bound is not None else 0.0
     lowp_a, lowp_wu = low and bool(cfg.get("LOWP_A", 0)), low and bool(cfg.get("LOWP_WU", 0))  # bf16/fp16 in only
+    cap = {"maxnreg": int(cfg["MAXNREG_INTRA"])} if cfg.get("MAXNREG_INTRA") and q.is_cuda else {}  # registers cap
+    if cfg.get("A64", 0):  # the 64-row form (`_kda_intra64.py`): W/U always fused
+        run_intra64((qv, kv_, vv, gv, bv), starts, lens, ws, gw, dtb, alog, scale, lb, gate_mode=gate_mode,
+                    has_bias=dt_bias is not None, BK=min(cfg["BK"], D), BV=min(cfg["BV_INTRA"], Dv), PREC=prec,
+                    LOWP_A=lowp_a, LOWP_WU=lowp_wu, num_warps=cfg["WARPS_INTRA"],
+                    num_stages=cfg.get("STAGES_INTRA", 3), cap=cap)
+        return ws
     _kda_intra_kernel[(N, H)](
         qv, kv_, vv, gv, bv, dtb, alog, starts, lens, *ws, gw, ai, qv.stride(0), kv_.stride(0), vv.stride(0),
         gv.stride(0), bv.stride(0), float(scale), lb, H=H, D=D, DV=Dv, BK=min(cfg["BK"], D),
         BV=min(cfg["BV_INTRA"], Dv), GATE=gate_mode, HAS_BIAS=dt_bias is not None, PREC=prec, FUSE_WU=not split,
         LOWP_A=lowp_a, LOWP_WU=lowp_wu,
-        num_warps=cfg["WARPS_INTRA"], num_stages=cfg.get("STAGES_INTRA", 3))
+        num_warps=cfg["WARPS_INTRA"], num_stages=cfg.get("STAGES_INTRA", 3), **cap)
     if split:
         run_wu((qv, kv_, vv, gv, bv), starts, lens, ai, ws, scale, BK=min(cfg.get("BK_WU", 64), D),
                BV=min(cfg.get("BV_WU", 64), Dv), PREC=prec, LOWP=lowp_wu, gate_mode=gate_mode, dtb=dtb, alog=alog,
                lower_bound=lb, has_bias=dt_bias is not None, num_warps=cfg.get("WARPS_WU", 4),
                num_stages=cfg.get("STAGES_WU", 2))
     return ws
-
-
-def run_state(ws, state, state_slot, starts, lens, req_chunks, cfg, out_dtype, ck_index=None, n_ck=0, *,
-              n_tokens: int):
-    """Kernel 2: o [T, H, Dv], the pool rows updated in place, checkpoint states [n_ck, H, D, Dv]."""
-    W, U = ws[0], ws[1]
-    H, D, Dv = W.shape[1], W.shape[3], U.shape[3]
-    T, R, dev = n_tokens, state_slot.numel(), W.device
-    o = torch.empty(T, H, Dv, device=dev, dtype=out_dtype)
-    CK = torch.empty(max(n_ck, 1), H, D, Dv, device=dev, dtype=torch.float32)
-    bv = min(cfg["BV"], Dv)
-    if R > 0:
-        _kda_state_kernel[(R, H, Dv // bv)](
-            *ws, o, H * Dv, state, state_slot, starts, lens, req_chunks, CK, ck_index if n_ck else lens,
-            H=H, D=D, DV=Dv, BV=bv, HAS_CK=n_ck > 0, PREC="ieee" if W.dtype == torch.float32 else precision.fast_fp32(),
-            # fp32 workspaces take twice the shared memory per stage: 3 stages of BV 32 overflow the H200's 227 KiB
-            num_warps=cfg["WARPS"], num_stages=cfg["STAGES"] if W.element_size() <= 2 else min(cfg["STAGES"], 2))
-    return o, CK
 
 
 def kda_prefill(q, k, v, g, beta, state, state_slot, cu_seqlens, scale: float, *, checkpoint_positions=None,
@@ -316,7 +250,11 @@ def heuristic(key, target):
     5.3e-3 (fla: 4.8e-3); fp32 inputs never round. Kernel 2 widens its column block BV (32 -> 64 -> 128) while
     R*H*Dv/BV >= 128 programs remain. Session 8, B=4 x 8192 (fla 3.515 ms): kernel 2 BV 128 / 4 warps / 2 stages
     0.517 ms (BV 128 x 8 warps 0.630, BV 64 x 4 x 3 stages 0.570, 64 x 8 x 2 0.897, 32 x 4 x 3 1.030), kernel 1
-    2.67 ms: prefill 3.20 ms (1.098x fla; BV 32 3.73). B=1 (BV 32): 8K 0.884 ms (fla 1.112), 32K 3.436 (4.293)."""
+    2.67 ms: prefill 3.20 ms (1.098x fla; BV 32 3.73). B=1 (BV 32): 8K 0.884 ms (fla 1.112), 32K 3.436 (4.293).
+    Session 10 (benches/results/h200-2026-11-30-s10/kda_prefill.json), kernel 1 at B=4 x 8192: BK 64 / BV_INTRA 64
+    2.668 ms; BK 32 / BV_INTRA 32 under a 168-register cap 2.553 (A64 1, the 64-row form of _kda_intra64.py) and
+    2.554 (A64 0); A64 without the cap 2.92-2.97, caps 128 / BK 16 3.16-3.62. Prefill 3.090 ms: 1.138x fla
+    (3.516); B=1 8K 0.864 ms (1.288x fla), 32K 3.324 (1.293x)."""
     D, Dv = key["D"], key["Dv"]
     if str(target).startswith("cpu"):
         return {"BK": D, "BV_INTRA": Dv, "WARPS_INTRA": 4, "STAGES_INTRA": 1, "BV": Dv, "WARPS": 4, "STAGES": 2,
@@ -324,23 +262,13 @@ def heuristic(key, target):
     bv = min(32, Dv)
     while "R" in key and "H" in key and bv < min(128, Dv) and key["R"] * key["H"] * (Dv // (2 * bv)) >= _WAVE:
         bv *= 2  # kernel 2: wider column blocks while the grid still fills one wave (batches of requests)
-    return {"BK": min(64, D), "BV_INTRA": min(64, Dv), "WARPS_INTRA": 4, "STAGES_INTRA": 2, "BV": bv,
+    return {"BK": min(32, D), "BV_INTRA": min(32, Dv), "WARPS_INTRA": 4, "STAGES_INTRA": 2, "BV": bv,
             **dict(zip(("WARPS", "STAGES"), _STATE_TILES.get(bv, (4, 3)))), "SPLIT_INTRA": 0, "LOWP_A": 1,
-            "LOWP_WU": 1}
+            "LOWP_WU": 1, "A64": 1, "MAXNREG_INTRA": 168}
 
 
 # kernel 2: programs that fill the H200 (132 SMs) once at one per SM (its shared memory); (WARPS, STAGES) per BV
 _WAVE, _STATE_TILES = 128, {32: (4, 3), 64: (4, 3), 128: (4, 2)}
-
-
-_SMEM_BYTES = 232448  # per block on the H200 (sm_90)
-
-
-def state_kernel_smem(config, key, itemsize: int = 2) -> int:
-    """Kernel 2's shared memory: per stage W, QG, KG [64, D], U [64, BV], Aqk [64, 64], + 8 KiB, + 256 B per state
-    column above 32, as Triton 3.6 allocated on the H200 (s6: BV/stages 32/3 188 KiB, 64/3 208, 64/2 144, 128/2 176)."""
-    stages = config["STAGES"] * (3 * 64 * key["D"] + 64 * config["BV"] + 64 * 64) * itemsize
-    return stages + 8192 + max(0, config["BV"] - 32) * 256
 
 
 def constraints(config, key, target):
@@ -348,6 +276,10 @@ def constraints(config, key, target):
     for name, dim in (("BK", "D"), ("BV_INTRA", "Dv"), ("BV", "Dv")):  # the W/U kernel's tiles are clamped to D
         if config[name] > key[dim] or key[dim] % config[name]:
             out.append(f"{name}={config[name]} must divide {dim}={key[dim]}")
+    if config.get("A64") and config.get("SPLIT_INTRA"):
+        out.append("A64=1 (the 64-row kernel 1) computes W/U itself: SPLIT_INTRA must be 0")
+    if config.get("A64") and config.get("STAGES_INTRA", 3) < 2 and not str(target).startswith("cpu"):
+        out.append("A64=1 with STAGES_INTRA=1 made an illegal memory access on the H200 (Triton 3.6, session 10)")
     if not str(target).startswith("cpu") and state_kernel_smem(config, key) > _SMEM_BYTES:
         out.append(f"kernel 2 needs {state_kernel_smem(config, key)} B of shared memory with "
                    f"STAGES={config['STAGES']}, BV={config['BV']} (limit {_SMEM_BYTES})")
@@ -385,10 +317,11 @@ TEMPLATES = [
     KernelTemplate(
         family="kda_prefill", backend="triton", ops=("kda",), launch=_launch_kda, key_dims=key_dims,
         heuristic=heuristic, bucket=bucket, constraints=constraints, supports=supports, batch_invariant=True,
-        tunables=(Tunable("BK", (16, 32, 64)), Tunable("BV_INTRA", (32, 64)), Tunable("WARPS_INTRA", (2, 4, 8)),
+        tunables=(Tunable("BK", (16, 32, 64)), Tunable("BV_INTRA", (16, 32, 64)), Tunable("WARPS_INTRA", (2, 4, 8)),
                   Tunable("STAGES_INTRA", (1, 2, 3)), Tunable("BV", (16, 32, 64, 128)), Tunable("WARPS", (4, 8)),
                   Tunable("STAGES", (2, 3, 4)), Tunable("LOWP_A", (0, 1)), Tunable("LOWP_WU", (0, 1)),
-                  Tunable("SPLIT_INTRA", (0, 1)), Tunable("BK_WU", (32, 64)), Tunable("WARPS_WU", (4, 8))),
+                  Tunable("SPLIT_INTRA", (0, 1)), Tunable("BK_WU", (32, 64)), Tunable("WARPS_WU", (4, 8)),
+                  Tunable("A64", (0, 1)), Tunable("MAXNREG_INTRA", (0, 168))),
         doc="chunked (64) WY/UT KDA over ragged requests; form recurrent|chunked give the same result"),
     KernelTemplate(
         family="kda_gate", backend="triton", ops=("kda_gate",), launch=_launch_gate,

@@ -5,7 +5,8 @@ Operands (in the pass's order): c_q [T, q_lora], q_b [H*(dn+dr), q_lora], kv_a [
 column view of a packed projection's output), kv_norm_w [kv], latent_pool (flat [N, kv+dr] or a block
 view [NB, bs, kv+dr], any block stride; updated in place), token_req [T], token_pos [T],
 block_table [R, MB]. Attrs: heads, nope_dim, rope_dim, kv_lora_rank, eps, block_size.
-Results: q_nope [T, H, dn], q_pe [T, H, dr] (views of one [T, H*(dn+dr)] output), latent_pool.
+Results: q_nope [T, H, dn], q_pe [T, H, dr] (both contiguous: the attention reads them without a copy; two
+regions of one buffer), latent_pool.
 
 Math, per token t (fp32 in registers):
     q[t, n]   = sum_k c_q[t, k] * q_b[n, k]                      (`gemm.gemm_tile`, no split-K)
@@ -54,8 +55,8 @@ def _store_latent(dst, vals, mask, FP8: tl.constexpr):
 
 @triton.jit
 def _mla_query_kernel(cq_ptr, w_ptr, q_ptr, kva_ptr, g_ptr, pool_ptr, req_ptr, pos_ptr, tbl_ptr,
-                      T, N, K, MB, stride_cq, stride_w, stride_q, stride_kva, stride_blk, stride_row, eps,
-                      KV: tl.constexpr, DR: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_DR: tl.constexpr,
+                      T, N, K, MB, stride_cq, stride_w, stride_kva, stride_blk, stride_row, eps,
+                      DN: tl.constexpr, KV: tl.constexpr, DR: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_DR: tl.constexpr,
                       BLOCK_R: tl.constexpr, LOG_BS: tl.constexpr, FP8: tl.constexpr,
                       DOT_DTYPE: tl.constexpr, ACC_DTYPE: tl.constexpr, X_SPLITS: tl.constexpr,
                       PRECISION: tl.constexpr, EVEN_K: tl.constexpr, GEMV: tl.constexpr,
@@ -95,8 +96,14 @@ def _mla_query_kernel(cq_ptr, w_ptr, q_ptr, kva_ptr, g_ptr, pool_ptr, req_ptr, p
             pdl_enter(PDL)
             acc = gemm_tile(cq_ptr, w_ptr, w_ptr, offs_m, offs_n, m_ok, n_ok, K, stride_cq, 1, stride_w, 1, 0, 0,
                             0, 1, 1, DOT_DTYPE, ACC_DTYPE, X_SPLITS, PRECISION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
-        tl.store(q_ptr + offs_m.to(tl.int64)[:, None] * stride_q + offs_n[None, :], acc.to(q_ptr.dtype.element_ty),
-                 mask=m_ok[:, None] & n_ok[None, :])
+        # column n = head h, dim j: q_nope[t, h, j] (j < DN) in the first T*H*DN elements, q_pe[t, h, j-DN] after
+        h = offs_n // (DN + DR)
+        j = offs_n - h * (DN + DR)
+        n_heads = N // (DN + DR)
+        t64 = offs_m.to(tl.int64)[:, None]
+        q_at = tl.where(j[None, :] < DN, t64 * (n_heads * DN) + (h * DN + j)[None, :],
+                        T * n_heads * DN + t64 * (n_heads * DR) + (h * DR + j - DN)[None, :])
+        tl.store(q_ptr + q_at, acc.to(q_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:
@@ -125,7 +132,7 @@ def mla_query(ops: list, attrs: dict, config: dict):
     if pool.shape[-1] != kv + dr:
         raise ValueError(f"fused.mla_query: latent pool rows {tuple(pool.shape)} must hold {kv}+{dr} values")
     dev = c_q.device
-    q = torch.empty(T, N, dtype=c_q.dtype, device=dev)
+    q = torch.empty(T * N, dtype=c_q.dtype, device=dev)
     if T > 0:
         x, w, kva, g = (_unit_stride(t) for t in (c_q, q_b, kv_a, kv_norm_w))
         tbl, req, mb, log_bs = paging_args(block_table, token_req, bs, dev)
@@ -133,13 +140,12 @@ def mla_query(ops: list, attrs: dict, config: dict):
         grid = (triton.cdiv(T, br) + triton.cdiv(T, bm) * triton.cdiv(N, bn),)
         _mla_query_kernel[grid](
             x, w, q, kva, g, pool.view(torch.uint8) if fp8 else pool, req, token_pos, tbl,
-            T, N, K, mb, x.stride(0), w.stride(0), q.stride(0), kva.stride(0), stride_blk, stride_row,
-            float(attrs["eps"]), KV=kv, DR=dr, BLOCK_KV=pow2_bucket(kv), BLOCK_DR=pow2_bucket(dr), BLOCK_R=br,
+            T, N, K, mb, x.stride(0), w.stride(0), kva.stride(0), stride_blk, stride_row,
+            float(attrs["eps"]), DN=dn, KV=kv, DR=dr, BLOCK_KV=pow2_bucket(kv), BLOCK_DR=pow2_bucket(dr), BLOCK_R=br,
             LOG_BS=log_bs, FP8=fp8, **dot_numerics(x.dtype, w.dtype), EVEN_K=K % bk == 0, GEMV=config["GEMV"],
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=config["num_warps"], num_stages=config["num_stages"],
             **launch_kwargs())
-    q3 = q.view(T, H, dn + dr)
-    return q3[:, :, :dn], q3[:, :, dn:], pool
+    return q[:T * H * dn].view(T, H, dn), q[T * H * dn:].view(T, H, dr), pool
 
 
 # ---- template plumbing ---------------------------------------------------------------------------
@@ -243,6 +249,6 @@ TEMPLATES = [
         launch=lambda a, attrs, config: mla_query(a.operands, attrs, config), key_dims=_key,
         heuristic=_heuristic, tunables=TUNABLES, bucket=_bucket, constraints=_constraints, supports=_supports,
         batch_invariant=True,
-        doc="q = c_q @ q_b^T (views q_nope/q_pe) + latent RMSNorm | k_pe -> pool dtype (fp8 by hand) -> paged "
+        doc="q = c_q @ q_b^T (q_nope, q_pe contiguous) + latent RMSNorm | k_pe -> pool dtype (fp8 by hand) -> paged "
             "row, one launch"),
 ]

@@ -30,7 +30,9 @@ them back (in torch; prefill decompresses from it).
 Selections are positions (the IR op; mapped to rows by the block table, `_paging`) or physical rows
 (`selection_rows=True`, what `indexer_topk(..., output="rows")` returns); -1 entries are skipped.
 Tunables: ORIENT, BLOCK_H, BLOCK_N (rows per step), CHUNK (rows per program), SUB (ORIENT 0: column
-blocks per row, 1 = one pass, 4 = two passes), PREFETCH (1: next step's rows resolved a step ahead),
+blocks per row, 1 = one pass, 4 = two passes), PREFETCH (1: next step's rows resolved a step ahead; ORIENT 1 also
+2: next step's bytes in registers), LSUM (ORIENT 1: softmax denominators summed over the row lanes once after the
+loop: one cross-warp reduction per step instead of two),
 F16 (ORIENT 1 on FP8 / NVFP4 pools: fp16 dots with per-head power-of-two query scaling, `_mla_heads.py`),
 num_warps, num_stages.
 """
@@ -105,6 +107,17 @@ def heuristic(key: dict, target: str) -> dict:
     256 / stages 1 84.7, stages 2 84.5-88.8, 8 warps 95.6, CHUNK 128 95.0; batch 1 11.46 (F16-off 11.90);
     both checked against float64 and graph replay == eager over 50 replays: F16 is the FP8 default, with 2
     programs per SM and 3 stages once the tokens alone fill the GPU.
+    Session 10 (same bench, one call; benches/bench_attention_decode.py, 4.31 TB/s streaming read): batch 64 default
+    75.2 us (24.5%; PDL off 77.7), LSUM 1 74.2 (24.8%, PDL off 78.8: now the default when the tokens fill the GPU),
+    LSUM + num_stages 4 (gathers two steps ahead, 110.6 KB shared) 74.9, num_stages 4 alone 80.4, LSUM + stages 2
+    83.0, CHUNK 256 81.3, BLOCK_N 16 / 6 stages 102.6; measured no better and removed: the piece's selection
+    prefetched into L1 (76.5 / 74.7 with LSUM + 4 stages), rescaling skipped where no maximum moved (75.6), the
+    query operand re-laid out from shared memory each step under a 168-register cap for 3 programs per SM
+    (83.0-84.0 at 6 pieces of 352 rows, 106.3 at CHUNK 512). Where the time goes: every token reading token 0's
+    rows (1.2 MB, L2 resident) takes 71.5-71.7 us and contiguous 64-row blocks 76.0-77.7: the kernel is bound
+    inside the SM (2 programs x 4 warps per SM, 252 registers, a ~4.4 us chain per 32-row step: ~670 SASS
+    instructions per thread, 7-10 barriers, 74 e4m3 -> f16 conversions), not by HBM bandwidth or DRAM locality;
+    the query absorption costs ~2 us (72.1 without it). Batch 1: 11.15 us (PDL off 13.64), LSUM 11.21 (kept off there).
     bf16 and NVFP4 pools keep the rows-major kernel's configs (measured 2026-11-29 s3: 0.087 / 0.185 ms at
     batch 64), with the same split rule."""
     H = max(1, key.get("H", 16))
@@ -123,7 +136,8 @@ def heuristic(key: dict, target: str) -> dict:
         cfg = dict(ORIENT=0, BLOCK_H=bh, BLOCK_N=32, num_warps=4, num_stages=2, SUB=1, PREFETCH=1) if fmt == 0 else \
             dict(ORIENT=0, BLOCK_H=bh, BLOCK_N=64, num_warps=4, num_stages=1, SUB=4, PREFETCH=1)
     else:
-        cfg = dict(ORIENT=1, BLOCK_H=bh, BLOCK_N=32, num_warps=4, num_stages=3 if many else 1, PREFETCH=1, F16=1)
+        cfg = dict(ORIENT=1, BLOCK_H=bh, BLOCK_N=32, num_warps=4, num_stages=3 if many else 1, PREFETCH=1, F16=1,
+                   **({"LSUM": 1} if many else {}))
     cfg["CHUNK"] = min(16384, max(cfg["BLOCK_N"], _pow2(-(-L // pieces))))
     return cfg
 
@@ -163,10 +177,11 @@ def sparse_latent_attention(q_abs, q_pe, latent, token_pos, paging, scale: float
     orient = int(cfg.get("ORIENT", 0))
     bh, bn, chunk = int(cfg["BLOCK_H"]), int(cfg["BLOCK_N"]), int(cfg["CHUNK"])
     prefetch = int(cfg.get("PREFETCH", 0))
+    lsum = int(cfg.get("LSUM", 0))
     if prefetch not in (0, 1, 2) or orient not in (0, 1) or (orient == 1 and int(cfg.get("SUB", 1)) != 1) or \
-            (orient == 0 and prefetch == 2):
-        raise ValueError(f"mla: config {cfg}: ORIENT must be 0 or 1, PREFETCH 0 or 1 (ORIENT 1 also 2), and ORIENT 1 "
-                         f"takes whole rows (SUB 1)")
+            (orient == 0 and (prefetch == 2 or lsum)) or lsum not in (0, 1):
+        raise ValueError(f"mla: config {cfg}: ORIENT must be 0 or 1, PREFETCH 0 or 1 (ORIENT 1 also 2), LSUM 0 or 1 "
+                         f"(ORIENT 1's), and ORIENT 1 takes whole rows (SUB 1)")
     nsplit = max(1, -(-L // chunk))
     o = torch.empty(T, H, KV, dtype=out_dtype, device=dev)
     lse = torch.empty(T, H, dtype=torch.float32, device=dev)
@@ -203,7 +218,7 @@ def sparse_latent_attention(q_abs, q_pe, latent, token_pos, paging, scale: float
     if orient == 0:
         common["SUB"] = int(cfg.get("SUB", 1))
     else:
-        common.update(QSCALE=f16, CVT=int(f16 and fmt == 1 and not f32))
+        common.update(QSCALE=f16, CVT=int(f16 and fmt == 1 and not f32), LSUM=lsum)
     kernel = _mla_heads_kernel if orient == 1 else _mla_sparse_kernel
     for t0 in range(0, T, tb):
         t1 = min(T, t0 + tb)
@@ -273,8 +288,8 @@ def _constraints(config: dict, key: dict, target: str) -> list[str]:
     out = []
     if config.get("ORIENT", 0) == 1 and config.get("SUB", 1) != 1:
         out.append("ORIENT=1 reads whole rows (SUB=1)")
-    if config.get("ORIENT", 0) == 0 and config.get("PREFETCH", 0) == 2:
-        out.append("PREFETCH=2 is ORIENT=1's")
+    if config.get("ORIENT", 0) == 0 and (config.get("PREFETCH", 0) == 2 or config.get("LSUM", 0)):
+        out.append("PREFETCH=2 and LSUM=1 are ORIENT=1's")
     if config.get("ORIENT", 0) == 1 and config["BLOCK_H"] * key.get("KV", 512) > 32 * config["num_warps"] * 128:
         out.append("ORIENT=1 accumulator BLOCK_H*kv fp32 over num_warps*32 threads > 128 registers each")
     if config.get("F16", 0) and (config.get("ORIENT", 0) != 1 or key.get("fmt", 0) == 0):
@@ -329,6 +344,7 @@ TUNABLES = (
     Tunable("num_stages", (1, 2, 3)),
     Tunable("SUB", (1, 4)),
     Tunable("PREFETCH", (0, 1, 2)),
+    Tunable("LSUM", (0, 1)),
     Tunable("ORIENT", (0, 1)),
     Tunable("F16", (0, 1)),
 )

@@ -8,11 +8,8 @@ program per (pair, row block) for gate-up and per (pair, row block) for down, th
 in the down launch by the last slot of each token to finish, no permutation, two launches; FFMA inner
 product on the MXFP4 words (GV=2; session 6's kernels, GV=1 with an MMA-step option, stay callable).
 "grouped", below (many tokens per expert; batch-invariant mode always). H200, graph replay, PDL launches,
-session 9: T=1 top-2 24.3 us (2.97x the 8.2 us byte floor; session 8 27.7, session 6 38.4), T=8 top-2
-151.8 us (2.97x; session 8 168.3). Where the T=1 time goes: the K loop costs ~36-41 SASS instructions per
-int32 word of 8 weights (sm_90, static count: decode 4 LOP3/SHF + 8 HADD2.F32 fp16->fp32 conversions on the
-FMA pipe, 8 FFMA, activation loads): gate-up runs at ~60% of its issue limit (12.6 us of the 24.3), the down
-launch (10.9 us for a third of the bytes, 255 registers) is latency-bound at ~1.7 warps per scheduler.
+session 9: T=1 top-2 24.3 us (2.97x the 8.2 us byte floor), T=8 top-2 151.8 us (2.97x); where that time goes:
+_moe_gemv.py, _moe_configs.py.
 
 Grouped pipeline (no host sync, deterministic, no atomics):
   1. `permute_tokens` (moe_router.py): routed pairs p = t·k + j grouped by expert (one program up to
@@ -27,6 +24,8 @@ Tiles exist only for experts with tokens: program `tid` finds its expert from th
 counts ceil(count_e / BM) (a cumsum over E in registers). The grid holds max_tiles(P, E, BM) =
 floor((P + min(E, P)·(BM-1)) / BM) tiles, the most any routing of P pairs can need (T=1, top-2: exactly
 2); programs past the last tile exit at once, so experts with no tokens launch no work.
+KU / KU2 > 1 (unsplit K): KU K steps an iteration, their loads issued together (see below); measured slower
+at T=64 top-16 on the H200 (1.06-1.18 ms vs 0.997).
 Split-K (config SPLIT > 1; SPLIT2 for the down kernel, default SPLIT): program s of a tile reduces K
 steps [s·c, (s+1)·c), c = ceil(steps / SPLIT)·BK; gate-up stores fp32 partials [SPLIT, 2, T·k, I] that
 `_glu_splits_kernel` sums in split order before act; the down kernel's fp32 partials [SPLIT2, T·k, ℓ]
@@ -43,24 +42,14 @@ _moe_host.py, whose `_kernel_weight` gives the kernels' W_FMT and WIDE; device c
 Scale bytes are below cp.async's 4 bytes, so they are plain loads in the K loop: SL=1 issues both
 weights' at the top of the step (latencies overlap), SL=0 each after its weight tile; PF=1 adds an L1
 prefetch of the next step's (CUDA only); SL=2 reads them as int32 words through the cp.async pipeline and
-SL=3 loads the next step's bytes a step ahead (_moe_tiles._top_scales). H200, T=64 top-16, session 8
-(graph replay): SL=1 1.111 ms, SL=0 with BK 64 / 4 stages 1.116; SL=3 2.110 (BK 64: 1.780) and SL=2 2.035
-(BK 64: 1.821), both with the decoded tile passing through shared memory (Triton 3.6's TTGIR at those
-specialisations, reproduced off the GPU). SL=3 now keeps the decode on the packed tile in 3.6 and 3.7
-(SCALE_NO_SPEC below; sm_90 SASS: the same ~920 instructions a warp a K step as SL=1, without SL=1's
-two scale-load round trips a step, LDG -> STS -> barrier, whose latency every step waits for): not yet
-timed. SL=2 cannot avoid the shared-memory pass.
+SL=3 loads the next step's bytes a step ahead (_moe_tiles._top_scales). H200, T=64 top-16 (graph replay):
+session 8 SL=1 1.111 ms, SL=3 with BK 64 1.048; SL=2 passes the decoded tile through shared memory (1.8x).
+SCALE_NO_SPEC below keeps SL=3's decode on the packed tile in Triton 3.6 and 3.7.
 Host-side operand, storage and target helpers: _moe_host.py;
 the heuristic's named configs, the split-K rule and the config constraints: _moe_configs.py.
-H200, bf16, E=112, top-16, l=3584, I=3072 (bench_moe.py): decode T=64 reads 1.9 GB of MXFP4 weights
-(108 live experts) in 1.109 ms under graph replay (session 5: asm16, BN=64 on 2 warps, mma.sync, MAXNREG
-168; 36.5% of the read ceiling; 128-row wgmma tiles 31%, bf16 weights 92%: a register-operand wgmma
-waits for every dot before decoding on). Prefill T=8192: 328 TFLOP/s (session 2, 47% of bf16).
-Where the grouped decode time goes (SASS of the gate-up loop, sm_90):
-219 registers a thread (4 programs, 8 warps per SM), 904 instructions per warp per K step of 2x64x128
-weights (3.5 per element: LOP3/SHF/IMAD/HMUL2 of the decode), 5 barriers, and the E8M0 bytes read
-by plain loads whose latency each K step waits for: at T=64 the issue slots alone need ~0.38 ms, so
-the SMs run at ~1/3 IPC; at T=1 (96 programs, < 1 per SM) each program is a chain of 28 such steps.
+Decode T=64 (E=112, top-16, l=3584, I=3072, bf16; 1.82 GB of MXFP4 weights): 0.997 ms, 40.5% of the read
+ceiling (session 10; what bounds it, measured: _moe_configs.py at DECODE_T64): each K step asks L2 for 32 bytes
+of each of 64-128 weight rows, a pattern that alone caps the weight reads at 2.32 TB/s (4.10 with whole lines).
 """
 
 from __future__ import annotations
@@ -70,8 +59,8 @@ import triton
 import triton.language as tl
 
 from codegen.kernel import KernelTemplate, Tunable, pow2_bucket
-from codegen.triton._moe_configs import (BATCH_INVARIANT_CONFIG, DECODE_MAXNREG, GEMV_FFMA_S6,  # noqa: F401
-                                         GEMV_MAX_PAIRS, GEMV_MMA_S6, GEMV_T1, GEMV_T8, GEMV_TILES,
+from codegen.triton._moe_configs import (BATCH_INVARIANT_CONFIG, DECODE_MAXNREG, DECODE_T64,  # noqa: F401
+                                         GEMV_FFMA_S6, GEMV_MAX_PAIRS, GEMV_MMA_S6, GEMV_T1, GEMV_T8, GEMV_TILES,
                                          GPU_SLOTS, constraints, decode_split)
 from codegen.triton._moe_host import (DEQ_MODES, _BYTE_DECODE, _TL, _fit_bk, _int16_view,  # noqa: F401
                                       _kernel_weight, _weight, max_tiles, scale_words, storage, target_cc)
@@ -97,7 +86,7 @@ def _moe_gate_up_kernel(z_ptr, pair_ptr, counts_ptr, offsets_ptr, w1_ptr, w3_ptr
                         W_FMT: tl.constexpr, ACT: tl.constexpr, HAS_BETA2: tl.constexpr, IEEE: tl.constexpr,
                         DT: tl.constexpr, WIDE: tl.constexpr, PF: tl.constexpr, SL: tl.constexpr, BM: tl.constexpr,
                         BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr,
-                        PDL: tl.constexpr):
+                        KU: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)      # the tile's expert comes from the permutation's counts: nothing to load before
     pid = tl.program_id(0)
     sk = pid % SPLIT
@@ -123,22 +112,24 @@ def _moe_gate_up_kernel(z_ptr, pair_ptr, counts_ptr, offsets_ptr, w1_ptr, w3_ptr
     else:
         n1 = tl.zeros([BN, BK // 32], dtype=tl.int32)
         n3 = n1
-    for k0 in range(k_lo, k_hi, BK):
-        if SL == 3:     # this step's scale bytes were loaded a step ago; the next step's now (carried)
-            s1, s3 = n1, n3
-            n1 = _top_scales(s1_ptr, sbase, rn, n_ok, k0 + BK, ELL, scale_row_stride, BN, BK, W_FMT, SL, PF)
-            n3 = _top_scales(s3_ptr, sbase, rn, n_ok, k0 + BK, ELL, scale_row_stride, BN, BK, W_FMT, SL, PF)
-        elif SL:    # both weights' scale bytes first: their load latencies overlap (SL=2: int32 words)
-            s1 = _top_scales(s1_ptr, sbase, rn, n_ok, k0, ELL, stride_sn, BN, BK, W_FMT, SL, PF)
-            s3 = _top_scales(s3_ptr, sbase, rn, n_ok, k0, ELL, stride_sn, BN, BK, W_FMT, SL, PF)
-        else:       # each read in its step, after its weight tile
-            s1 = tl.zeros([BN, BK // 32], dtype=tl.int32)
-            s3 = s1
-        b0, b1, b2, b3 = _load_bt(rows_ptr, row_ok, k0, ELL, W_FMT, DT, BK)
-        acc1 = _mma_step_t(acc1, b0, b1, b2, b3, w1_ptr, s1_ptr, wbase, sbase, rn, n_ok, k0, ELL, stride_wn,
-                           stride_sn, s1, BN, BK, W_FMT, IEEE, DT, WIDE, SL, PF)
-        acc3 = _mma_step_t(acc3, b0, b1, b2, b3, w3_ptr, s3_ptr, wbase, sbase, rn, n_ok, k0, ELL, stride_wn,
-                           stride_sn, s3, BN, BK, W_FMT, IEEE, DT, WIDE, SL, PF)
+    for k00 in range(k_lo, k_hi, BK * KU):     # KU steps an iteration: their loads issued together
+        for u in tl.static_range(KU):
+            k0 = k00 + u * BK
+            if SL == 3:     # this step's scale bytes were loaded a step ago; the next step's now (carried)
+                s1, s3 = n1, n3
+                n1 = _top_scales(s1_ptr, sbase, rn, n_ok, k0 + BK, ELL, scale_row_stride, BN, BK, W_FMT, SL, PF)
+                n3 = _top_scales(s3_ptr, sbase, rn, n_ok, k0 + BK, ELL, scale_row_stride, BN, BK, W_FMT, SL, PF)
+            elif SL:    # both weights' scale bytes first: their load latencies overlap (SL=2: int32 words)
+                s1 = _top_scales(s1_ptr, sbase, rn, n_ok, k0, ELL, stride_sn, BN, BK, W_FMT, SL, PF)
+                s3 = _top_scales(s3_ptr, sbase, rn, n_ok, k0, ELL, stride_sn, BN, BK, W_FMT, SL, PF)
+            else:       # each read in its step, after its weight tile
+                s1 = tl.zeros([BN, BK // 32], dtype=tl.int32)
+                s3 = s1
+            b0, b1, b2, b3 = _load_bt(rows_ptr, row_ok, k0, ELL, W_FMT, DT, BK)
+            acc1 = _mma_step_t(acc1, b0, b1, b2, b3, w1_ptr, s1_ptr, wbase, sbase, rn, n_ok, k0, ELL, stride_wn,
+                               stride_sn, s1, BN, BK, W_FMT, IEEE, DT, WIDE, SL, PF)
+            acc3 = _mma_step_t(acc3, b0, b1, b2, b3, w3_ptr, s3_ptr, wbase, sbase, rn, n_ok, k0, ELL, stride_wn,
+                               stride_sn, s3, BN, BK, W_FMT, IEEE, DT, WIDE, SL, PF)
     out = h_ptr + pos.to(tl.int64)[None, :] * stride_h + rn[:, None]
     ok = n_ok[:, None] & row_ok[None, :]
     if SPLIT == 1:
@@ -153,7 +144,8 @@ def _moe_down_kernel(h_ptr, pair_ptr, counts_ptr, offsets_ptr, w2_ptr, s2_ptr, o
                      E, ELL, INTER, stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o, stride_os, N_TILES,
                      scale_row_stride, E_PAD: tl.constexpr, W_FMT: tl.constexpr, IEEE: tl.constexpr, DT: tl.constexpr,
                      WIDE: tl.constexpr, PF: tl.constexpr, SL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+                     BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr, KU: tl.constexpr,
+                     PDL: tl.constexpr):
     pdl_enter(PDL)
     pid = tl.program_id(0)
     sk = pid % SPLIT
@@ -176,17 +168,19 @@ def _moe_down_kernel(h_ptr, pair_ptr, counts_ptr, offsets_ptr, w2_ptr, s2_ptr, o
         n2 = _top_scales(s2_ptr, sbase, rn, n_ok, k_lo, INTER, scale_row_stride, BN, BK, W_FMT, SL, PF)
     else:
         n2 = tl.zeros([BN, BK // 32], dtype=tl.int32)
-    for k0 in range(k_lo, k_hi, BK):
-        if SL == 3:
-            s2 = n2
-            n2 = _top_scales(s2_ptr, sbase, rn, n_ok, k0 + BK, INTER, scale_row_stride, BN, BK, W_FMT, SL, PF)
-        elif SL:
-            s2 = _top_scales(s2_ptr, sbase, rn, n_ok, k0, INTER, stride_sn, BN, BK, W_FMT, SL, PF)
-        else:
-            s2 = tl.zeros([BN, BK // 32], dtype=tl.int32)
-        b0, b1, b2, b3 = _load_bt(rows_ptr, row_ok, k0, INTER, W_FMT, DT, BK)
-        acc = _mma_step_t(acc, b0, b1, b2, b3, w2_ptr, s2_ptr, wbase, sbase, rn, n_ok, k0, INTER, stride_wn,
-                          stride_sn, s2, BN, BK, W_FMT, IEEE, DT, WIDE, SL, PF)
+    for k00 in range(k_lo, k_hi, BK * KU):
+        for u in tl.static_range(KU):
+            k0 = k00 + u * BK
+            if SL == 3:
+                s2 = n2
+                n2 = _top_scales(s2_ptr, sbase, rn, n_ok, k0 + BK, INTER, scale_row_stride, BN, BK, W_FMT, SL, PF)
+            elif SL:
+                s2 = _top_scales(s2_ptr, sbase, rn, n_ok, k0, INTER, stride_sn, BN, BK, W_FMT, SL, PF)
+            else:
+                s2 = tl.zeros([BN, BK // 32], dtype=tl.int32)
+            b0, b1, b2, b3 = _load_bt(rows_ptr, row_ok, k0, INTER, W_FMT, DT, BK)
+            acc = _mma_step_t(acc, b0, b1, b2, b3, w2_ptr, s2_ptr, wbase, sbase, rn, n_ok, k0, INTER, stride_wn,
+                              stride_sn, s2, BN, BK, W_FMT, IEEE, DT, WIDE, SL, PF)
     # SPLIT > 1: o is fp32 [SPLIT, pairs, l], split sk's partial sums at sk·stride_os
     tl.store(o_ptr + sk * stride_os + pair.to(tl.int64)[None, :] * stride_o + rn[:, None],
              acc.to(o_ptr.dtype.element_ty), mask=n_ok[:, None] & row_ok[None, :])
@@ -220,6 +214,9 @@ def expert_pair_outputs(z: torch.Tensor, ids: torch.Tensor, w1, w2, w3, act: str
     split, split2 = int(cfg.get("SPLIT", 1)), int(cfg.get("SPLIT2", cfg.get("SPLIT", 1)))
     if split < 1 or split2 < 1:
         raise ValueError(f"experts: SPLIT={split} and SPLIT2={split2} must be >= 1")
+    if (cfg.get("KU", 1) > 1 and split > 1) or (cfg.get("KU2", 1) > 1 and split2 > 1):
+        raise ValueError(f"experts: K steps unrolled (KU={cfg.get('KU', 1)}, KU2={cfg.get('KU2', 1)}) need an "
+                         f"unsplit K (SPLIT={split}, SPLIT2={split2})")
     z = z if z.stride(-1) == 1 else z.contiguous()
     seg = segments or permute_tokens(ids, E)
     P = T * K
@@ -240,6 +237,12 @@ def expert_pair_outputs(z: torch.Tensor, ids: torch.Tensor, w1, w2, w3, act: str
                   PF=int(cfg.get("PF", 0)) if z.is_cuda else 0, **launch_kwargs())
     if cfg.get("MAXNREG") and z.is_cuda:    # a register cap: more programs per SM (the decode tiles take ~220)
         launch["maxnreg"] = int(cfg["MAXNREG"])
+    # the down kernel's own warps / stages / register cap (num_warps2, num_stages2, MAXNREG2; 0: no cap)
+    launch2 = {k: v for k, v in launch.items() if k != "maxnreg"}
+    launch2.update(num_warps=int(cfg.get("num_warps2", cfg["num_warps"])),
+                   num_stages=int(cfg.get("num_stages2", cfg["num_stages"])))
+    if cfg.get("MAXNREG2", cfg.get("MAXNREG")) and z.is_cuda:
+        launch2["maxnreg"] = int(cfg.get("MAXNREG2", cfg.get("MAXNREG")))
     glu = dict(ACT=0 if act == "situ" else 1, HAS_BETA2=act == "situ" and beta2 is not None)
     betas = (1.0 if beta1 is None else float(beta1), 1.0 if beta2 is None else float(beta2))
     c1, a1, b1, st1, wide1 = _kernel_weight(f1, q1, s1, cfg["DEQ"], z.dtype)
@@ -255,7 +258,8 @@ def expert_pair_outputs(z: torch.Tensor, ids: torch.Tensor, w1, w2, w3, act: str
     _moe_gate_up_kernel[(n_tiles * triton.cdiv(inter, cfg["BN"]) * split * up,)](
         z, seg.pair_ids, seg.counts, seg.offsets, a1, a3, b1, b3, part, E, ell, inter, z.stride(0), *st1, *h_st,
         *betas, n_tiles, st1[3], TOPK=K, E_PAD=e_pad, W_FMT=c1, IEEE=ieee, DT=dt, WIDE=wide1 or wide3, BM=bm,
-        BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"], SPLIT=split, **glu, **{**launch, "SL": sl})
+        BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"], SPLIT=split, KU=int(cfg.get("KU", 1)), **glu,
+        **{**launch, "SL": sl})
     if split > 1 and up:    # a separate pass: summed inside the down kernel's K loop, the partials were pipelined
         #             through shared memory (2·SPLIT fp32 tiles a stage: 1 program per SM on the H200)
         br, bi = min(16, triton.next_power_of_2(P)), min(1024, triton.next_power_of_2(inter))
@@ -267,7 +271,8 @@ def expert_pair_outputs(z: torch.Tensor, ids: torch.Tensor, w1, w2, w3, act: str
     _moe_down_kernel[(n_tiles * triton.cdiv(ell, cfg["BN2"]) * split2 * ("down" in kernels),)](
         h, seg.pair_ids, seg.counts, seg.offsets, a2, b2, o, E, ell, inter, h.stride(0), *st2, o.stride(-2),
         o.stride(0) if split2 > 1 else 0, n_tiles, st2[3], E_PAD=e_pad, W_FMT=c2, IEEE=ieee, DT=dt, WIDE=wide2,
-        BM=bm, BN=cfg["BN2"], BK=cfg["BK2"], GROUP_M=cfg["GROUP_M"], SPLIT=split2, **{**launch, "SL": sl2})
+        BM=bm, BN=cfg["BN2"], BK=cfg["BK2"], GROUP_M=cfg["GROUP_M"], SPLIT=split2, KU=int(cfg.get("KU2", 1)),
+        **{**launch2, "SL": sl2})
     return o, seg
 
 
@@ -314,10 +319,9 @@ def heuristic(key: dict, target=None) -> dict:
     GEMV_T1 tiles (T=1: 24.3 us, session 8's tiles 28.1 in the same run; T=8: 151.8 us, session 8's 169.0; see
     _moe_configs.py). Dense expert weights run the GV=1 kernels with the same tiles. Grouped decode (<= 16 tokens per
     expert): a 16-token tile x 64 weight rows on 2 warps (mma.sync, see the module doc), K steps of 128,
-    asm16, scales first (SL): 1.14 ms vs 1.37 for 128-row wgmma tiles; when the routed tiles fill the
-    GPU (T=64, top-16) a register cap (DECODE_MAXNREG) raises occupancy from 4 to 6 programs per SM; there (session 8, same bench)
-    the scales are read one K step ahead (SL 3) with K steps of 64, 4 stages and 128-row down tiles: 1.048 ms
-    (37.8% of read bandwidth) vs 1.104 (SL 1, BK 128, 3 stages); 32-token tiles 1.157, 128-row gate/up 1.143.
+    asm16, scales first (SL); when the routed tiles fill the GPU (T=64, top-16) a register cap (DECODE_MAXNREG),
+    and with asm16 DECODE_T64 (_moe_configs.py: the asm16i decode, scales a K step ahead, K steps of 64, the two
+    kernels' stages and caps apart): 0.997 ms, 40.5% of read bandwidth (session 8's config 1.055).
     Split-K when the routed tiles leave the GPU idle (`decode_split`; grouped T=1 top-2: split 4, 69.6 ->
     44.7 us); T=64 top-16 fills the GPU, no split. Prefill: 128 tokens x 64 rows on wgmma, asm.
     Batch-invariant: one fixed grouped tiling, no split.
@@ -356,8 +360,8 @@ def heuristic(key: dict, target=None) -> dict:
     full = tiles * -(-key["I"] // cfg["BN"]) >= 2 * GPU_SLOTS
     if decode and cc is not None and cc < 100 and full:
         cfg["MAXNREG"] = DECODE_MAXNREG
-        if cfg["DEQ"] == "asm16":  # session 8, T=64 top-16: 1.048 ms vs 1.104 with SL 1, BK 128, 3 stages
-            cfg.update(SL=3, BN2=128, num_stages=4, BK=_fit_bk(64, key["L"], True), BK2=_fit_bk(64, key["I"], True))
+        if cfg["DEQ"] == "asm16":  # session 10, T=64 top-16: 1.010 ms vs 1.055 for session 8's (_moe_configs.py)
+            cfg.update(DECODE_T64, BK=_fit_bk(64, key["L"], True), BK2=_fit_bk(64, key["I"], True))
     if decode and cc is not None:  # a GPU: idle SMs take K slices (the interpreter gains nothing from it)
         cfg["SPLIT"] = min(decode_split(tiles * -(-key["I"] // cfg["BN"]), -(-key["L"] // cfg["BK"])),
                            decode_split(tiles * -(-key["L"] // cfg["BN2"]), -(-key["I"] // cfg["BK2"])))
@@ -395,7 +399,9 @@ TEMPLATES = [KernelTemplate(
               Tunable("num_stages", (2, 3, 4)), Tunable("PATH", ("gemv", "grouped")), Tunable("SL", (0, 1)),
               Tunable("DEQ", ("asm16", "asm", "bytes", "bytes16", "dot_scaled")), Tunable("SPLIT", (1, 2, 4, 8))),
     # 233,280 configs (the tuner enumerates up to 250,000; PATH took GROUP_M's place, now fixed at 8).
-    # Explicit-config options: SPLIT2, MAXNREG, PF (grouped) and the per-pair path's GV, GN, GK, GN2, GK2, GW2,
+    # Explicit-config options: SPLIT2, MAXNREG, PF, the down kernel's num_warps2 / num_stages2 / MAXNREG2 (grouped;
+    # default: the gate-up's), KU / KU2 (K steps an iteration, unsplit K only) and the per-pair path's GV, GN, GK,
+    # GN2, GK2, GW2,
     # PREF, XV, HX, EARLY, GREG (GV=2), GMMA, GASM, GPROG (GV=1) (heuristic values measured on the H200, session 9)
     doc="routed experts: per-pair GEMVs (decode) or grouped GEMMs with permutation, fused SiTU-GLU/SwiGLU, "
         "fp32 slot-order combine; MXFP4 dequantised in registers (or tl.dot_scaled)")]

@@ -113,6 +113,7 @@ class GraphedRuntime(ReferenceRuntime):
         self.fallbacks: Counter = Counter()
         self._pool_ptrs = None
         self._mempool = None
+        self._capture_stream = None  # warm-ups and captures run on it (made at the first capture)
 
     def _metadata(self, fn: str, chunks) -> dict[str, torch.Tensor]:
         return self._metadata_builder.build(check_step(self, fn, chunks))
@@ -188,17 +189,22 @@ class GraphedRuntime(ReferenceRuntime):
 
         eng.static_context = W * self.block_size
         try:
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):
+            # warm-up and capture on one stream: per-stream kernel state made in the warm-up (e.g. the zeroed
+            # arrival counters of `_gemv.tile_counters`) is found again in the capture, so no one-time
+            # zeroing is captured into the graph (a fill kernel on every replay, session 10's trace)
+            if self._capture_stream is None:
+                self._capture_stream = torch.cuda.Stream(dev)
+            cap = self._capture_stream
+            cap.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(cap):
                 for _ in range(2):
                     step()
-            torch.cuda.current_stream(dev).wait_stream(side)
+            torch.cuda.current_stream(dev).wait_stream(cap)
             torch.cuda.synchronize(dev)
             if self._mempool is None:
                 self._mempool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._mempool):
+            with torch.cuda.graph(graph, pool=self._mempool, stream=cap):
                 outs = step()
         finally:
             eng.static_context = None

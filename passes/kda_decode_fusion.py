@@ -61,7 +61,7 @@ from ir.core import Function, Module, Node, Value
 from ir.ops import OPS
 
 from .base import PassContext, PassError
-from .rewrite import fresh_name, fuse, group_escapes, order_signature, producers
+from .rewrite import fresh_name, fuse, group_escapes, order_signature, producers, rewrite_each
 
 NAME = "kda_decode_fusion"
 FUSED_OP = "fused.kda_decode"
@@ -170,11 +170,4 @@ def _rewrite(fn: Function, kda: Node) -> bool:
 
 
 def run(module: Module, ctx: PassContext) -> int:
-    rewrites = 0
-    for fn in module.functions.values():
-        if fn.attrs.get("kind") not in KINDS:
-            continue
-        for kda in [n for n in fn.nodes if n.op == "kda"]:
-            rewrites += _rewrite(fn, kda)
-    ctx.count(NAME, rewrites)
-    return rewrites
+    return rewrite_each(module, ctx, NAME, "kda", _rewrite, kinds=KINDS)

@@ -31,7 +31,7 @@ from __future__ import annotations
 from ir.core import Function, Module, Node
 
 from .base import PassContext
-from .rewrite import ancestors, move_before, producers
+from .rewrite import ancestors, move_before, producers, rewrite_each
 
 NAME = "overlapped_moe_branches"
 KINDS = ("decode", "verify")
@@ -71,12 +71,9 @@ def _shared_down(fn: Function, experts: Node) -> Node | None:
     return down
 
 
+def _rewrite(fn: Function, experts: Node) -> int:
+    return (_router(fn, experts) is not None) + (_shared_down(fn, experts) is not None)
+
+
 def run(module: Module, ctx: PassContext) -> int:
-    rewrites = 0
-    for fn in module.functions.values():
-        if fn.attrs.get("kind") not in KINDS:
-            continue
-        for experts in [n for n in fn.nodes if n.op == "moe_experts"]:
-            rewrites += (_router(fn, experts) is not None) + (_shared_down(fn, experts) is not None)
-    ctx.count(NAME, rewrites)
-    return rewrites
+    return rewrite_each(module, ctx, NAME, "moe_experts", _rewrite, kinds=KINDS)

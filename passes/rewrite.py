@@ -196,12 +196,15 @@ def group_escapes(fn: Function, group: list[Node]) -> set[int]:
     return defined & read
 
 
-def rewrite_each(module, ctx, name: str, op: str, rewrite) -> int:
-    """The usual `run` of a pass: call `rewrite(fn, node) -> bool` on every node of op `op` in every
-    function (a snapshot taken before rewriting), count the rewrites under the pass name."""
+def rewrite_each(module, ctx, name: str, op: str, rewrite, kinds: tuple[str, ...] | None = None) -> int:
+    """The usual `run` of a pass: call `rewrite(fn, node)` on every node of op `op` in every function (of a
+    kind in `kinds`, when given; a snapshot of the nodes taken before rewriting) and count the rewrites under
+    the pass name: `rewrite` returns whether it rewrote (bool) or how many rewrites it made (int)."""
     rewrites = 0
     for fn in module.functions.values():
+        if kinds is not None and fn.attrs.get("kind") not in kinds:
+            continue
         for node in [n for n in fn.nodes if n.op == op]:
-            rewrites += bool(rewrite(fn, node))
+            rewrites += int(rewrite(fn, node) or 0)
     ctx.count(name, rewrites)
     return rewrites

@@ -226,9 +226,8 @@ def _gemv_v2(z, weights, ids, g1, g3, g2, y, act_kw: dict, cfg: dict, kernels=("
     num_warps (gate-up), GN2, GK2, GW2 (down), PREF, XV (gate-up's activation loads), HX (h as fp32 words),
     EARLY (with PREF: bit 0, the down kernel reads ids and its first weight step before the PDL wait, always
     legal; bit 1, the gate-up kernel too, legal only where the router ran at least two launches before it;
-    passed to the kernel as PREF=2), GREG
-    (a register cap, CUDA; 0: none). `kernels`: which launches run (timing them apart; either alone leaves y
-    meaningless)."""
+    passed to the kernel as PREF=2), GREG (a register cap, CUDA; 0: none). `kernels`: which launches run
+    (timing them apart; either alone leaves y meaningless)."""
     T, ell = z.shape
     K = ids.shape[1]
     P, inter = T * K, int(g1[1].shape[1])

@@ -33,9 +33,8 @@ import triton
 import triton.language as tl
 
 from ._indexer_tiles import _load_q, _tile_keys
-from ._paging import rows_of
 from ._pdl import launch_kwargs, pdl_enter
-from ._topk_select import INVALID, _collect_vals, _hist_vals, _radix_step
+from ._topk_select import INVALID, _collect_vals, _hist_vals, _part_range, _radix_step, _select_all
 
 H0 = tl.constexpr(2048)        # d0 bins
 H16 = tl.constexpr(65536)      # t16 bins (and folded w21 bins)
@@ -125,11 +124,8 @@ def _score_select_kernel(q_ptr, w_ptr, qs_ptr, k_ptr, ks_ptr, k_sb, k_sr, s_sb, 
     ctx = tl.load(pos_ptr + row) + 1
     if ctx <= TOPK:   # everything is selected
         if split == 0:
-            tblrow = tbl_ptr + tl.load(req_ptr + row) * MB
-            for j0 in range(0, TOPK, 1024):
-                j = j0 + tl.arange(0, 1024)
-                jj = rows_of(tblrow, j, j < ctx, LOG_BS) if ROWS_OUT else j.to(tl.int64)
-                tl.store(out_ptr + row.to(tl.int64) * TOPK + j, tl.where(j < ctx, jj, -1), mask=j < TOPK)
+            _select_all(out_ptr + row.to(tl.int64) * TOPK, tbl_ptr + tl.load(req_ptr + row) * MB, ctx, TOPK, 1024,
+                        ROWS_OUT, LOG_BS)
     else:
         tblrow = tbl_ptr + tl.load(req_ptr + row) * MB
         qa, qb, wq = _load_q(q_ptr, w_ptr, qs_ptr, row, HI, DI, HP, KEY_FMT, DOT_DT)
@@ -169,9 +165,7 @@ def _place_select_kernel(key_ptr, hist_ptr, th_ptr, out_ptr, tbl_ptr, req_ptr, M
     ctx = tl.load(pos_ptr + row) + 1
     if ctx > TOPK:
         n_c = tl.cdiv(ctx, BLOCK_N) * BLOCK_N
-        per = tl.cdiv(n_c, PARTS)
-        lo = part * per
-        n = tl.maximum(0, tl.minimum(per, n_c - lo))
+        lo, n, _ = _part_range(n_c, part, PARTS, 1)
         prefix = tl.load(th_ptr + row.to(tl.int64) * 2)
         pmask = tl.load(th_ptr + row.to(tl.int64) * 2 + 1)
         crow = key_ptr + row.to(tl.int64) * NT * BLOCK_N

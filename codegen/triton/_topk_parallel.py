@@ -15,10 +15,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._paging import rows_of
 from ._pdl import pdl_enter
 from ._topk_select import (INVALID, _collect, _flag_overflow_tiles, _gather_ge, _hist_pass, _hist_vals, _low32,
-                           _radix_step)
+                           _part_range, _radix_step, _select_all)
 
 
 @triton.jit
@@ -42,9 +41,7 @@ def _filter_kernel(cand_ptr, hist_ptr, hist2_ptr, cnt_ptr, comp_ptr, ncomp_ptr, 
     ctx = tl.load(pos_ptr + row) + 1
     if ctx > TOPK:
         n_c = tl.cdiv(ctx, BLOCK_N) * KT
-        per = tl.cdiv(n_c, PARTS)
-        lo = part * per
-        n = tl.maximum(0, tl.minimum(per, n_c - lo))
+        lo, n, _ = _part_range(n_c, part, PARTS, 1)
         src = cand_ptr + row.to(tl.int64) * NT * KT + lo
         i11 = tl.arange(0, 2048)
         need, prefix, pmask, done = _radix_step(tl.load(hist_ptr + row * 2048 + i11), i11, TOPK + tl.zeros([], tl.int32),
@@ -107,15 +104,10 @@ def _select_kernel(cand_ptr, tmin_ptr, hist_ptr, hist2_ptr, ncomp_ptr, arrive_pt
     orow = out_ptr + row.to(tl.int64) * TOPK
     if ctx <= TOPK:
         if part == 0:
-            for j0 in range(0, TOPK, TILE):
-                j = j0 + tl.arange(0, TILE)
-                jj = rows_of(tblrow, j, j < ctx, LOG_BS) if ROWS_OUT else j.to(tl.int64)
-                tl.store(orow + j, tl.where(j < ctx, jj, -1), mask=j < TOPK)
+            _select_all(orow, tblrow, ctx, TOPK, TILE, ROWS_OUT, LOG_BS)
     else:
         n_c = tl.cdiv(ctx, BLOCK_N) * KT
-        per = tl.cdiv(tl.cdiv(n_c, PARTS), KT) * KT
-        lo = part * per
-        n = tl.maximum(0, tl.minimum(per, n_c - lo))
+        lo, n, per = _part_range(n_c, part, PARTS, KT)
         crow = cand_ptr + row.to(tl.int64) * NT * KT
         srow = comp_ptr + row.to(tl.int64) * NT * KT
         i11 = tl.arange(0, 2048)
@@ -197,9 +189,7 @@ def _place_kernel(cand_ptr, novf_ptr, th_ptr, poff_ptr, out_ptr, tbl_ptr, req_pt
     if ctx > TOPK:
         if tl.load(novf_ptr + row) == 0:
             n_c = tl.cdiv(ctx, BLOCK_N) * KT
-            per = tl.cdiv(tl.cdiv(n_c, PARTS), KT) * KT
-            lo = part * per
-            n = tl.maximum(0, tl.minimum(per, n_c - lo))
+            lo, n, _ = _part_range(n_c, part, PARTS, KT)
             prefix = tl.load(th_ptr + row.to(tl.int64) * 2)
             pmask = tl.load(th_ptr + row.to(tl.int64) * 2 + 1)
             tblrow = tbl_ptr + tl.load(req_ptr + row) * MB

@@ -47,6 +47,25 @@ def _digit0(k):
 
 
 @triton.jit
+def _select_all(orow, tblrow, ctx, TOPK, TILE: tl.constexpr, ROWS_OUT: tl.constexpr, LOG_BS: tl.constexpr):
+    """A row whose context holds <= TOPK positions: every position 0..ctx-1 (as pool rows when ROWS_OUT), then -1,
+    written TILE entries at a time."""
+    for off in range(0, TOPK, TILE):
+        j = off + tl.arange(0, TILE)
+        jj = rows_of(tblrow, j, j < ctx, LOG_BS) if ROWS_OUT else j.to(tl.int64)
+        tl.store(orow + j, tl.where(j < ctx, jj, -1), mask=j < TOPK)
+
+
+@triton.jit
+def _part_range(n_c, part, PARTS: tl.constexpr, ALIGN: tl.constexpr):
+    """Program `part` of PARTS over a row's n_c keys: (lo, n, per), its keys [lo, lo + n) of a range of per =
+    ceil(n_c / PARTS) keys rounded up to ALIGN (the last ranges may be short or empty)."""
+    per = tl.cdiv(tl.cdiv(n_c, PARTS), ALIGN) * ALIGN
+    lo = part * per
+    return lo, tl.maximum(0, tl.minimum(per, n_c - lo)), per
+
+
+@triton.jit
 def _radix_step(hist, idx, need, prefix, pmask, shift: tl.constexpr, NBITS: tl.constexpr, FLIP: tl.constexpr):
     """One radix-select step: given the histogram (unsigned digit order) of the NBITS-bit digit at `shift`
     of the keys matching prefix/pmask, fix the digit of the need-th largest key (stored bits = digit ^
@@ -209,10 +228,7 @@ def _merge_kernel(cand_ptr, tmin_ptr, hist_ptr, ext_ptr, ovf_ptr, novf_ptr, work
         n_ovf = tl.zeros([], tl.int32)
         active = ctx > TOPK
         if ctx <= TOPK:  # everything is selected
-            for off in range(0, TOPK, TILE):
-                j = off + tl.arange(0, TILE)
-                jj = rows_of(tblrow, j, j < ctx, LOG_BS) if ROWS_OUT else j.to(tl.int64)
-                tl.store(orow + j, tl.where(j < ctx, jj, -1), mask=j < TOPK)
+            _select_all(orow, tblrow, ctx, TOPK, TILE, ROWS_OUT, LOG_BS)
     else:
         n_ovf = tl.load(novf_ptr + row)
         active = (ctx > TOPK) & (n_ovf > 0)

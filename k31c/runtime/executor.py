@@ -36,7 +36,6 @@ def bucket_id(template: KernelTemplate, key: dict) -> str:
     return tuning_bucket_id(template.family, template.bucket(key))
 
 
-
 def _tensors(args):
     """The CUDA tensors among a node's arguments (variadic operands are lists)."""
     for a in args:
@@ -44,6 +43,7 @@ def _tensors(args):
             yield from _tensors(a)
         elif isinstance(a, torch.Tensor) and a.is_cuda:
             yield a
+
 
 class Executor(Interpreter):
     def __init__(self, module: Module, weights, choices: list[Choice], *, target: str = "cpu",

@@ -44,6 +44,7 @@ def kernel_inventory():
     from codegen.triton import (_indexer_tiles, _mla_rows, _mla_tiles, _topk_fused, _topk_parallel, _topk_select,
                                 mla_sparse)
     fns = [mla_sparse._mla_heads_kernel, _mla_rows._mla_sparse_kernel, _mla_tiles._combine_kernel,
+           _topk_fused._place_select_kernel,
            _indexer_tiles._score_kernel, _indexer_tiles._rescore_kernel, _topk_select._merge_kernel,
            _topk_parallel._filter_kernel, _topk_parallel._select_kernel, _topk_parallel._place_kernel,
            _topk_fused._score_select_kernel]
@@ -64,11 +65,18 @@ def kernel_inventory():
     return out
 
 
+S10_SELECT2 = dict(BLOCK_N=128, KT=128, SPLITS=64, num_warps=8, num_stages=1, CAND=0, DOT=3, MERGE_TILE=2048,
+                   SELECT=2, SELECT_TILE=4096, SELECT_WB=256, SELECT_PARTS=64, SELECT_WARPS=4)
+
+
 def idx_previous_config(T, L):
-    """The session-8 heuristic (committed before this change): short contexts score, then select in parallel
-    (SELECT 1: `_select_kernel` + `_place_kernel`, a memset before); long contexts unchanged."""
+    """The session-10 heuristic (committed before this change): one row at <= 8K, SELECT 2 in two launches (score +
+    threshold, then `_place_select_kernel`); other short contexts SELECT 1 (`_select_kernel` + `_place_kernel`, a
+    memset before); long contexts unchanged."""
     from codegen.triton.indexer_topk import default_kt, heuristic
     nt = -(-L // 128)
+    if default_kt(128, 2048, L) * 4 >= 128 and L <= 8192 and T <= 1:
+        return dict(S10_SELECT2, SPLITS=max(1, min(nt, round(8 * 132 / T))))
     if default_kt(128, 2048, L) * 4 >= 128:
         return dict(BLOCK_N=128, KT=128, SPLITS=max(1, min(nt, round(8 * 132 / T))), num_warps=4, num_stages=1,
                     CAND=0, DOT=3, MERGE_TILE=2048, FILTER=int(nt * 128 > 4 * 2048), FILTER_PARTS=16,
@@ -81,21 +89,26 @@ def idx_variants(T, L, K):
     threshold by the last program to arrive, parallel placement, no memset) with its warps / parts / pass width /
     BLOCK_N / programs; long contexts (batch 32 at 128K, unchanged path): the default only. Session 9's first
     one-launch SELECT 2 (the last program streaming every key) measured 22.4-27.8 us at 8K and 63-79 us at 32K (vs
-    21.1 / 26.4): one program streaming 4096 keys costs ~4.5 us (~4000 SASS instructions per thread at 8 warps)."""
+    21.1 / 26.4): one program streaming 4096 keys costs ~4.5 us (~4000 SASS instructions per thread at 8 warps).
+    Session 11 (benches/results/h200-2026-11-30-s11): SELECT_COOP, one launch whose score programs spin until the
+    last arriver publishes the threshold, publish their tiles' selected counts, spin until all are in, and place
+    their own tiles (exact, graph == eager over 50 replays), measured 13.62 us (4 warps 13.36, BLOCK_N 64 14.14, two
+    tiles per program 14.34) vs the two-launch SELECT 2's 13.54: the placement launch is not where the time goes.
+    Removed. SELECT 3 (every placement part deriving the threshold itself from two launch-parity histogram sets, no
+    last arriver) measured 13.82 us (8 warps), 13.85 (4 warps), 14.19 (32 parts) vs SELECT 2's 13.37 (4 warps 13.82)
+    at batch 1 8K, and 26.59 vs 25.51 us in the indexer + MLA chain (attention_decode_final.json). Removed."""
     from codegen.triton.indexer_topk import heuristic
     base = heuristic({"T": T, "L": L, "K": K, "HI": 32, "DI": 128}, "cpu" if SMOKE else "h200")
     if SMOKE:
         f = dict(base, KT=base["BLOCK_N"], SELECT=2, SPLITS=4, SELECT_TILE=256, SELECT_WB=64, SELECT_PARTS=4)
         return base, [base, f, dict(f, SELECT_TILE=64, SELECT_WB=16), dict(base, SELECT=1, SELECT_PARTS=4)]
-    if base["KT"] == base["BLOCK_N"]:
+    if base.get("SELECT") == 2:   # one row at <= 8K: SELECT 2's 4-warp scoring
+        out = [dict(base, num_warps=4)]
+    elif base["KT"] == base["BLOCK_N"]:
         two = dict(base, SELECT=2, num_warps=8, SELECT_TILE=4096, SELECT_WB=256, SELECT_PARTS=16, SELECT_WARPS=8)
         for k in ("FILTER", "FILTER_PARTS", "SELECT_RES"):
             two.pop(k, None)
-        out = [two, dict(two, num_warps=4), dict(two, SELECT_PARTS=32), dict(two, SELECT_PARTS=64, SELECT_WARPS=4),
-               dict(two, SELECT_WARPS=4, SELECT_TILE=2048),
-               dict(two, BLOCK_N=64, KT=64, SPLITS=2 * two["SPLITS"]) if L <= 8192 else
-               dict(two, SPLITS=max(1, two["SPLITS"] // 2))]
-        out = out[:2] if T > 1 else out
+        out = [two, dict(two, num_warps=4)] if T > 1 else [two]
     else:   # long contexts: the default only (session 10: PREFETCH 1 under a 168-register cap, 3 programs per SM,
         # 481-483 us vs 433; uncapped, session 8: 656)
         out = []
@@ -108,21 +121,25 @@ def idx_variants(T, L, K):
 
 
 def mla_variants(T):
-    """(heuristic's config, variants) of the F16 path (fp16 dots, per-head power-of-two query scaling): the session-9
-    default (no LSUM), LSUM 1 (softmax denominators per row lane, summed once after the loop: 7 barriers per step
-    instead of 10, 671 SASS instructions per thread against 696, Triton 3.7 build) with 2-4 stages (4: gathered rows
-    two steps ahead, 110.6 KB of shared memory, still 2 programs per SM) and CHUNK 256. Session 10 measured and
+    """(heuristic's config, variants): the default and session 10's config (`mla_previous_config`, the same unless the
+    heuristic changed). Session 11 measured and removed COMBINE (the batch-1 pieces merging their partials themselves
+    after a spin on an arrival counter, no `_combine_kernel` launch; exact, graph == eager): 12.87 us vs 11.62 at 64
+    pieces, 14.99 at 32, 15.92 at 128; the indexer + MLA chain 28.4 vs 25.4 with SELECT_COOP. Session 10's text:
+    the F16 path (fp16 dots, per-head power-of-two query scaling): the session-9 default (no LSUM), LSUM 1
+    (softmax denominators per row lane, summed once after the loop: 7 barriers per step instead of 10, 671 SASS
+    instructions per thread against 696, Triton 3.7 build) with 2-4 stages (4: gathered rows two steps ahead, 110.6 KB
+    of shared memory, still 2 programs per SM) and CHUNK 256. Session 10 measured and
     removed (batch 64): an L1 prefetch of the piece's selection, rescaling only where a maximum moved, the query
     operand re-laid out from shared memory under a 168-register cap (3 programs per SM): 74.7-106 us vs 74.2."""
     from codegen.triton.mla_sparse import heuristic
     base = heuristic({"H": 12, "L": 2048, "KV": 512, "fmt": 1, "sparse": 1, "T": T, "bi": 0}, "cpu" if SMOKE else "h200")
     if SMOKE:
         return base, [base, dict(base, F16=1), dict(base, F16=1, LSUM=1)]
-    s9 = dict(ORIENT=1, BLOCK_H=16, BLOCK_N=32, num_warps=4, PREFETCH=1, F16=1,
-              **(dict(num_stages=3, CHUNK=512) if T >= 32 else dict(num_stages=1, CHUNK=32)))
-    if T == 1:
-        alt = [s9, dict(s9, LSUM=1), dict(s9, LSUM=1, num_stages=2), dict(s9, LSUM=1, CHUNK=64, num_stages=2)]
-    else:
-        alt = [s9, dict(s9, LSUM=1), dict(s9, num_stages=4), dict(s9, LSUM=1, num_stages=4),
-               dict(s9, LSUM=1, num_stages=4, CHUNK=256), dict(s9, LSUM=1, num_stages=2)]
-    return base, [base] + [c for c in alt if c != base]
+    s10 = mla_previous_config(T)
+    return base, [base] + [c for c in [s10] if c != base]
+
+
+def mla_previous_config(T):
+    """The session-10 heuristic's config for 12 heads, top-2048 FP8 rows (still the heuristic's after session 11)."""
+    return dict(ORIENT=1, BLOCK_H=16, BLOCK_N=32, num_warps=4, PREFETCH=1, F16=1,
+                **(dict(num_stages=3, CHUNK=512, LSUM=1) if T >= 32 else dict(num_stages=1, CHUNK=32)))

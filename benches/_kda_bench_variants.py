@@ -34,13 +34,26 @@ INTRA_VARIANTS = [{**_A, "BK": bk, "BV_INTRA": bv, "MAXNREG_INTRA": cap} for bk,
 # (B, heads, tokens per request, new candidates, previous ones (the heuristic first)); earlier sessions' slower B=64
 # variants (kda_decode.heuristic's docstring; s9: split 2 / 4 with the gate GEMM, EARLY or not, 130.7-166.9 us vs
 # 88.2; 8 warps 137.6) come back with KDA_BENCH_SWEEP=1. s10: 1-2 warp programs (checked, not timed) compiled to
-# 254-255 registers with 26-192 spills (BV/warps 32/2, 64/2, 16/1, 32/1): no more warps per SM, left out
+# 254-255 registers with 26-192 spills (BV/warps 32/2, 64/2, 16/1, 32/1): no more warps per SM, left out.
+# s11 (benches/results: the KDA helper's kda.json of session 11), B=64 H=32 µs per launch, PDL on: the state blocks
+# through shared memory (cp.async by Triton's loop pipeliner, register caps for 3-4 programs per SM; 128-168 registers,
+# 0 spills, 33-67 KB shared) were all slower than the heuristic's 87.96: BV 32 x 4 / 5 stages at 168 registers 111.6 /
+# 108.9, uncapped 124.9; BV 16 x 3 / 5 / 7 stages at 128 registers 136.6 / 132.6 / 136.1, at 168 144.3, GEMV gate
+# 150.8; the kernel code was removed. Both state blocks loaded before the front (registers: 1656 spill bytes) was not
+# run. Batch 1, one program per head (no split-V counter): 8 warps 8.32 / 8.91 us (H=12 / H=32), 16 warps 11.15 /
+# 11.85, split 2 x 8 warps 8.09 / 8.71, vs the heuristic's 6.44 / 7.10: under KDA_BENCH_SWEEP=1
+_ONE_BLOCK = [dec(1, 128, warps=8), dec(1, 128, warps=16), dec(2, 64, warps=8)] * SWEEP
+# s11b (benches/results/h200-2026-11-30-s11/kda_stream.json): a streaming kernel ([BK, BV] chunks of the state in two
+# passes; removed, see kda_decode.heuristic) took 127.6-328 us at B=64 H=32 vs the heuristic's 88.19. The state copy
+# ceiling (bench_kda.py `state_copy_ceiling`): (BV, stages, warps); s11b µs: 64/0/4 70.78, 128/0/8 73.39, 64/3/8
+# 70.83; that kernel's two-pass pattern (each block read twice in [32, BV] chunks) took 85.85 (BV 64) - 105.3 (BV 128)
+COPY_VARIANTS = [(64, 0, 4), (128, 0, 8), (64, 3, 8)]
 DECODE_CASES = [
     (B_DEC, H, 1, [dec(2, 64, gate_mm=1), dec(2, 64, early=0, gate_mm=1), dec(4, 32, gate_mm=1), dec(2, 64),
                    dec(1, 64, 32, early=0, gate_mm=1, warps=8)] * SWEEP,
      [dec(1, 64, 32, early=0, gate_mm=1), dec(1, 64, 32, early=0, gemv=1)]),
-    (1, H_RANK, 1, [], [dec(4, 32), dec(8, 16, early=0)]),
-    (1, H, 1, [], [dec(4, 32), dec(2, 64)]),
+    (1, H_RANK, 1, _ONE_BLOCK, [dec(4, 32), dec(8, 16, early=0)]),
+    (1, H, 1, _ONE_BLOCK, [dec(4, 32), dec(2, 64)]),
     (B_DEC, H, 8, [], [dec(1, 64, 32, early=0)])]
 
 

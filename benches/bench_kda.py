@@ -14,9 +14,13 @@ cache in parallel; every timing waits for them to end:
          tiles apart, whole prefill (heuristic, previous, best tiles, best kernel 1 with the best tiles; per-kernel
          split by torch.profiler, fla's too) vs fla chunk_kda; then B=1 x 8192 and 1 x 32768 while time is left
 A candidate whose warm-up met a CUDA error (a dead context: in session 10 one kernel-1 variant's illegal address ended
-every later case) is skipped, and new kernel-1 variants run here only once a warm-up ran them cleanly.
+every later case) is skipped, and new kernel-1 variants run here only once a warm-up ran them cleanly. The decode's
+ceiling: the B=64 grid's state read + write alone (`_state_rmw_kernel`, per block width / staging / warps; session 11:
+70.8-72.8 us with BV 64-128 unstaged, 73.8 with BV 32 x 4 stages, 91.6 BV 16 x 5 stages, 80.9 BV 32 unstaged;
+`_kda_bench_variants.COPY_VARIANTS`).
 Run: `python benches/bench_kda.py` on a CUDA machine; cases that would start after KDA_BENCH_DEADLINE_S (140) are
-skipped; KDA_BENCH_SWEEP=1 adds session 9's (slower) variants; KDA_BENCH_FLA_PREFILL=0 leaves fla's prefill out;
+skipped; KDA_BENCH_SECTIONS=decode: the decode sections alone (no prefill checks, timings or warm-ups);
+KDA_BENCH_SWEEP=1 adds earlier sessions' (slower) variants; KDA_BENCH_FLA_PREFILL=0 leaves fla's prefill out;
 KDA_BENCH_TINY=1: toy shapes in the interpreter (a dry run on a CPU).
 """
 
@@ -30,12 +34,12 @@ import time
 
 import torch
 # _kda_bench_inputs before triton: it picks the interpreter on a CPU
-from _kda_bench_inputs import (ACT, DEV, FLA, FLA_PREFILL, H, T_PRE, TINY, D, attempt,  # noqa: I001
+from _kda_bench_inputs import (ACT, B_DEC, DEV, FLA, FLA_PREFILL, H, T_PRE, TINY, D, attempt,  # noqa: I001
                                decode_operands, decode_run, f_given, fla_decode, fla_prefill, kernel_split_ms, low,
                                n_chain, ours_prefill, poison_key, poisoned, prefill_bytes, prefill_inputs, rel,
                                resources, wait_all, warm_up)
-from _kda_bench_variants import (_INTRA_KEYS, DECODE_CASES, PREV_PREFILL, decode_candidates, decode_jobs,  # noqa: I001
-                                 state_configs)
+from _kda_bench_variants import (_INTRA_KEYS, COPY_VARIANTS, DECODE_CASES, PREV_PREFILL,  # noqa: I001
+                                 decode_candidates, decode_jobs, state_configs)
 from _report import BenchReport, copy_bandwidth_GBps, graph_ms, median_ms  # benches/ (the script's folder)
 
 import triton  # noqa: E402
@@ -54,6 +58,7 @@ DOC, save, section = REPORT.doc, REPORT.save, REPORT.section
 ms = lambda fn, rep=100: median_ms(fn, DEV, rep)  # noqa: E731
 STATE: dict = {}  # results of the check phase the time phase uses
 DEADLINE = float(os.environ.get("KDA_BENCH_DEADLINE_S", "140"))  # later cases are skipped
+PREFILL = os.environ.get("KDA_BENCH_SECTIONS", "decode,prefill") != "decode"  # KDA_BENCH_SECTIONS=decode: no prefill
 def late(what) -> bool:  # past the deadline: note the skipped case
     over = time.time() - REPORT.t0 > DEADLINE
     DOC["notes"] += [f"{what} skipped: past KDA_BENCH_DEADLINE_S={DEADLINE:.0f}"] if over else []
@@ -79,6 +84,17 @@ def chain_us(fns, pdl=True):
 @triton.jit
 def _empty_kernel(x):
     tl.store(x + tl.program_id(0), 1.0)
+
+
+@triton.jit
+def _state_rmw_kernel(st, D: tl.constexpr, BV: tl.constexpr, STAGES: tl.constexpr):
+    """The decode's state traffic alone: each program reads its [D, D] fp32 state in [D, BV] blocks and writes
+    it back (x 0.5, in place); STAGES > 0 through Triton's pipelined loop (cp.async into shared memory)."""
+    base = st + tl.program_id(0).to(tl.int64) * D * D
+    dd = tl.arange(0, D)
+    for vb in tl.range(0, D // BV, num_stages=STAGES if STAGES > 0 else None):
+        x = tl.load(base + vb * BV + (dd[:, None] * D + tl.arange(0, BV)[None, :]), eviction_policy="evict_first")
+        tl.store(base + (dd[:, None] * D + vb * BV + tl.arange(0, BV)[None, :]), x * 0.5)
 
 
 # ------------------------------------------------------------------------------------------ checks
@@ -145,6 +161,27 @@ def ceiling():
     record("empty_kernel_chain", us_per_launch=DOC["ceilings"]["empty_launch_us"])
 
 
+@section
+def state_copy_ceiling(B=None, heads=H):
+    """The same grid as the B=64 decode (one program per (request, head)) doing only its state read + write: the
+    ceiling of this grid, per block width / staging / warps, µs per launch in a graph of distinct (L2-cold) pools."""
+    B = B or B_DEC
+    floor_us = B * heads * D * D * 4 * 2 / DOC["ceilings"].get("copy_GBps", 1) / 1e3
+    pools = [torch.randn(B * heads, D, D, device=DEV) for _ in range(n_chain(B, heads))]
+    for bv, stages, warps in COPY_VARIANTS:
+        if late(f"state copy ceiling BV {bv}"):
+            return
+        res = dict(B=B, H=heads, BV=bv, STAGES=stages, WARPS=warps, byte_floor_us=floor_us)
+        attempt(res, "us", lambda: chain_us([lambda p=p: _state_rmw_kernel[(B * heads,)](  # noqa: B023
+            p, D=D, BV=min(bv, D), STAGES=stages, num_warps=warps)  # noqa: B023
+            for p in pools], pdl=False))
+        res["x_floor"] = res["us"] / floor_us if "us" in res else None
+        record(f"state_copy_B{B}_H{heads}", **res)
+        if "us" in res:  # the fastest: the ceiling time_decode compares the fused kernel with
+            ceil = STATE.setdefault("copy_us", {})
+            ceil[(B, heads)] = min(ceil.get((B, heads), float("inf")), res["us"])
+
+
 # ------------------------------------------------------------------------------------------ timings
 @section
 def time_decode(qlens):
@@ -172,6 +209,8 @@ def time_decode(qlens):
                    x_floor=best[0] / floor_us, launch_gap_us=DOC["ceilings"].get("empty_launch_us"),
                    previous_us=next((t for t, i, _ in times if i == i_prev), None),
                    heuristic_us=next((t for t, _, c in times if c == heur), None))
+        ceil = STATE.get("copy_us", {}).get((B, heads))  # the same grid moving only the state (state_copy_ceiling)
+        res.update(copy_ceiling_us=ceil, x_copy_ceiling=best[0] / ceil) if ceil else None
         for t, i, cfg in {i: (t, i, c) for t, i, c in [p for p in times if p[1] == i_prev] + [best]}.values():
             attempt(res, f"pdl_off_us_{i}", lambda: chain_us([decode_run(s, cfg, keep=qlen > 1)  # noqa: B023
                                                               for s in sets], pdl=False))
@@ -334,7 +373,7 @@ def main():
     gpu = DEV == "cuda"
     n_dec, n_fla = (int(os.environ.get(f"KDA_BENCH_WARM_{k}", v)) for k, v in (("DECODE", "6"), ("FLA", "5")))
     warm_dec = [spawn(f"decode:{i}:{n_dec}") for i in range(n_dec)] if gpu else []
-    warm_pre = [spawn(f"prefill:{i}:4") for i in range(4)] if gpu else []
+    warm_pre = [spawn(f"prefill:{i}:4") for i in range(4)] if gpu and PREFILL else []
     warm_fla = [spawn(f"fla:{i}:{n_fla}") for i in range(n_fla)] if FLA else []
     DOC["machine"] = {"host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
                       "triton": triton.__version__, "device": torch.cuda.get_device_name() if gpu else "cpu",
@@ -343,19 +382,24 @@ def main():
     check_decode()
     wait_all(warm_pre, "prefill", 45, DOC, REPORT.t0)
     DOC["notes"] += [f"killed a warm-up's CUDA context: {k}" for k in sorted(poisoned())]
-    check_prefill()
+    if PREFILL:
+        check_prefill()
     # nothing may time while a warm-up still runs kernels (the fla ones run each compiled kernel once): in session
     # 8 the timings overlapped them (B=64 decode 103 us vs 88 in s6 with the same code, PDL off)
     wait_all(warm_fla, "fla", float(os.environ.get("KDA_BENCH_WARM_WAIT_S", "60")), DOC, REPORT.t0)
     ceiling()
-    time_prefill(([T_PRE] * 4, True))
+    state_copy_ceiling()
+    if PREFILL:
+        time_prefill(([T_PRE] * 4, True))
     time_decode((1,))
     pdl_race_check()
-    time_fla_prefill([T_PRE] * 4)
-    time_prefill(([T_PRE], False), ([4 * T_PRE], False))
-    time_fla_prefill([T_PRE], [4 * T_PRE])
+    if PREFILL:
+        time_fla_prefill([T_PRE] * 4)
+        time_prefill(([T_PRE], False), ([4 * T_PRE], False))
+        time_fla_prefill([T_PRE], [4 * T_PRE])
     time_decode((8,))
-    kernel_splits([T_PRE] * 4)
+    if PREFILL:
+        kernel_splits([T_PRE] * 4)
     print(save()[:0])
     print(f"\n== summary (total {time.time() - REPORT.t0:.0f} s; passing checks: kda.json) ==")
     skip = ("name", "bytes", "H", "D", "tol", "byte_floor_us", "launch_gap_us", "heuristic_config", "chain")

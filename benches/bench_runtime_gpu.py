@@ -263,6 +263,12 @@ def main():
         doc["build_s"] = time.time() - t
         doc["kernel_families"] = sorted({c.template.family for c in art.choices if c.template})
 
+    def compile_variant(disable: tuple[str, ...]):
+        """The rank preset compiled again with the passes `disable` off (same plan)."""
+        d = tempfile.mkdtemp()
+        return compile_model(cfg, None, os.path.join(d, "art"), CompileOptions(plan=st["plan"], disable=disable),
+                             model_source="bench")[0]
+
     def runtime(ctx, n_req, graphs=True, engine="compiled", ref_dtype=None):
         art, w = st["art"], st["weights"]
         if engine == "compiled":
@@ -353,6 +359,13 @@ def main():
             out.append(s_.elapsed_time(e_) * 1e3)
         return sorted(out)[n // 2], g, W
 
+    def record_replay(rt, ctx, b, name, rnd):
+        """One measurement: the median device time of batch b's graph replay (replay_us), recorded and printed."""
+        m = {"name": name, "context": ctx, "batch": b, "round": rnd, "replay_us": replay_us(rt, b)[0]}
+        reset(rt, ctx)
+        doc["measurements"].append(m)
+        print(json.dumps(m), flush=True)
+
     def alternate(name: str, switch):
         """The device time of the same decode graph captured with `switch(True)` and `switch(False)`, alternated
         twice per batch <= 8 at the first context (drift shows as a difference between the rounds)."""
@@ -363,12 +376,7 @@ def main():
                 for label, on in (("on", True), ("off", False)):
                     switch(rt, on)
                     rt.drop_graphs()
-                    us = replay_us(rt, b)[0]
-                    reset(rt, ctx)
-                    m = {"name": f"graph_replay_{name}_{label}", "context": ctx, "batch": b, "round": rnd,
-                         "replay_us": us}
-                    doc["measurements"].append(m)
-                    print(json.dumps(m), flush=True)
+                    record_replay(rt, ctx, b, f"graph_replay_{name}_{label}", rnd)
         switch(rt, True)
         del rt
         torch.cuda.empty_cache()
@@ -383,10 +391,41 @@ def main():
     @rep.section
     def overlap():
         """Side stream on vs off: the nodes annotated `overlap` (MLA query beside the indexer, MoE router and
-        shared-expert down projection beside their partners) on the executor's second stream, or in order."""
+        shared expert beside the routed experts' chain) on the executor's second stream, or in order."""
         if not cuda:
             return doc["notes"].append("overlap: needs a cuda device (streams)")
         alternate("overlap", lambda rt, on: rt.interp.set_overlap(on))
+
+    @rep.section
+    def priority():
+        """The graph's main stream captured at the highest priority vs at the side stream's (cuda_graphs.py,
+        "Priorities")."""
+        if not cuda:
+            return doc["notes"].append("priority: needs a cuda device (streams)")
+        alternate("priority", lambda rt, on: rt.set_main_priority(on))
+
+    @rep.section
+    def schedule():
+        """The MoE layers' stream schedule, both compiled and captured in this run, every batch at the first
+        context, two rounds (device time of the graph replay): `split` (the default: z alone on the main stream,
+        router + shared expert on the side, passes/overlapped_moe_branches.py) and `packed`
+        (moe_expert_input_split disabled: z packed with the shared expert's gate/up, router beside it, shared
+        down beside the experts; the session-10 schedule). Session 11 also timed the router on the main stream
+        just before z: batch 1 570.5-581.5 us vs split 560.3-568.9, batch 8 no difference (reverted)."""
+        if not cuda:
+            return doc["notes"].append("schedule: needs a cuda device (streams)")
+        ctx = contexts[0]
+        default = st["art"]
+        variants = {"split": default, "packed": compile_variant(("moe_expert_input_split",))}
+        for rnd in range(2):
+            for label, art in variants.items():
+                st["art"] = art
+                rt = runtime(ctx, max(batches))
+                for b in batches:
+                    record_replay(rt, ctx, b, f"graph_replay_schedule_{label}", rnd)
+                del rt
+                torch.cuda.empty_cache()
+        st["art"] = default
 
     @rep.section
     def nodes():
@@ -649,7 +688,8 @@ def main():
     bandwidth()
     build()
     if "art" in st:
-        sections = {"graph_check": graph_check, "decode": decode, "pdl": pdl, "overlap": overlap, "nodes": nodes,
+        sections = {"graph_check": graph_check, "decode": decode, "pdl": pdl, "overlap": overlap,
+                    "priority": priority, "schedule": schedule, "nodes": nodes,
                     "trace": trace, "host": host,
                     "engine_decode": engine_decode,
                     "reference_peer": reference_peer,

@@ -80,11 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.add_argument("--jit-fallback", action="store_true",
                    help="on a GPU, JIT-compile kernels the artifact has no stored binary for (else refuse)")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="on a GPU, replay decode steps as CUDA graphs per batch-size bucket (artifacts only)")
-    p.add_argument("--async-decode", action="store_true",
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="on a GPU, replay decode steps as CUDA graphs per batch-size bucket (artifacts only; "
+                        "default: on with --device cuda and an artifact on one rank)")
+    p.add_argument("--async-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="launch decode step N+1 on step N's device-side token ids before the host reads them "
-                        "(overlaps host and device; same tokens)")
+                        "(overlaps host and device; same tokens; default: on with --device cuda)")
     _add_tuning_args(p)
     add_launch_args(p)
     p.set_defaults(func=cmd_run)

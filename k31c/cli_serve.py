@@ -22,6 +22,19 @@ class _Source:
     make_runtime: Callable
 
 
+def default_cuda_graphs(args, artifact: str | None) -> bool:
+    """`k31c run`'s --cuda-graphs when not given: on for an artifact served on a CUDA device by one rank
+    (graphs replay compiled kernels; parallel runs keep eager steps)."""
+    layout = getattr(args, "parallel", None)
+    return bool(artifact) and args.device.startswith("cuda") and (layout is None or layout.world == 1)
+
+
+def default_async_decode(args, runtime) -> bool:
+    """`k31c run`'s --async-decode when not given: on where it overlaps host and device work, i.e. on a CUDA
+    device with a runtime that keeps sampled ids on the device (same tokens either way)."""
+    return args.device.startswith("cuda") and getattr(runtime, "token_feed", None) is not None
+
+
 def _resolve_source(args, artifact: str | None, problems: list[str]) -> _Source | None:
     from .compiler import ArtifactError, artifact_config, load_artifact
     from .model import load_model
@@ -33,6 +46,8 @@ def _resolve_source(args, artifact: str | None, problems: list[str]) -> _Source 
 
     dtype = _torch_dtype(args.dtype)
     _POLICIES.clear()  # this command's policies only (a process may run several commands)
+    if hasattr(args, "cuda_graphs") and args.cuda_graphs is None:  # `run`'s default
+        args.cuda_graphs = default_cuda_graphs(args, artifact)
     if getattr(args, "cuda_graphs", False):
         if not args.device.startswith("cuda"):
             problems.append(f"--cuda-graphs needs --device cuda (found --device {args.device})")
@@ -227,8 +242,9 @@ def cmd_run(args) -> int:
          f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature}, top-p {args.top_p}'}")
     seqs = min(len(prompts), args.max_num_seqs or len(prompts))
     rt = src.make_runtime(longest * seqs, seqs)
+    async_decode = default_async_decode(args, rt) if args.async_decode is None else args.async_decode
     eng = Engine(rt, max_num_seqs=seqs, max_batched_tokens=args.max_batched_tokens, prefill_chunk=args.prefill_chunk,
-                 prefix_caching=args.prefix_caching, tokenizer=tok, async_decode=args.async_decode)
+                 prefix_caching=args.prefix_caching, tokenizer=tok, async_decode=async_decode)
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         eng.add_request(f"p{i}", p, SamplingParams(temperature=args.temperature, top_p=args.top_p,

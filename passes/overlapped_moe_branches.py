@@ -1,29 +1,36 @@
-"""Overlapped MoE branches: in a decode or verify step, the two small parts of a LatentMoE layer that the
-routed experts do not need, or that do not need the experts, run on the second CUDA stream beside the
-main-stream kernels they are independent of.
+"""Overlapped MoE branches: in a decode or verify step, the routed experts' chain (their input projection z,
+the experts, the tail) runs on the main CUDA stream while the router and the shared expert run on the second
+stream beside it.
 
-Pattern (after router_epilogue, glu_epilogue and latent_moe_tail; per moe_experts node E):
-    %w, %ids = fused.routed_linear(%x, @gate, @bias)      R: the producer of E's routing operands
-    %z, %act = fused.packed_linear_glu(%x, ...)           P: the producer of E's activation z
-    %e = moe_experts(%z, %w, %ids, @w1, @w2, @w3)         E
-    %d = linear(%act, @shared_down)                       D: the shared expert's down projection
-    %y = fused.latent_moe_tail(%e', @norm, @up, %d)       the tail reads D (and E, perhaps through a collective)
-Rewrite (annotations and node order only; operands, results and numerics unchanged):
-    R gets overlap="moe_latent_proj" when the node after it does not read the routing (in K3: P): it runs beside
-      that node (the latent and shared-expert projection), and the main stream waits for it where E reads it;
-    D gets overlap="moe_experts" and is placed just before E: it runs beside the routed experts, and the
-      main stream waits for it where the tail reads %d.
-Why: at decode sizes the router (a 112-row logits GEMM and a top-k) and the experts (few tokens, MXFP4
-decode-bound) use a fraction of the HBM bandwidth, while the GEMV beside each streams weights at copy rate;
-one stream runs them back to back, two let them share the GPU (k31c/runtime/executor.py runs `overlap`
-nodes on its side stream; a CUDA graph captures the fork and the join as edges).
+Pattern (after moe_expert_input_split, router_epilogue, glu_epilogue and latent_moe_tail; per moe_experts
+node E):
+    %w, %ids = fused.routed_linear(%x, @gate, @bias)                R: the producer of E's routing operands
+    %z = linear(%x, @Wz)                                            Z: E's input (moe_expert_input_split)
+    %act = fused.packed_linear_glu(%x, @Wg, @Wu)                    S: the shared expert's gate/up + GLU
+    %e = moe_experts(%z, %w, %ids, @w1, @w2, @w3)                   E
+    %d = linear(%act, @shared_down)                                 D: the shared expert's down projection
+    %y = fused.latent_moe_tail(%e', @norm, @up, %d)                 the tail reads D (and E, perhaps through a
+                                                                    collective)
+Rewrite (node order and annotations only; operands, results and numerics unchanged):
+    R {overlap="moe_router"}, S {overlap="moe_shared_expert"}, D {overlap="moe_shared_expert"}, then Z, E, ...
+  R, S and D run in this order on the side stream; Z, E and the tail on the main stream, which waits for the
+  routing where E reads it and for %d where the tail reads it.
+Why: at decode sizes the experts are latency-bound (few tokens, MXFP4 decode) while the shared expert's GEMVs
+stream 3 x d x I weights at copy rate: on two streams they share the GPU (k31c/runtime/executor.py runs
+`overlap` nodes on its side stream in program order; a CUDA graph captures the fork and the joins as edges).
+H200, rank preset, batch 1, 8K: 578-580 us per step before (z packed with S, R beside it, D beside E),
+560-572 after.
+When z is still packed with S (moe_expert_input_split disabled), the layer keeps the earlier schedule: R
+beside the node after it when that node does not read the routing, D moved just before E on the side stream.
 
-Preconditions: only functions of kind decode or verify (prefill GEMMs fill the GPU on their own). R is
-annotated only when it is a fused.routed_linear followed by a node that does not read it (in Kimi-Linear the
-experts read the normed hidden state right after the router: nothing to overlap); D only when it is a plain
-`linear` with a parameter weight, read by the first fused.latent_moe_tail after E, not computed from E, and
-whose input is defined before E. A layer that differs keeps its order.
-Postconditions: at most two `overlap` annotations per MoE layer; every node still follows its operands.
+Preconditions: only functions of kind decode or verify (prefill GEMMs fill the GPU on their own). R is a
+fused.routed_linear; D a plain `linear` with a parameter weight, read by the first fused.latent_moe_tail after
+E, not computed from E, whose input is defined before E; the split schedule needs Z to be a plain `linear`
+and S (D's input's producer) a node other than Z that does not read Z, R and S defined from values before Z.
+A layer that differs keeps its order (Kimi-Linear: the experts read the normed hidden state right after the
+router, nothing to overlap: untouched).
+Postconditions: at most three `overlap` annotations per MoE layer (the count: nodes annotated); every node
+still follows its operands.
 """
 
 from __future__ import annotations
@@ -50,10 +57,6 @@ def _router(fn: Function, experts: Node) -> Node | None:
     router = producers(fn).get(id(experts.inputs[2]))
     if router is None or router.op != ROUTER_OP or "overlap" in router.attrs:
         return None
-    after = fn.nodes[fn.nodes.index(router) + 1]
-    if after is experts or any(id(v) in {id(o) for o in router.outputs} for v in after.inputs):
-        return None  # nothing beside it: the next node waits for the routing anyway
-    router.attrs["overlap"] = "moe_latent_proj"
     return router
 
 
@@ -66,13 +69,55 @@ def _shared_down(fn: Function, experts: Node) -> Node | None:
         return None
     if id(experts) in ancestors(fn, down.inputs) or not _defined_before(fn, down, experts):
         return None
-    move_before(fn, down, experts)
-    down.attrs["overlap"] = "moe_experts"
     return down
 
 
+def _operands_first(fn: Function) -> bool:
+    """Every node's operands are defined before it (parameters and function inputs always are)."""
+    at = {id(o): i for i, n in enumerate(fn.nodes) for o in n.outputs}
+    return all(at.get(id(v), -1) < i for i, n in enumerate(fn.nodes) for v in n.inputs)
+
+
+def _schedule(fn: Function, experts: Node, router: Node, down: Node) -> int:
+    """R, S, D moved just before Z, in this order, and annotated; 0 (order restored) when the layer is not in
+    the split form or the moves would put a node before one of its operands."""
+    prod = producers(fn)
+    z_linear, shared = prod.get(id(experts.inputs[0])), prod.get(id(down.inputs[0]))
+    if z_linear is None or z_linear.op != "linear" or shared is None or shared is z_linear:
+        return 0
+    before = list(fn.nodes)
+    for n in (router, shared, down):
+        move_before(fn, n, z_linear)
+    if not _operands_first(fn):
+        fn.nodes[:] = before
+        return 0
+    router.attrs["overlap"] = "moe_router"
+    shared.attrs["overlap"] = down.attrs["overlap"] = "moe_shared_expert"
+    return 3
+
+
+def _fallback(fn: Function, experts: Node, router: Node | None, down: Node | None) -> int:
+    """The schedule for a layer whose z cannot be split out: R beside the node after it, D beside E."""
+    count = 0
+    if router is not None:
+        after = fn.nodes[fn.nodes.index(router) + 1]
+        if after is not experts and not any(id(v) in {id(o) for o in router.outputs} for v in after.inputs):
+            router.attrs["overlap"] = "moe_router"
+            count += 1
+    if down is not None:
+        move_before(fn, down, experts)
+        down.attrs["overlap"] = "moe_shared_expert"
+        count += 1
+    return count
+
+
 def _rewrite(fn: Function, experts: Node) -> int:
-    return (_router(fn, experts) is not None) + (_shared_down(fn, experts) is not None)
+    router, down = _router(fn, experts), _shared_down(fn, experts)
+    if router is not None and down is not None:
+        done = _schedule(fn, experts, router, down)
+        if done:
+            return done
+    return _fallback(fn, experts, router, down)
 
 
 def run(module: Module, ctx: PassContext) -> int:

@@ -33,6 +33,7 @@ PHASES: list[tuple[str, list[str]]] = [
     ]),
     ("fuse", [
         "packed_projection",      # linears reading one input -> one GEMM
+        "moe_expert_input_split",  # decode: the experts' input z out of the shared expert's pack (own GEMM)
         "fused_indexer_front",    # indexer q projection/rotation/FP8, key norm/rotation/FP8/cache write, head weights
         "overlapped_mla_query",   # MLA query path + latent cache write, scheduled beside the indexer (2nd stream)
         "fused_indexer_select",   # indexer scorer + exact top-k emitting pool rows; attention reads rows

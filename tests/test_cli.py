@@ -120,3 +120,23 @@ def test_cuda_graphs_flag_needs_cuda_and_an_artifact(capsys):
     err = capsys.readouterr().err
     assert "--cuda-graphs needs --device cuda (found --device cpu)" in err
     assert "give an artifact directory" in err
+
+
+def test_cuda_graphs_and_async_decode_default_on_for_one_gpu_rank_only():
+    from types import SimpleNamespace
+
+    from k31c.cli_serve import default_async_decode, default_cuda_graphs
+
+    gpu, cpu = SimpleNamespace(device="cuda:0"), SimpleNamespace(device="cpu")
+    assert default_cuda_graphs(gpu, "build/x") and not default_cuda_graphs(gpu, None)  # --model: no kernels
+    assert not default_cuda_graphs(cpu, "build/x")
+    ranks = SimpleNamespace(device="cuda", parallel=SimpleNamespace(world=2))
+    assert not default_cuda_graphs(ranks, "build/x")
+    fed, unfed = SimpleNamespace(token_feed=[0]), SimpleNamespace()
+    assert default_async_decode(gpu, fed) and not default_async_decode(gpu, unfed)
+    assert not default_async_decode(cpu, fed)
+
+
+def test_serving_flags_can_be_turned_off(capsys):
+    assert main(["run", "--model", "k31-tiny", "--prompt-tokens", "1,2", "--max-new-tokens", "1",
+                 "--no-cuda-graphs", "--no-async-decode"]) == 0

@@ -145,8 +145,9 @@ def expected_counts(cfg) -> dict[str, int]:
             "router_epilogue": 3 * n["moe"],
             "glu_epilogue": 3 * sum(not cfg.is_moe_layer(i) or cfg.num_shared_experts > 0
                                     for i in range(cfg.num_hidden_layers)),  # dense MLP or shared expert
-            # decode and verify: each latent MoE layer's router and shared-expert down projection
-            "overlapped_moe_branches": 2 * n["moe"] * 2 if cfg.has_latent_moe and tail else 0}
+            # decode and verify: each latent MoE layer's z out of its pack; its router, shared GLU and down
+            "moe_expert_input_split": 2 * n["moe"] if cfg.has_latent_moe and cfg.num_shared_experts > 0 else 0,
+            "overlapped_moe_branches": 2 * n["moe"] * 3 if cfg.has_latent_moe and tail else 0}
 
 
 # ---- the whole pipeline --------------------------------------------------------------------------

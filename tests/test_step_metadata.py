@@ -131,3 +131,40 @@ def test_graph_metadata_strided_layout_equals_the_builder(tiny, seed, n_req, pad
         gm.write(rows * (pad_to // len(rows) + 1))
     with pytest.raises(ValueError, match="at most"):
         GraphMetadata(pad_to, 1, scratch, "cpu").write([(0, 0, [1, 2], [3])])  # two blocks, width 1
+
+
+def test_block_rows_mirror_the_runtime_lists(tiny):
+    """BlockRows (the graph replay's int32 block rows) equals each request's list after every growth, starts
+    again for a new request under a reused id or a shorter list, forgets ids on request, and its rows written
+    by GraphMetadata give the same buffer as the lists."""
+    from k31c.runtime.step_metadata import BlockRows, GraphMetadata
+
+    rng = random.Random(11)
+    rt = _runtime(tiny)
+    mirror = BlockRows()
+    rids = ["a", "b", "c"]
+    for rid in rids:
+        _admit(rt, rid, 3 * rt.block_size)
+    for step in range(40):
+        rid = rng.choice(rids)
+        r = rt.requests[rid]
+        if step % 9 == 8:  # a new request object under the same id
+            r = rt.requests[rid] = _Request(rid, r.slot, r.capacity, list(r.blocks[:2]), 0)
+        elif step % 13 == 12:
+            r.blocks = r.blocks[:1]  # shorter: rebuilt, not trusted
+        else:
+            r.blocks += [rng.randrange(1000) for _ in range(rng.randrange(0, 40))]
+        got = mirror.row(rid, r)
+        assert got.dtype.name == "int32" and got.tolist() == r.blocks, f"step {step}: {rid} differs"
+    mirror.forget(rids[:1])
+    assert len(mirror) == 1
+    rows = [(3, 0, list(rt.requests[rids[0]].blocks), [5])]
+    width = len(rows[0][2]) + 2
+    lists, arrays = (GraphMetadata(2, width, (0, 0), "cpu") for _ in range(2))
+    lists.write(rows)
+    arrays.write([(3, 0, mirror.row(rids[0], rt.requests[rids[0]]), [5])])
+    n = len(rows[0][2])
+    read = [torch.cat([g._stage[:g.blocks_at], g._stage[g.blocks_at:g.blocks_at + n],  # what the expansion reads:
+                       g._stage[g.blocks_at + width:g.blocks_at + width + 1], g._stage[g.tokens_at:]])  # headers,
+            for g in (lists, arrays)]  # the row's n block ids, the padding row's scratch block, the tokens
+    assert torch.equal(*read)

@@ -27,6 +27,14 @@ GEMV_MAX_PAIRS = 16        # routed pairs up to which the per-pair path runs (he
 # 168.0, EARLY 3 149.3); EARLY 3 at T=1 23.02, with 16-row down tiles on 2 warps 22.74. A tensor-core gate-up
 # (GV=3: weights decoded to bf16 pairs by PTX, mma.sync / wgmma against the activation column padded to 16,
 # K split with an in-launch combine) measured 38.2-56.7 us at T=1 over five tilings and 241 at T=8: removed.
+# Session 11 (benches/results/h200-2026-11-30-s11/moe_decode_gv4.json): GV=2 at T=1 top-2 24.06-24.14 us (2.93-2.95x
+# the floor; PDL off 26.3-27.4), EARLY 3 22.7-23.1; gate-up alone 13.8-14.2, down alone 10.8-11.0; T=4 81.7-82.6;
+# T=8 149.7-151.4. What bounds it (sm_90 SASS of GEMV_T1): gate-up ~42 instructions a word, 157 registers, 11.6
+# one-warp programs an SM: ~7.5 us of issue vs 5.5 of bytes; down ~40 a word, 255 registers + spills, 6.8 programs
+# an SM each a serial chain of three 1290-instruction steps, ~27 KB in flight an SM (latency bound). A GV=4 form
+# (each lane decodes one word into bf16 pairs for one mma.sync.m16n8k16, ~27 instructions a word, 70 registers, K
+# split over programs with the in-launch combine) was exact but slower: T=1 31.4-41.8 us over 9 tilings, T=4
+# 95.1-142.5, T=8 158.1-194.8: removed.
 GEMV_T1 = {"GV": 2, "GN": 4, "GK": 512, "GN2": 8, "GK2": 1024, "GW2": 1, "PREF": 1, "XV": 1, "HX": 1, "GMMA": 0,
            "EARLY": 1, "num_warps": 1, "num_stages": 1}
 # session 8's tiles (T=1 27.7 us, T=8 168.3), and them with the down kernel's early reads (T=8: 166.7 us, the

@@ -43,6 +43,8 @@ overflowed tiles, and stores each part's output offset; `_place_kernel` writes e
 from its offset (position order: the output ascending). Merge 2 then re-selects over the survivors.
 SELECT 2 (KT = BLOCK_N; `_topk_fused`): two launches, no memset: the score programs also count their keys in three
 histograms, the last to arrive reads the exact threshold off them, a parallel kernel places the selection.
+(A SELECT 3 without a last arriver, every placement part reading the threshold off the histograms itself, was
+measured slower in session 11 and removed: see `heuristic`.)
 Workspace per row 8 B x (NT*(KT+1) + (topk/KT)*BLOCK_N + 2 pow2(topk) + 2); prefill runs in row chunks.
 Pools: flat [N, ...] or block views [NB, block_size, ...] of a packed pool (`_paging.pool_strides`), read
 in place through `row_offsets`.
@@ -128,7 +130,16 @@ def heuristic(key: dict, target: str) -> dict:
     indexers in a row 29.3 vs 40.5 (PDL on). At 32K it loses (56.6-68.0 vs 26.7: the place pass scans the whole
     row), so SELECT 2 runs for contexts up to 8K; and for one query row only: in the rank decode graph at batch 8
     (8K) the select node took 39.8 us with it vs 34.2 with SELECT 1 (session 8), at batch 1 19.4 vs 27.8
-    (per node, gaps included; benches/results/h200-2026-11-30-s9/runtime_final.json)."""
+    (per node, gaps included; benches/results/h200-2026-11-30-s9/runtime_final.json).
+    Session 11 (one H200 call, benches/bench_attention_decode.py): batch 1 at 8K 13.54 us (score pass alone 4.88);
+    a one-launch SELECT 2 whose score programs (all resident) spin until the last arriver publishes the threshold,
+    publish their tiles' selected counts, spin until all are in and place their own tiles (exact; graph == eager over
+    50 replays) measured 13.36-14.34 us (4 / 8 warps, BLOCK_N 64, two tiles per program), and 28.4 vs 25.4 us in the
+    indexer + MLA chain: an in-kernel wait costs what the placement launch does under PDL. Not kept. What is left
+    is the serial part: the last arriver's dependent histogram reads and radix steps, then the placement.
+    SELECT 3 (every placement part reading the threshold off two launch-parity histogram sets, no last arriver)
+    measured 13.82-14.19 us vs SELECT 2's 13.37 at batch 1 8K and 26.59 vs 25.51 in the indexer + MLA chain
+    (benches/results/h200-2026-11-30-s11/attention_decode_final.json): removed."""
     L, K, T = max(1, key["L"]), key["K"], max(1, key["T"])
     if target == "cpu":
         bn = 32 if L <= 256 else 128

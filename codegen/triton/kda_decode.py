@@ -354,17 +354,22 @@ def heuristic(key, target):
     block (EARLY: loaded with the metadata before the PDL wait) and take the rank in one tensor-core step
     (RB 128); one program per (request, head) from 128 (request, head) pairs on (BV 64, the next block
     loaded ahead), with f = f_a f_b^T as one GEMM before the kernel for single-token steps. CPU: one block.
-    H200, benches/bench_kda.py, µs per launch in a CUDA graph of launches on distinct (L2-cold) pools, D=128, bf16;
-    session 8 (benches/results/h200-2026-11-30-s8/kda_helper.json; copy 4.13 TB/s), PDL on (off):
-      B=1 H=12 (the rank preset): split 4 BV 32 EARLY 6.30 (8.74); split 8 EARLY 6.76, without EARLY (the
-        s6 heuristic) 7.40 (8.63); split 16 7.58; GEMV gate 6.78; one program per head 8.07. fla (f given) 4.77,
-        + its f GEMM 8.69; ours with f given 5.02.
-      B=1 H=32: split 4 BV 32 EARLY 6.99 (9.96); split 2 7.31, split 8 9.12, GEMV 7.54, one program per head
-        8.71. fla (f given) 6.06, + GEMM 9.05; ours with f given 5.74.
-      B=64 H=32: split 1 BV 64 GEMM 88.2 in s6 (1.38x the state byte floor; fla 89.2); in s8 the intermediate
-        kernel (taps / f_b always before the wait, taps as one 3-D tile) took 103.3, so the non-EARLY path keeps
-        the s6 code; MAXNREG 168 106.7, GEMV gate 147, one [D, 128] block EARLY 175; s6: BV 32 97.8, 8+ warps
-        122-189. B=64 x 8 tokens (states kept): 868 (s5)."""
+    H200, benches/bench_kda.py, µs per launch in a CUDA graph of launches on distinct (L2-cold) pools, D=128, bf16,
+    PDL on (off); results in benches/results/h200-2026-11-30-s8/kda_helper.json and -s11/ (kda_helper.json, and
+    kda_stream.json, "s11b" below):
+      B=1 H=12 (the rank preset): split 4 BV 32 EARLY 6.30 (8.74) s8, 6.44 s11, 6.34 (8.97) s11b; split 8 EARLY
+        6.76, without EARLY 7.40; split 16 7.58; GEMV gate 6.78; one program per head 8.07-11.2 (8 / 16 warps),
+        split 2 x 8 warps 8.09. fla (f given) 4.77-5.55, + its f GEMM 8.54-8.69; ours with f given 5.00-5.22.
+      B=1 H=32: split 4 BV 32 EARLY 6.99 (9.96) s8, 6.94 (9.77) s11b; split 2 7.22-7.31, split 8 9.12, GEMV 7.54,
+        one program per head 8.71-11.9. fla (f given) 6.00-6.07, + GEMM 9.04-9.09; ours with f given 5.67-6.06.
+      B=64 H=32: split 1 BV 64 GEMM 87.96-88.2 (s6, s11, s11b; PDL off 89.30; f given 83.9-85.0; fla 88.4-94.7,
+        + its GEMM 91.5-91.6); the grid reading and writing only the state (`state_copy_ceiling`) 70.8-73.4.
+        Slower: MAXNREG 168 106.7, GEMV gate 91.0-91.7 (147 in s8), one [D, 128] block EARLY 175, BV 32 97.8,
+        8+ warps 122-189; the state staged in shared memory by the loop pipeliner under register caps
+        108.9-150.8 (s11, removed); a streaming kernel ([BK, BV] chunks in two passes, o = S'^T q + v_new (k.q);
+        s11b, removed) 127.6-328 (best BV 32 BK 32 x 2 warps; pipelined chunk loops 169-175; at B=1 11.5-20.6):
+        even its bare two-pass state copy takes 85.9-106 vs 70.8 one-pass (the second read is no free L1 / L2
+        hit). B=64 x 8 tokens (states kept): 850-875."""
     D = key["D"]
     if str(target).startswith("cpu"):
         return {"BV": D, "WARPS": 4, "SPLIT": 1, "PREFETCH": 1, "GATE_MM": 0, "RB": 32, "MAXNREG": 0, "GEMV": 0,

@@ -118,6 +118,10 @@ def heuristic(key: dict, target: str) -> dict:
     inside the SM (2 programs x 4 warps per SM, 252 registers, a ~4.4 us chain per 32-row step: ~670 SASS
     instructions per thread, 7-10 barriers, 74 e4m3 -> f16 conversions), not by HBM bandwidth or DRAM locality;
     the query absorption costs ~2 us (72.1 without it). Batch 1: 11.15 us (PDL off 13.64), LSUM 11.21 (kept off there).
+    Session 11 (one call): batch 1 11.62 us; the pieces merging their own partials in launch (COMBINE: every piece
+    arrives at a counter, spins until all have, then merges a column slice; no `_combine_kernel` launch; exact,
+    graph == eager) measured 12.87 us at 64 pieces, 14.99 at 32, 15.92 at 128, and 28.4 vs 25.4 us in the indexer +
+    MLA chain. Not kept. Batch 64 77.7 us this run (23.4% of 4.36 TB/s; L2-resident rows 71.3, contiguous 75.5).
     bf16 and NVFP4 pools keep the rows-major kernel's configs (measured 2026-11-29 s3: 0.087 / 0.185 ms at
     batch 64), with the same split rule."""
     H = max(1, key.get("H", 16))

@@ -16,6 +16,13 @@ event of the capturing stream) and the join (events waited on where the branch's
 captured as graph edges, so the overlap is inside the graph. Kernels see the context bound W x block_size
 instead of a host-read `token_pos.max()` (`Executor.static_context`).
 
+Priorities. `set_main_priority(True)` captures the main stream at the highest stream priority (the
+executor's side stream has the lowest; torch instantiates graphs with per-node priorities), so that when
+both streams have blocks waiting for a free SM the main path's are placed first. Off by default: on the
+H200 (rank preset, 8K, session 11, bench_runtime_gpu.py --sections priority) it made the batch-1 step
+slower, 582-584 vs 568-572 us, and batch 8 1205-1213 vs 1112: the side stream's shared-expert GEMVs, which
+the MoE tail waits for, then start only after the main path's blocks.
+
 Padding. Rows R..B-1 are padding requests: token 0 at position 0, block table [scratch block, -1, ...],
 state slot = the scratch slot. The scratch block and slot are reserved for this purpose when the runtime
 is built (one block and one slot more than asked for), so a padded row writes only memory no request
@@ -44,7 +51,7 @@ from ir.ref.paging import cache_rows, write_rows
 from k31c.parallel.dcp_graph import GRAPH_SAFE as DCP_GRAPH_SAFE
 
 from .reference import ReferenceRuntime
-from .step_metadata import GraphMetadata, StepMetadataBuilder, check_step
+from .step_metadata import BlockRows, GraphMetadata, StepMetadataBuilder, check_step
 
 
 def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -114,6 +121,17 @@ class GraphedRuntime(ReferenceRuntime):
         self._pool_ptrs = None
         self._mempool = None
         self._capture_stream = None  # warm-ups and captures run on it (made at the first capture)
+        self._block_rows = BlockRows()
+        self.main_priority_high = False  # see "Priorities"
+
+    def set_main_priority(self, high: bool) -> bool:
+        """Capture the main stream at the highest priority (True) or at the side stream's (False, the
+        default); drops the captured graphs; returns the previous setting."""
+        before, self.main_priority_high = self.main_priority_high, bool(high)
+        if before != self.main_priority_high:
+            self._capture_stream = None
+            self.drop_graphs()
+        return before
 
     def _metadata(self, fn: str, chunks) -> dict[str, torch.Tensor]:
         return self._metadata_builder.build(check_step(self, fn, chunks))
@@ -132,8 +150,12 @@ class GraphedRuntime(ReferenceRuntime):
     def _replay(self, chunks, copy: bool = True) -> torch.Tensor | None:
         rows = check_step(self, "decode", chunks, resolve_fed=not self.metadata_in_graph)
         # the blocks the step reads, not the request's whole allocation: the bucket (and with it the kernels'
-        # context bound and their numbers) must not depend on how far ahead blocks were taken
-        rows = [(n, slot, blks[:self.blocks_for(n + len(t))], t) for n, slot, blks, t in rows]
+        # context bound and their numbers) must not depend on how far ahead blocks were taken; as int32 rows of
+        # the mirror (`step_metadata.BlockRows`), which the metadata write copies without a conversion
+        if len(self._block_rows) > 2 * len(self.requests) + 8:
+            self._block_rows.forget(self.requests)
+        rows = [(n, slot, self._block_rows.row(rid, self.requests[rid])[:self.blocks_for(n + len(t))], t)
+                for rid, (n, slot, _, t) in zip(chunks, rows)]
         n, need = len(rows), max(len(b) for _, _, b, _ in rows)
         B, W = bucket_for(n, self.buckets), width_bucket(need)
         reason = (f"batch {n} above the largest bucket {self.buckets[-1]}" if B is None else
@@ -159,8 +181,9 @@ class GraphedRuntime(ReferenceRuntime):
         if g.metadata is not None:
             g.metadata.write(rows)
             g.metadata.upload()
-        else:
-            self._metadata_builder.build(rows, width=W, pad_to=B, scratch=self.scratch, out=g.inputs)
+        else:  # the packed layout of a list per row
+            self._metadata_builder.build([(n, s, b.tolist(), t) for n, s, b, t in rows], width=W, pad_to=B,
+                                         scratch=self.scratch, out=g.inputs)
         g.graph.replay()
         for rid in chunks:
             self.requests[rid].length += 1
@@ -192,8 +215,8 @@ class GraphedRuntime(ReferenceRuntime):
             # warm-up and capture on one stream: per-stream kernel state made in the warm-up (e.g. the zeroed
             # arrival counters of `_gemv.tile_counters`) is found again in the capture, so no one-time
             # zeroing is captured into the graph (a fill kernel on every replay, session 10's trace)
-            if self._capture_stream is None:
-                self._capture_stream = torch.cuda.Stream(dev)
+            if self._capture_stream is None:  # the highest priority: out-of-range values map to the highest
+                self._capture_stream = torch.cuda.Stream(dev, priority=-100 if self.main_priority_high else 0)
             cap = self._capture_stream
             cap.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(cap):

@@ -105,14 +105,17 @@ class Executor(Interpreter):
         env.update(bound)
 
     def _execute(self, n: Node, args: list, env: dict) -> list[torch.Tensor]:
-        """Nodes annotated `overlap=...` (the MLA query path, independent of the indexer) run on a second
-        CUDA stream; the main stream waits for them only where their results are first read."""
+        """Nodes annotated `overlap=...` (the MLA query path beside the indexer, the MoE router and shared
+        expert beside the routed experts) run on a second CUDA stream, in program order; the main stream
+        waits for them only where a main-stream node first reads their results (a side node reading another
+        side node's result is ordered by the side stream itself)."""
         main = torch.cuda.current_stream(self.device) if self._side is not None else None
+        on_side = main is not None and "overlap" in n.attrs
         for v in n.inputs:
-            ev = self._pending.pop(id(v), None)
+            ev = None if on_side else self._pending.pop(id(v), None)
             if ev is not None:
                 main.wait_event(ev)
-        if self._side is None or "overlap" not in n.attrs:
+        if not on_side:
             return self._dispatch(n, args, env)
         self._side.wait_stream(main)  # its operands were produced on the main stream
         for t in _tensors(args):

@@ -156,6 +156,9 @@ def test_block_rows_mirror_the_runtime_lists(tiny):
             r.blocks += [rng.randrange(1000) for _ in range(rng.randrange(0, 40))]
         got = mirror.row(rid, r)
         assert got.dtype.name == "int32" and got.tolist() == r.blocks, f"step {step}: {rid} differs"
+    chunks = {rid: [1] for rid in rids}  # the replay's check: the same rows, block ids left to the mirror
+    assert [(n, s, [], t) for n, s, _, t in check_step(rt, "decode", chunks)] == \
+        check_step(rt, "decode", chunks, copy_blocks=False)
     mirror.forget(rids[:1])
     assert len(mirror) == 1
     rows = [(3, 0, list(rt.requests[rids[0]].blocks), [5])]

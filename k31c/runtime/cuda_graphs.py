@@ -148,7 +148,7 @@ class GraphedRuntime(ReferenceRuntime):
         return super().step(fn, chunks)
 
     def _replay(self, chunks, copy: bool = True) -> torch.Tensor | None:
-        rows = check_step(self, "decode", chunks, resolve_fed=not self.metadata_in_graph)
+        rows = check_step(self, "decode", chunks, resolve_fed=not self.metadata_in_graph, copy_blocks=False)
         # the blocks the step reads, not the request's whole allocation: the bucket (and with it the kernels'
         # context bound and their numbers) must not depend on how far ahead blocks were taken; as int32 rows of
         # the mirror (`step_metadata.BlockRows`), which the metadata write copies without a conversion

@@ -38,7 +38,7 @@ from __future__ import annotations
 from ir.core import Function, Module, Node
 
 from .base import PassContext
-from .rewrite import ancestors, move_before, producers, rewrite_each
+from .rewrite import ancestors, move_before, producer_index, producers, rewrite_each
 
 NAME = "overlapped_moe_branches"
 KINDS = ("decode", "verify")
@@ -74,7 +74,7 @@ def _shared_down(fn: Function, experts: Node) -> Node | None:
 
 def _operands_first(fn: Function) -> bool:
     """Every node's operands are defined before it (parameters and function inputs always are)."""
-    at = {id(o): i for i, n in enumerate(fn.nodes) for o in n.outputs}
+    at = producer_index(fn)
     return all(at.get(id(v), -1) < i for i, n in enumerate(fn.nodes) for v in n.inputs)
 
 

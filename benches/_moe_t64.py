@@ -7,9 +7,11 @@ gate-up with the best down as the whole op (PDL on, graph replay checked bitwise
 a read-pattern probe: the gate-up's weight reads alone (BN rows x BK/2 bytes a K step of w1 and w3, the same
 grid and raster, plain 16-byte loads, no decode; also 32-byte pieces four to an iteration, and with an L2
 prefetch of each row's next line), which separates the memory system's ceiling for that access pattern from
-the kernel's instruction stream.
+the kernel's instruction stream; the whole op and the probe again with the context's L2 fetch granularity at 128
+bytes (`l2_fetch_check`). The variant tables are empty until a new variant is written: the measured ones, with
+their numbers, are in the comments above them.
 
-    MOE_BENCH_SECTIONS=t64 MOE_BENCH_DECODE_DEADLINE=140 python benches/bench_moe.py   # ~40-60 s on the H200
+    MOE_BENCH_SECTIONS=t64 MOE_BENCH_DECODE_DEADLINE=140 python benches/bench_moe.py   # ~25-60 s on the H200
     MOE_BENCH_T64_DEADLINE=120: seconds into the run after which no further variant is started
 """
 
@@ -33,28 +35,26 @@ _DOWN_KEYS = {"num_warps2": "num_warps", "num_stages2": "num_stages", "MAXNREG2"
 # gate-up alone under graph replay, ms; whole op in brackets), relative to session 8's SL 3 / BK 64 / 4 stages /
 # cap 168 (155 regs): 0.691 [1.055]; cap 128 with 3 stages (the new heuristic) 0.684 [1.027]; cap 128 / 4 stages
 # 0.704, uncapped (ptxas takes 128) 0.703, cap 144 0.700, cap 112 0.713 (spills), cap 128 / 6 stages 0.808, SL 1
-# 0.777, BN 32 x BK 128 0.785, 4-warp wgmma BN 64 x BK 128 0.897 / BN 128 0.888. Not yet timed: KU steps an
-# iteration (AOT sm_90, Triton 3.7: KU 4 with 2 stages 128 regs + 32 B of stack, 24.8 KB of shared memory) and
-# DEQ asm16i (ALU-pipe instructions per K step 272 -> 214: SHF 92 -> 33, IMAD 27 -> 86; 126 regs)
-UP_VARIANTS = {
-    "up_s8": {"MAXNREG": 168, "num_stages": 4},
-    "up_asm16i": {"DEQ": "asm16i"},     # the decode's left shifts as IMADs (both kernels; ptxas already does so in down)
-    "up_ku2": {"KU": 2},
-    "up_ku4_s2": {"KU": 4, "num_stages": 2},
-    "up_ku4_s2_nocap": {"KU": 4, "num_stages": 2, "MAXNREG": 0},
-    "up_asm16i_ku4_s2": {"DEQ": "asm16i", "KU": 4, "num_stages": 2},
-    # 32-token tiles (both kernels): ~17% fewer tiles than 16-token ones (an expert with 17-32 pairs decodes and
-    # reads its weights once, not twice), 214 / 152 registers (4 / 6 programs an SM; session 8, 4 stages: 1.157)
-    "up_bm32": {"BM": 32, "MAXNREG": 0, "MAXNREG2": 0},
-}
+# 0.777, BN 32 x BK 128 0.785, 4-warp wgmma BN 64 x BK 128 0.897 / BN 128 0.888. Its second run
+# (moe_t64_run2.json, gate-up alone): DEQ asm16i 0.640 (now DECODE_T64's), KU 2 0.811, KU 4 / 2 stages 0.797 (uncapped
+# 0.723, with asm16i 0.778), 32-token tiles 0.761 [1.152].
+# Session 12 (h200-2026-11-30-s12/moe_t64_whole_lines.json; baseline gate-up 0.643 [0.9997, again 1.0086]): whole
+# 128-byte lines of every weight row a K step (BK 256) through the pipeliner: 4 warps (wgmma, 161 regs, 3 programs
+# an SM) 1.220 [1.604], capped at 128 (4 spills) 1.218 [1.608], 2 stages 1.210 [1.580]; BN 128 on 8 warps (136 regs)
+# 1.445 [1.824]; BN 32 on 2 warps (mma.sync, 252 regs) 0.981 [1.346]; 64 bytes a row (BK 128, 241 regs) 0.728
+# [1.088]. Their K loops issue as many instructions per weight element as the baseline's (~3.7: 956 a 256-wide step
+# on 4 warps, 474 a 64-wide step on 2), so they lose on latency: 8-12 warps an SM instead of 16, and on wgmma a
+# wait_group 0 after each of a step's 8 dots (the decoded operand comes from registers). The raster (both kernels):
+# GROUP_M 1 (a tile's row blocks back to back) 0.649 [0.995], GROUP_M 32 0.655 [1.011]: noise.
+UP_VARIANTS = {}
 # down variants. Session 10 (down alone, ms): session 8's BN2 128 / cap 168 (165 regs) 0.352; BN2 64 at a 96 cap
 # (the new heuristic: 10 programs an SM) 0.341; BN2 128 uncapped 0.354, cap 128 0.352, 6 stages 0.398, 4-warp
-# wgmma 0.396
-DOWN_VARIANTS = {
-    "dn_s8": {"BN2": 128, "MAXNREG2": 168},
-    "dn_ku4_s2": {"KU2": 4, "num_stages2": 2},
-    "dn_ku2_s3": {"KU2": 2, "num_stages2": 3},
-}
+# wgmma 0.396; KU2 4 / 2 stages 0.346, KU2 2 / 3 stages 0.347. Session 12 (baseline 0.3435, its down kernel at the
+# gate-up's 3 stages / cap 128: this file's base config took them until then): BK2 256 on 4 warps (wgmma, 117 regs)
+# 0.601 [1.260], cap 104 / 4 stages 0.640 [1.295], cap 96 (6 spills) 0.581 [1.238]; BN2 128 x BK2 256 on 4 warps
+# (173 regs) 0.591 [1.243]; BN2 32 x BK2 256 on 2 warps (168) 0.573 [1.226]; BK2 256 on 2 warps (232) 0.502 [1.160];
+# BK2 128 (140) 0.369 [1.016]
+DOWN_VARIANTS = {}
 if TINY:     # the interpreter: the pure-Triton decode, a few variants (logic only)
     UP_VARIANTS = {"up_bn32": {"BN": 32}, "up_ku2": {"KU": 2}}
     DOWN_VARIANTS = {"dn_ku2": {"KU2": 2}}
@@ -149,7 +149,7 @@ def _pattern_kernel(w1_ptr, w3_ptr, out_ptr, n_tiles, live, stride_we, stride_wn
     tl.store(out_ptr + tl.program_id(0), tl.max(tl.max(acc, 1), 0))
 
 
-def pattern_probe(n_tiles, live):
+def pattern_probe(n_tiles, live, tag=""):
     """Bytes / time of the gate-up's weight read pattern alone: 32, 64 and 128 bytes a row a step; 32-byte pieces
     four to an iteration (issued together); 32-byte pieces with an L2 prefetch of each row's next line."""
     q1, q3 = (W[n].packed.view(torch.int32) for n in ("w1", "w3"))
@@ -168,12 +168,60 @@ def pattern_probe(n_tiles, live):
             t = graph_ms([fn] * 4) if DEV == "cuda" else graph_ms([fn])
             nbytes = 2 * grid * bn * row_bytes
             tbps = nbytes / t / 1e9
-            record(f"t64_read_pattern_bn{bn}_{bkb}B_x{u}{'_l2pf' if pf else ''}", t, bytes=nbytes, TBps=round(tbps, 3),
+            record(f"t64_read_pattern_bn{bn}_{bkb}B_x{u}{'_l2pf' if pf else ''}{tag}", t, bytes=nbytes,
+                   TBps=round(tbps, 3),
                    ratio_vs_read_bw=round(tbps / DOC["ceilings"]["read_TBps"], 3), tiles=n_tiles, live=live,
                    stages=stages)
         except Exception as e:
             DOC["errors"].append({"section": f"t64_pattern_{bn}_{bkb}_{u}_{pf}",
                                   "error": f"{type(e).__name__}: {str(e)[:300]}"})
+
+
+def l2_fetch_limit(value=None) -> int:
+    """The current context's L2 fetch-granularity hint in bytes (driver limit CU_LIMIT_MAX_L2_FETCH_GRANULARITY,
+    a per-context setting that ends with the process); set to `value` when given. -> the value before."""
+    import ctypes
+    cu = ctypes.CDLL("libcuda.so.1")
+    cu.cuCtxGetLimit.argtypes = [ctypes.POINTER(ctypes.c_size_t), ctypes.c_int]
+    cu.cuCtxSetLimit.argtypes = [ctypes.c_int, ctypes.c_size_t]
+    v = ctypes.c_size_t()
+    rc = cu.cuCtxGetLimit(ctypes.byref(v), 5)
+    if rc:
+        raise RuntimeError(f"cuCtxGetLimit: CUresult {rc}")
+    if value is not None:
+        torch.cuda.synchronize()
+        rc = cu.cuCtxSetLimit(5, value)
+        if rc:
+            raise RuntimeError(f"cuCtxSetLimit: CUresult {rc}")
+    return v.value
+
+
+def l2_fetch_check(cfgs: dict, case, n_tiles, live, values=(128,)):
+    """The whole op (and, at 128 bytes, the read-pattern probe) with the L2 fetch-granularity hint at `values`:
+    whether 32-byte row pieces fetch whole lines from HBM; the hint is restored after. H200, session 12 (default
+    64 B): at 128 B the probe's 32-byte pattern 2.52 -> 3.53 TB/s (64 B 2.79 -> 4.24, 128 B 4.28 -> 4.32), the whole
+    op 0.9997 / 1.0086 -> 0.9886 ms (-1.1 to -2%, about the run's spread); at 32 B 1.408 ms. So at the default the
+    HBM access pattern is not what binds the two kernels."""
+    if DEV != "cuda":
+        return
+    try:
+        before = l2_fetch_limit()
+    except Exception as e:
+        DOC["errors"].append({"section": "t64_l2fetch", "error": f"{type(e).__name__}: {str(e)[:300]}"})
+        return
+    DOC["t64_l2_fetch_default"] = before
+    try:
+        for v in values:
+            l2_fetch_limit(v)
+            DOC.setdefault("t64_l2_fetch_set", {})[str(v)] = l2_fetch_limit()
+            for name, cfg in cfgs.items():
+                decode_variant(T64, K64, f"t64_{name}_l2fetch{v}", cfg, case)
+            if v == 128:
+                pattern_probe(n_tiles, live, tag=f"_l2fetch{v}")
+    except Exception as e:
+        DOC["errors"].append({"section": "t64_l2fetch", "error": f"{type(e).__name__}: {str(e)[:300]}"})
+    finally:
+        l2_fetch_limit(before)
 
 
 def wide_scales_check(case, cfg, tag):
@@ -201,10 +249,11 @@ def _best(names):
 
 
 def t64_sweep():
+    DOC["t64_env"] = {k: v for k, v in os.environ.items() if k.startswith("MOE_BENCH")}
     case = decode_case(T64, K64)
     key = gg._key(T64, E, K64, ELL, INTER, True, ACT, {})
     heur = gg.heuristic(gg.bucket(key), "h200" if DEV == "cuda" else None)
-    base = {**heur, **{k2: heur.get(k, 0) for k2, k in _DOWN_KEYS.items()}, "PATH": "grouped"}
+    base = {**heur, **{k2: heur.get(k2, heur.get(k, 0)) for k2, k in _DOWN_KEYS.items()}, "PATH": "grouped"}
     if not base.get("MAXNREG2"):
         base["MAXNREG2"] = 0
     heur_up = run_variant("heuristic", base, case, ("gate_up",), bitwise=True)
@@ -215,7 +264,9 @@ def t64_sweep():
     decode_variant(T64, K64, "t64_heuristic_pdl_off", base, case, pdl=False)
     seg = mr.permute_tokens(case[0][0][2], E)
     n_tiles = int(((seg.counts + base["BM"] - 1) // base["BM"]).sum())
-    pattern_probe(n_tiles, int((seg.counts > 0).sum()))
+    live = int((seg.counts > 0).sum())
+    pattern_probe(n_tiles, live)
+    l2_fetch_check({"heuristic": base}, case, n_tiles, live)
     ups = [f"t64_{n}_part_gate_up" for n in UP_VARIANTS]
     downs = [f"t64_{n}_part_down" for n in DOWN_VARIANTS]
     for name, over in UP_VARIANTS.items():
@@ -231,6 +282,8 @@ def t64_sweep():
     if best != base:
         decode_variant(T64, K64, "t64_best", best, case, bitwise=True)
         decode_variant(T64, K64, "t64_best_pdl_off", best, case, pdl=False)
+        l2_fetch_check({"best": best}, case, n_tiles, live)
+    decode_variant(T64, K64, "t64_heuristic_again", base, case)     # the run's spread: the baseline timed twice
     wide_scales_check(case, best, "best")
     if best.get("DEQ") != "asm16i" and DEV == "cuda":
         wide_scales_check(case, {**best, "DEQ": "asm16i"}, "asm16i")

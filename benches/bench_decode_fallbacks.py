@@ -14,8 +14,11 @@ way and torch.compile of the reference (when the time budget allows). Bytes = wh
 write once; floor = bytes / measured copy bandwidth.
 
 One JSON document to stdout and $OUT/decode_fallbacks.json (rewritten after every section).
-Usage: python benches/bench_decode_fallbacks.py [--budget SECONDS] [--sections a,b,..]; on a machine without CUDA it runs
-the same logic in the Triton interpreter at k31-tiny shapes (a logic check, times meaningless).
+The indexer_front and value_gate sections also time each batch-1 config in a PDL chain (`chain`): a producer kernel
+(rms_norm) writes the activation the kernel reads, pair after pair in one graph, as the decode step launches
+them (the kernel's weight loads before its `pdl_wait` overlap the producer); marginal = chain - producer alone.
+Usage: python benches/bench_decode_fallbacks.py [--budget SECONDS] [--sections a,b,..] [--batches 1,8]; on a machine
+without CUDA it runs the same logic in the Triton interpreter at k31-tiny shapes (a logic check, times meaningless).
 """
 
 from __future__ import annotations
@@ -37,11 +40,6 @@ if not CUDA:  # before triton's first import
 import triton  # noqa: E402
 
 from benches._report import BenchReport, copy_bandwidth_GBps, graph_ms  # noqa: E402
-from codegen.triton import embedding as emb  # noqa: E402
-from codegen.triton import glu  # noqa: E402
-from codegen.triton import mla_query as mq  # noqa: E402
-from codegen.triton import attn_res as ar  # noqa: E402
-from codegen.triton import moe_tail as mt  # noqa: E402
 from codegen.triton import norm_quant as nq  # noqa: E402
 from codegen.triton import indexer_front as fr  # noqa: E402
 from codegen.triton import value_gate as vg  # noqa: E402
@@ -60,10 +58,8 @@ BUDGET = float(sys.argv[sys.argv.index("--budget") + 1]) if "--budget" in sys.ar
 SECTIONS = sys.argv[sys.argv.index("--sections") + 1].split(",") if "--sections" in sys.argv else None
 REPS = 20 if CUDA else 1
 CONTEXT = 8192 if CUDA else 128  # k31-tiny's blocks hold 64 rows
-BATCHES = (1, 8)
-MQ, SITU = mq.TEMPLATES[0], glu.TEMPLATES[0]
-ADD = next(t for t in glu.TEMPLATES if t.family == "add")
-EMB = emb.TEMPLATES[0]
+BATCHES = tuple(int(b) for b in sys.argv[sys.argv.index("--batches") + 1].split(",")) if "--batches" in sys.argv \
+    else (1, 8)
 rep = BenchReport("decode_fallbacks")
 doc = rep.doc
 st: dict = {}
@@ -182,7 +178,7 @@ def build():
         fn = m.function("decode")
         st[latent] = next(n for n in fn.nodes if n.op == "fused.mla_query")
         st["glu_widths"] = sorted({int(n.inputs[0].type.shape[-1]) for n in fn.nodes if n.op == "situ_glu"})
-        st["glu_attrs"] = next(dict(n.attrs) for n in fn.nodes if n.op == "situ_glu")
+        st["glu_attrs"] = next((dict(n.attrs) for n in fn.nodes if n.op == "situ_glu"), None)  # None: all fused
         if latent == "f8e4m3":
             st["nodes"] = fn.nodes
     doc["preset"] = {"name": cfg.name, "hidden": cfg.hidden_size, "glu_widths": st["glu_widths"],
@@ -253,6 +249,8 @@ def mla_configs(b: int, heuristic: dict) -> list[dict]:
 
 @rep.section
 def mla_query():
+    from codegen.triton import mla_query as mq  # each section imports its kernels (others may be mid-edit)
+    MQ = mq.TEMPLATES[0]
     g = torch.Generator().manual_seed(0)
     ex = reference_executor()
     best_fp8: dict = {}
@@ -302,6 +300,8 @@ def mla_query():
 
 @rep.section
 def situ_glu_section():
+    from codegen.triton import glu
+    SITU = glu.TEMPLATES[0]
     g = torch.Generator().manual_seed(1)
     attrs = {**st["glu_attrs"], "batch_invariant": False}
     for width in st["glu_widths"]:
@@ -332,6 +332,9 @@ def situ_glu_section():
 
 @rep.section
 def add_and_embedding():
+    from codegen.triton import embedding as emb
+    from codegen.triton import glu
+    ADD, EMB = next(t for t in glu.TEMPLATES if t.family == "add"), emb.TEMPLATES[0]
     g = torch.Generator().manual_seed(2)
     d = st["cfg"].hidden_size
     vocab = st["cfg"].vocab_size
@@ -388,9 +391,11 @@ def nbytes_of(ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
-def fused_section(label, node, template, b, cfgs, check_tol, copies=1, big=-1, out_bytes=None, pools=()):
-    """Reference body (executor, graph-safe) vs the template's configs (cfgs[0]: the new heuristic,
-    cfgs[1]: the old path), every config checked against the body first."""
+def fused_section(label, node, template, b, cfgs, check_tol, copies=1, big=-1, out_bytes=None, pools=(), chain=None,
+                  repeat=False):
+    """Reference body (executor, graph-safe) vs the template's configs (cfgs[0]: the declared heuristic),
+    every config checked against the body first (repeat: and launched twice with bitwise equal results).
+    chain = (operand index, producer(ops) -> that operand): also `chain_us` for every config."""
     g = torch.Generator().manual_seed(b + len(label))
     sets = operands(node, b, g, copies, big)
     ex = reference_executor()
@@ -413,14 +418,56 @@ def fused_section(label, node, template, b, cfgs, check_tol, copies=1, big=-1, o
     def check(cfg):
         got = launch(cfg, fresh(sets[0]))
         got = list(got) if isinstance(got, (tuple, list)) else [got]
+        if repeat:
+            again = launch(cfg, fresh(sets[0]))
+            if any(not torch.equal(a.view(torch.uint8), c.view(torch.uint8)) for a, c in zip(got, again)):
+                raise AssertionError(f"{label}: two launches of {cfg} differ")
         errs = check_tol(got, want, sets[0])
         if any(e > 5e-2 for e in errs.values()):
             raise AssertionError(f"{label} differs from its unfused body: {errs}")
         return errs
 
     cfgs = [c for i, c in enumerate(cfgs) if c not in cfgs[:i]]
-    return sweep(f"{label}[b={b}]", cfgs, None, check, nb, ref_us,
+    best = sweep(f"{label}[b={b}]", cfgs, None, check, nb, ref_us,
                  rotate=lambda cfg: [lambda ops=ops: launch(cfg, ops) for ops in sets])
+    if chain is not None:
+        chain_us(f"{label}[b={b}]", sets, launch, cfgs, *chain, nb)
+    return best
+
+
+def chain_us(name, sets, launch, cfgs, operand, produce, nb) -> None:
+    """Each config (checked by the sweep first) in a PDL chain: per weight copy, produce(ops) writes a fresh
+    operand `operand` and the kernel reads it; records the pair time, the producer alone and the difference."""
+    prod_us = graph_us([lambda ops=ops: produce(ops) for ops in sets])
+    record(f"{name}_producer", prod_us, nb, kind="chain producer")
+    for cfg in cfgs:
+        if over():
+            doc["notes"].append(f"{name}: chain cut at the time budget")
+            break
+        try:
+            calls = [lambda ops=ops: launch(cfg, [produce(ops) if i == operand else o for i, o in enumerate(ops)])
+                     for ops in sets]
+            us = graph_us(calls)
+            m = record(f"{name}_chain", us, nb, config=cfg, producer_us=round(prod_us, 3),
+                       marginal_us=round(us - prod_us, 3), kind="chain")
+            best = doc.setdefault("best_chain", {}).get(name)
+            if best is None or m["marginal_us"] < best["marginal_us"]:
+                doc["best_chain"][name] = m
+        except Exception as e:
+            doc["errors"].append({"name": f"{name}_chain", "config": cfg,
+                                  "error": f"{type(e).__name__}: {str(e)[:400]}"})
+            print(f"!! {name} chain {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+
+
+def rms_producer(shape):
+    """produce(ops) for `chain_us`: rms_norm (the rank graph's norm kernel) of a fixed random input of `shape`'s
+    rows, viewed as `shape`."""
+    t = next(x for x in nq.TEMPLATES if x.family == "rms_norm")
+    attrs = {"eps": 1e-6, **next((n.attrs for n in nodes("rms_norm")), {}), "batch_invariant": False}
+    raw = torch.randn(*shape, generator=torch.Generator().manual_seed(9)).to(DT).to(DEV).reshape(-1, shape[-1])
+    w = (1 + 0.1 * torch.randn(shape[-1], generator=torch.Generator().manual_seed(10))).to(DT).to(DEV)
+    cfg = t.heuristic(t.key_dims(NS(x=raw, weight=w), attrs), TARGET)
+    return lambda ops: t.launch(NS(x=raw, weight=w), attrs, cfg).reshape(shape)
 
 
 def plain_errs(got, want, ops):
@@ -433,6 +480,7 @@ def nodes(op):
 
 @rep.section
 def attn_res_section():
+    from codegen.triton import attn_res as ar
     seen = set()
     for node in nodes("fused.attn_res_mix_norm"):
         combo = (node.attrs["bank"], node.attrs["prefix_add"])
@@ -453,6 +501,7 @@ def attn_res_section():
 
 @rep.section
 def latent_tail_section():
+    from codegen.triton import moe_tail as mt
     node = nodes("fused.latent_moe_tail")[0]
     for b in BATCHES:
         if over():
@@ -488,15 +537,14 @@ def indexer_front_section():
         key = {"T": b, "K": int(node.inputs[0].type.shape[1]), "HI": node.attrs["heads"],
                "DI": node.attrs["head_dim"], "bi": 0}
         heur = fr._front_heuristic(fr._front_bucket(key), TARGET)
-        old = fr._front_heuristic({**key, "T": 64}, TARGET)
-        cfgs = [heur, old]
-        if CUDA and b == 1:
-            cfgs += [{**heur, "SPLIT": sp, "BLOCK_K": bk, "num_warps": w} for sp, bk, w in
-                     ((4, 512, 8), (16, 256, 4), (8, 256, 4))]
+        cfgs = [heur, fr._front_heuristic({**key, "T": 64}, TARGET)]
+        if CUDA and b == 1:  # the one-token kernel (GEMV 2): SPLIT x warps (session 12's sweep)
+            cfgs = [heur] + [{**heur, "SPLIT": sp, "num_warps": w} for sp, w in ((8, 8), (16, 4), (32, 2))]
         if CUDA and b > 1:
             cfgs += [{**heur, "SPLIT": 8}]
         fused_section("indexer_front", node, fr.TEMPLATES[0], b, cfgs, front_errs, copies=8, big=1,
-                      pools=(6, 7), out_bytes=b * key["HI"] * (key["DI"] + 6) + b * (key["DI"] + 4))
+                      pools=(6, 7), out_bytes=b * key["HI"] * (key["DI"] + 6) + b * (key["DI"] + 4), repeat=True,
+                      chain=(0, rms_producer((b, key["K"]))) if b == 1 else None)
 
 
 @rep.section
@@ -510,10 +558,10 @@ def value_gate_section():
         heur = vg.heuristic(key, TARGET)
         old = vg.heuristic({**key, "T": 16}, TARGET)
         cfgs = [heur, old]
-        if CUDA and b == 1:
-            cfgs += [{**heur, "BLOCK_V": bv, "BLOCK_K": bk, "num_warps": w} for bv, bk, w in
-                     ((8, 512, 4), (32, 512, 8), (16, 256, 4))]
-        fused_section("value_gate", node, vg.TEMPLATES[1], b, cfgs, plain_errs, copies=32, big=1)
+        if CUDA and b == 1:  # BLOCK_V x warps of the one-token GEMV (session 12's sweep)
+            cfgs = [heur] + [{**heur, "BLOCK_V": bv, "num_warps": w} for bv, w in ((16, 4), (8, 2), (4, 2))]
+        fused_section("value_gate", node, vg.TEMPLATES[1], b, cfgs, plain_errs, copies=32, big=1,
+                      chain=(0, rms_producer(tuple(ops[0].shape))) if b == 1 else None)
 
 
 @rep.section
@@ -566,6 +614,9 @@ if __name__ == "__main__":
         if bst:
             print(f"{name:<30} ref {bst.get('peer_us', 0):>7.2f}  heur {h['median_us'] if h else float('nan'):>7.2f}  "
                   f"best {bst['median_us']:>7.2f} us  x_floor {bst['x_floor']:>6.1f}  {bst['config']}")
+    for name, m in doc.get("best_chain", {}).items():
+        print(f"{name:<30} chain: producer {m['producer_us']:>6.2f}  pair {m['median_us']:>6.2f}  marginal "
+              f"{m['marginal_us']:>6.2f} us  {m['config']}")
     print(f"errors: {len(doc['errors'])}")
     text = rep.save()
     if not os.environ.get("OUT"):

@@ -366,18 +366,19 @@ def main():
         doc["measurements"].append(m)
         print(json.dumps(m), flush=True)
 
-    def alternate(name: str, switch):
-        """The device time of the same decode graph captured with `switch(True)` and `switch(False)`, alternated
-        twice per batch <= 8 at the first context (drift shows as a difference between the rounds)."""
+    def alternate(name: str, switch, settings=(("on", True), ("off", False))):
+        """The device time of the same decode graph captured under each of `settings` (label, value: `switch(rt,
+        value)` before the capture; default on / off), alternated twice per batch <= 8 at the first context
+        (drift shows as a difference between the rounds); the first setting is restored after."""
         ctx = contexts[0]
         rt = runtime(ctx, max(b for b in batches if b <= 8))
         for b in [x for x in batches if x <= 8]:
             for rnd in range(2):
-                for label, on in (("on", True), ("off", False)):
-                    switch(rt, on)
+                for label, value in settings:
+                    switch(rt, value)
                     rt.drop_graphs()
                     record_replay(rt, ctx, b, f"graph_replay_{name}_{label}", rnd)
-        switch(rt, True)
+        switch(rt, settings[0][1])
         del rt
         torch.cuda.empty_cache()
 
@@ -387,6 +388,25 @@ def main():
         if not cuda:
             return doc["notes"].append("pdl: needs a cuda device (CUDA events, sm_90+)")
         alternate("pdl", lambda rt, on: _pdl.set_enabled(on))
+
+    @rep.section
+    def late():
+        """The routed experts' gate-up kernel (decode GEMV path) launched with its programmatic edge (resident
+        early, waiting for z) vs without (LATE=1, `codegen/triton/_moe_gemv_words.py`)."""
+        if not cuda:
+            return doc["notes"].append("late: needs a cuda device (PDL)")
+        from codegen.triton import _moe_gemv_words
+        alternate("late", lambda rt, v: _moe_gemv_words.set_late_override(v), (("config", None), ("early", 0),
+                                                                                ("late", 1)))
+
+    @rep.section
+    def attn_early():
+        """The attention-residual kernels reading their bank rows and running prefix before the PDL wait (EARLY,
+        `codegen/triton/attn_res.py`) vs after it."""
+        if not cuda:
+            return doc["notes"].append("attn_early: needs a cuda device (PDL)")
+        from codegen.triton import attn_res
+        alternate("attn_early", lambda rt, on: attn_res.set_early(on))
 
     @rep.section
     def overlap():
@@ -404,28 +424,40 @@ def main():
             return doc["notes"].append("priority: needs a cuda device (streams)")
         alternate("priority", lambda rt, on: rt.set_main_priority(on))
 
-    @rep.section
-    def schedule():
-        """The MoE layers' stream schedule, both compiled and captured in this run, every batch at the first
-        context, two rounds (device time of the graph replay): `split` (the default: z alone on the main stream,
-        router + shared expert on the side, passes/overlapped_moe_branches.py) and `packed`
-        (moe_expert_input_split disabled: z packed with the shared expert's gate/up, router beside it, shared
-        down beside the experts; the session-10 schedule). Session 11 also timed the router on the main stream
-        just before z: batch 1 570.5-581.5 us vs split 560.3-568.9, batch 8 no difference (reverted)."""
-        if not cuda:
-            return doc["notes"].append("schedule: needs a cuda device (streams)")
+    def compare_artifacts(name: str, disabled: dict):
+        """The default artifact and one compiled per entry of `disabled` (label -> passes turned off), each
+        captured in this run, every batch at the first context, two rounds (device time of the graph replay)."""
         ctx = contexts[0]
         default = st["art"]
-        variants = {"split": default, "packed": compile_variant(("moe_expert_input_split",))}
+        variants = {"default": default, **{label: compile_variant(off) for label, off in disabled.items()}}
         for rnd in range(2):
             for label, art in variants.items():
                 st["art"] = art
                 rt = runtime(ctx, max(batches))
                 for b in batches:
-                    record_replay(rt, ctx, b, f"graph_replay_schedule_{label}", rnd)
+                    record_replay(rt, ctx, b, f"graph_replay_{name}_{label}", rnd)
                 del rt
                 torch.cuda.empty_cache()
         st["art"] = default
+
+    @rep.section
+    def schedule():
+        """The MoE layers' stream schedule: `default` (z alone on the main stream, router + shared expert on the
+        side, passes/overlapped_moe_branches.py) and `packed` (moe_expert_input_split disabled: z packed with the
+        shared expert's gate/up, router beside it, shared down beside the experts; the session-10 schedule).
+        Session 11 also timed the router on the main stream just before z: batch 1 570.5-581.5 us vs split
+        560.3-568.9, batch 8 no difference (reverted)."""
+        if not cuda:
+            return doc["notes"].append("schedule: needs a cuda device (streams)")
+        compare_artifacts("schedule", {"packed": ("moe_expert_input_split",)})
+
+    @rep.section
+    def absorb():
+        """The MLA query absorption beside the indexer (`default`, passes/query_absorption.py) vs inside the
+        attention node after the indexer's top-k (`inside`: the pass disabled)."""
+        if not cuda:
+            return doc["notes"].append("absorb: needs a cuda device (streams)")
+        compare_artifacts("absorb", {"inside": ("query_absorption",)})
 
     @rep.section
     def nodes():
@@ -454,7 +486,7 @@ def main():
         torch.cuda.empty_cache()
 
     @rep.section
-    def trace():
+    def trace(suffix=""):
         """The decode graph of batch 1 and 8 at the first context, kernel by kernel under the profiler
         (benches/_graph_trace.py): durations, the device's idle gaps between kernels, two-stream overlap."""
         if not cuda:
@@ -466,16 +498,26 @@ def main():
         for b in (1, 8):
             replay, g, _ = replay_us(rt, b)
             t = graph_trace(g.graph)
-            if b == 1 and os.environ.get("OUT"):  # the graph's nodes (kernels, memcpy/memset, event edges) as DOT
+            if b == 1 and os.environ.get("OUT") and not suffix:  # the graph's nodes (kernels, memcpy/memset, events)
                 try:
                     t["graph_nodes"] = graph_node_kinds(rt, b, os.path.join(os.environ["OUT"], f"graph_b{b}.dot"))
                 except Exception as e:  # the dump is a diagnostic: keep the trace
                     t["graph_nodes"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             reset(rt, ctx)
-            doc.setdefault("trace", {})[f"{ctx}_b{b}"] = {"graph_replay_us": replay, **t}
+            doc.setdefault("trace", {})[f"{ctx}_b{b}{suffix}"] = {"graph_replay_us": replay, **t}
             print(json.dumps({k: v for k, v in t.items() if k not in ("kernels", "by_name")}), flush=True)
         del rt
         torch.cuda.empty_cache()
+
+    @rep.section
+    def trace_late():
+        """`trace` with the routed experts' gate-up launched without its programmatic edge (LATE=1)."""
+        from codegen.triton import _moe_gemv_words
+        before = _moe_gemv_words.set_late_override(1)
+        try:
+            trace("_late")
+        finally:
+            _moe_gemv_words.set_late_override(before)
 
     @rep.section
     def host():
@@ -688,7 +730,7 @@ def main():
     bandwidth()
     build()
     if "art" in st:
-        sections = {"graph_check": graph_check, "decode": decode, "pdl": pdl, "overlap": overlap,
+        sections = {"graph_check": graph_check, "decode": decode, "pdl": pdl, "late": late, "absorb": absorb, "attn_early": attn_early, "trace_late": trace_late, "overlap": overlap,
                     "priority": priority, "schedule": schedule, "nodes": nodes,
                     "trace": trace, "host": host,
                     "engine_decode": engine_decode,

@@ -38,6 +38,7 @@ PHASES: list[tuple[str, list[str]]] = [
         "overlapped_mla_query",   # MLA query path + latent cache write, scheduled beside the indexer (2nd stream)
         "fused_indexer_select",   # indexer scorer + exact top-k emitting pool rows; attention reads rows
         "value_gate",             # absorbed MLA split at W_UV; value projection + sigmoid output gate
+        "query_absorption",       # decode: q~ = W_UK^T q_nope beside the indexer (2nd stream), not after its top-k
         "latent_moe_tail",        # latent RMSNorm + cast + up-projection + shared-expert add
         "attn_res_fusion",        # prefix add + AttnRes mix + the following RMSNorm
         "kda_decode_fusion",      # decode/verify KDA: conv + gate + recurrence + gated RMSNorm

@@ -46,8 +46,8 @@ FUSED_OP = "fused.value_gate"
 
 def _match(fn: Function, mla: Node):
     """(reshape, sigmoid, mul) after an absorbed mla_attention, or None."""
-    if mla.attrs.get("form", "absorbed") != "absorbed":
-        return None
+    if mla.attrs.get("form", "absorbed") != "absorbed" or mla.attrs.get("q_absorbed"):
+        return None  # (q_absorbed: query_absorption runs after this pass; its q_nope operand is q~, not dn wide)
     out = mla.output
     t, h, dv = out.type.shape
     rs = single_user(fn, out)

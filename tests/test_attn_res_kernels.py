@@ -62,6 +62,25 @@ def test_fused_mix_norm_matches_unfused_body(prefix_add):
         assert_close_rel(a, b, 1e-5, f"result {i} (prefix_add={prefix_add}, bank={node.attrs['bank']})")
 
 
+@pytest.mark.parametrize("prefetch", [0, 2, 4])
+def test_early_form_gives_the_same_bits(prefetch):
+    """EARLY (bank rows and prev read and scored before the PDL wait) is a reordering of loads, not of arithmetic:
+    the same bits as the plain form for every PREFETCH (scored rows kept or reloaded), and close to the body."""
+    node = _fused_nodes()[0]
+    g = torch.Generator().manual_seed(20 + prefetch)
+    ops = [torch.randn(*[3 if not d.is_number else int(d) for d in v.type.shape], generator=g) * (1 + 0.3 * i)
+           for i, v in enumerate(node.inputs)]
+    attrs = {"batch_invariant": False, **node.attrs}
+    cfg = {**FUSED.heuristic(FUSED.key_dims(SimpleNamespace(operands=ops), attrs), "cpu"), "PREFETCH": prefetch}
+    proj, mnorm, w, bank, prev, part = attn_res.split_fused(ops, attrs)
+    kw = dict(part=part, norm_weight=w, norm_eps=attrs["norm_eps"])
+    early = attn_res.attn_res_mix(bank, prev, proj, mnorm, attrs["eps"], cfg, early=True, **kw)
+    plain = attn_res.attn_res_mix(bank, prev, proj, mnorm, attrs["eps"], cfg, early=False, **kw)
+    assert all(torch.equal(a, b) for a, b in zip((early[0], early[2]), (plain[0], plain[2])))
+    want = Interpreter(Module("body"), {}).run(node.body, ops)
+    assert_close_rel(early[2], want[1], 1e-5, f"h (EARLY, PREFETCH={prefetch}, bank={node.attrs['bank']})")
+
+
 def test_fused_batch_invariant():
     node = _fused_nodes()[0]
     g = torch.Generator().manual_seed(12)

@@ -1,7 +1,9 @@
 """The decode (T = 1 / small T) paths of the decode step's small fused kernels (issue 7), vs the ops'
 unfused bodies or float64 formulas: AttnRes mix with prefetched bank rows (codegen/triton/attn_res.py),
-the one-launch GEMV latent-MoE tail (moe_tail.py), and the one-launch split indexer front with its
-arrival counters (norm_quant.py). CPU: Triton interpreter, fp32, tiny shapes."""
+the one-launch GEMV latent-MoE tail (moe_tail.py), the one-launch split indexer front with its arrival
+counters (indexer_front.py; the one-token kernel with preloaded weights and the Kronecker-form rotations in
+_indexer_front_decode.py), and the one-token value gate (value_gate.py). CPU: Triton interpreter, fp32, tiny
+shapes."""
 
 from __future__ import annotations
 
@@ -96,14 +98,19 @@ def _check_front(node, ops, cfg, what):
     return q8, qs
 
 
+def _gemv2(split, bk, warps=4):
+    return {"SPLIT": split, "GEMV": 2, "BLOCK_M": 1, "BLOCK_K": bk, "BLOCK_R": 16, "num_warps": warps, "num_stages": 1}
+
+
 @pytest.mark.parametrize("T,cfg", [
-    (1, None),  # the heuristic's T = 1 path: SPLIT parts, dot-free GEMV
-    (1, {"SPLIT": 2, "GEMV": 1, "BLOCK_M": 1, "BLOCK_K": 32, "BLOCK_R": 16, "num_warps": 4, "num_stages": 1}),
-    (3, {"SPLIT": 4, "GEMV": 1, "BLOCK_M": 1, "BLOCK_K": 64, "BLOCK_R": 16, "num_warps": 4, "num_stages": 1}),
+    (1, None),  # the heuristic's T = 1 path: the one-token kernel (GEMV 2)
+    (1, _gemv2(2, 32)),  # K = 96: three preloaded tiles, whole; parts of 16 columns
+    (1, _gemv2(8, 64)),  # two tiles, the second masked; parts of 4 columns
+    (3, _gemv2(4, 128)),  # one tile wider than K; three tokens, one grid row each
     (5, {"SPLIT": 2, "GEMV": 0, "BLOCK_M": 16, "BLOCK_K": 64, "BLOCK_R": 16, "num_warps": 4, "num_stages": 1}),
 ])
 def test_indexer_front_split_path(T, cfg):
-    node, ops = _front_case(T, 60 + T)
+    node, ops = _front_case(T, 60 + T + (cfg or {}).get("SPLIT", 0))
     key = fr._front_bucket(fr._front_key(SimpleNamespace(operands=ops), {**node.attrs, "batch_invariant": False}))
     cfg = cfg or fr._front_heuristic(key, "cpu")
     assert cfg["SPLIT"] > 1 and not fr._front_constraints(cfg, key, "cpu")
@@ -116,20 +123,36 @@ def test_indexer_front_split_path(T, cfg):
 
 def test_indexer_front_split_refuses_bad_configs():
     node, ops = _front_case(1, 70)
-    bad = {"SPLIT": 3, "GEMV": 1, "BLOCK_M": 1, "BLOCK_K": 32, "BLOCK_R": 16, "num_warps": 4, "num_stages": 1}
-    with pytest.raises(ValueError, match="SPLIT=3"):
-        fr.indexer_front([o.clone() for o in ops], dict(node.attrs), bad)
-    with pytest.raises(ValueError, match="BLOCK_M = 1"):
-        fr.indexer_front([o.clone() for o in ops], dict(node.attrs), {**bad, "SPLIT": 2, "BLOCK_M": 16})
+    for bad, match in ((_gemv2(3, 32), "SPLIT=3"), ({**_gemv2(2, 32), "BLOCK_M": 16}, "BLOCK_M = 1"),
+                       (_gemv2(2, 16), "at most 4 weight tiles"), ({**_gemv2(2, 32), "GEMV": 1}, "GEMV=1")):
+        with pytest.raises(ValueError, match=match):
+            fr.indexer_front([o.clone() for o in ops], dict(node.attrs), bad)
     key = {"T": 0, "K": 64, "HI": 4, "DI": 32, "bi": 1}
     assert fr._front_heuristic(key, "h200")["SPLIT"] == 1  # batch invariance: the T-independent path
+    assert fr._front_constraints(_gemv2(2, 16), {**key, "K": 96}, "cpu")  # six tiles of 16
+
+
+def test_indexer_front_one_token_heuristic():
+    """The rank preset's shape (K 1536, 32 heads x 128) takes the H200's measured best: the one-token kernel,
+    SPLIT 8, three tiles of 512, 4 warps; a wider K cuts more parts so the preloaded weights stay within
+    PRELOAD_MAX values a thread, and one too wide for even one column per part falls back to tensor-core tiles."""
+    key = {"T": 1, "K": 1536, "HI": 32, "DI": 128, "bi": 0}
+    cfg = fr._front_heuristic(key, "h200")
+    assert cfg == _gemv2(8, 512) and not fr._front_constraints(cfg, key, "h200")
+    wide = {**key, "K": 7168}
+    cfg = fr._front_heuristic(wide, "h200")
+    assert cfg["GEMV"] == 2 and cfg["SPLIT"] > 8 and not fr._front_constraints(cfg, wide, "h200")
+    assert fr._front_constraints(_gemv2(8, 2048), wide, "h200"), "8 parts of 7168 columns must be refused"
+    assert fr._front_heuristic({**key, "K": 1 << 16}, "h200")["GEMV"] == 0
+    assert fr._front_heuristic({**key, "T": 2}, "h200")["GEMV"] == 0
 
 
 # -------------------------------------------------------------------------------------- value gate
 @pytest.mark.parametrize("T,kv,bk", [(1, 64, 64), (3, 48, 32)])
 def test_value_gate_gemv_rows(T, kv, bk):
-    """BLOCK_T = 1 (the T = 1 heuristic; any T runs, one grid row per token), with and without the gate,
-    kv not a multiple of BLOCK_K in the second case: vs the float64 formula."""
+    """BLOCK_T = 1 (the T = 1 heuristic; any T runs, one grid row per token; the first weight tile loaded
+    before the PDL wait, the rest in the loop), with and without the gate, kv not a multiple of BLOCK_K in the
+    second case: vs the float64 formula."""
     from codegen.triton import value_gate as vg
     from ir.ref.mla import mla_value_proj
 
@@ -139,9 +162,52 @@ def test_value_gate_gemv_rows(T, kv, bk):
     kv_b = torch.randn(H * (dn + dv), kv, generator=g)
     gate = torch.randn(T, H * dv, generator=g) * 2
     cfg = vg.heuristic({"T": 1, "H": H, "KV": kv, "DV": dv, "bi": 0}, "cpu")
-    assert cfg["BLOCK_T"] == 1 and not vg.constraints(cfg, {}, "cpu")
+    assert cfg["BLOCK_T"] == 1 and cfg["BLOCK_V"] == 8 and not vg.constraints(cfg, {}, "cpu")
     cfg = {**cfg, "BLOCK_K": bk, "BLOCK_V": 16}
     want = mla_value_proj(o.double(), kv_b.double(), dn).reshape(T, H * dv)
     assert_close_rel(vg.value_gate(o, kv_b, dn, cfg), want, 1e-5, "value proj GEMV")
     assert_close_rel(vg.value_gate(o, kv_b, dn, cfg, gate=gate), want * torch.sigmoid(gate.double()), 1e-5,
                      "value gate GEMV")
+
+
+_SM90_COMPILE = r'''
+import os
+os.environ["TRITON_INTERPRET"] = "0"
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile as tc
+from codegen.aot.record import Recorder
+from codegen.triton import indexer_front as fr
+from codegen.triton import value_gate as vg
+target = GPUTarget("cuda", 90, 32)
+T, K, HI, DI, bf = 1, 1536, 32, 128, torch.bfloat16
+front = [torch.zeros(T, K, dtype=bf), torch.zeros(HI * DI, K, dtype=bf), torch.zeros(T, DI, dtype=bf),
+         torch.zeros(DI, dtype=bf), torch.zeros(DI, dtype=bf), torch.zeros(T, HI, dtype=bf),
+         torch.zeros(256, DI, dtype=torch.float8_e4m3fn), torch.zeros(256, dtype=torch.float32),
+         torch.zeros(T, dtype=torch.int64), torch.zeros(T, dtype=torch.int64), torch.zeros(1, 4, dtype=torch.int32)]
+attrs = dict(heads=HI, head_dim=DI, eps=1e-6, weight_scale=0.1, block_size=64)
+with Recorder(target) as rec:
+    fr.indexer_front(front, attrs, fr._front_heuristic({"T": 1, "K": K, "HI": HI, "DI": DI, "bi": 0}, "h200"))
+    vg.value_gate(torch.zeros(T, 12, 512, dtype=bf), torch.zeros(12 * 256, 512, dtype=bf), 128,
+                  vg.heuristic({"T": 1, "H": 12, "KV": 512, "DV": 128, "bi": 0}, "h200"),
+                  gate=torch.zeros(T, 1536, dtype=bf))
+for spec in rec.specs.values():
+    fn, sig, cx, at, opts = spec.compile_args
+    ptx = tc(ASTSource(fn, sig, cx, at), target=target, options=dict(vars(opts))).asm["ptx"]
+    wait = ptx.index("griddepcontrol.wait")
+    print(fn.__name__, ptx[:wait].count("ld.global") > 0)
+'''
+
+
+def test_one_token_kernels_compile_for_sm90():
+    """The interpreter runs each constexpr branch on its own; the compiler types them together. The T = 1
+    heuristics' indexer front and value gate, compiled to PTX for sm_90 with PDL (AOT recorder, subprocess):
+    both load weights before `griddepcontrol.wait`."""
+    import os
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-c", _SM90_COMPILE], capture_output=True, text=True, timeout=300, cwd=repo,
+                       env=dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=repo))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert sorted(p.stdout.split()) == ["True", "True", "_indexer_front_gemv_kernel", "_value_gate_kernel"], p.stdout

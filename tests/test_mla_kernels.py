@@ -15,6 +15,7 @@ from codegen.triton._mla_heads import _pow2_scale
 from codegen.triton import mla_sparse as sparse_mod
 from codegen.triton.mla_prefill import dequantize_latent, mla_prefill, quantize_latent_fp8, quantize_latent_nvfp4
 from codegen.triton.mla_sparse import mla_sparse_decode
+from codegen.registry import templates_for
 from ir.ops import OPS
 from ir.ref import mla as ref
 
@@ -219,6 +220,37 @@ def test_templates_match_ir_op_reference():
         t = mod.TEMPLATES[0]
         got = t.launch(a, attrs, t.heuristic(t.key_dims(a, attrs), "cpu"))
         assert_close_rel(got, op.reference(a, attrs), 1e-5, t.family)
+
+
+@pytest.mark.parametrize("form", ["absorbed", "latent"])
+def test_absorb_template_then_q_absorbed_attention_equal_the_plain_attention(form):
+    """mla_absorb's template (passes/query_absorption.py) vs its IR reference and float64, then mla_sparse reading
+    that q~ (q_absorbed, nope_dim) against the IR reference and bitwise against the attention absorbing inside
+    (the same absorption kernel and arguments)."""
+    op, absorb = OPS["mla_attention"], OPS["mla_absorb"]
+    b = _batch(11, [(26, 2), (13, 1)])
+    ta = templates_for("mla_absorb")[0]
+    aa = absorb.bind([b["qn"], b["kvb"]])
+    q_abs = ta.launch(aa, {}, ta.heuristic(ta.key_dims(aa, {}), "cpu"))
+    want = torch.einsum("thn,hnk->thk", b["qn"].double(), b["kvb"].double().view(H, DN + DV, KV)[:, :DN])
+    assert_close_rel(q_abs, want, 1e-5, "mla_absorb vs float64")
+    assert_close_rel(q_abs, absorb.reference(aa, {}), 1e-5, "mla_absorb vs its IR reference")
+    other = ta.launch(aa, {}, {"BLOCK_T": 32, "BLOCK_K": 32, "num_warps": 2})   # a tuner's other tiling
+    assert_close_rel(other, want, 1e-5, "mla_absorb, 32 x 32 tiles")
+    assert ta.constraints({"BLOCK_T": 16, "BLOCK_K": 256, "num_warps": 4}, ta.key_dims(aa, {}), "cpu")
+    rest = [b["qp"], b["lat"], b["kvb"], b["tp"], b["tr"], b["tbl"], b["sel"]]
+    attrs = op.full_attrs({"scale": SCALE, "form": form, "block_size": b["bs"]})
+    t = sparse_mod.TEMPLATES[0]
+    plain = op.bind([b["qn"], *rest])
+    cfg = t.heuristic(t.key_dims(plain, attrs), "cpu")
+    want = t.launch(plain, attrs, cfg)
+    absorbed = op.bind([q_abs, *rest])
+    attrs_abs = op.full_attrs({**attrs, "q_absorbed": True, "nope_dim": DN})
+    got = t.launch(absorbed, attrs_abs, cfg)
+    assert torch.equal(got, want), "q_absorbed changed the attention's result"
+    assert_close_rel(got, op.reference(absorbed, attrs_abs), 1e-5, f"q_absorbed {form} vs the IR reference")
+    with pytest.raises(ValueError, match="absorbed query"):
+        t.launch(plain, attrs_abs, cfg)
 
 
 def test_templates_read_rows_when_selection_kind_is_rows():

@@ -15,6 +15,7 @@ import triton.language as tl
 from codegen.registry import templates_for
 from codegen.triton._gemv import tile_counters
 from codegen.triton import _moe_gemv as gv
+from codegen.triton import _moe_gemv_words as gvw
 from codegen.triton import moe_grouped_gemm as gg
 from ir.formats import quantize_mxfp4
 from ir.ops import OPS
@@ -137,6 +138,14 @@ def test_gemv_v2_early_reads_match_and_skip_foreign_ids():
     for early in (1, 3):
         y = gg.moe_experts(z, w, ids, *ws, "situ", 4.0, 25.0, {**base, "EARLY": early, "GREG": 128})
         assert torch.equal(y, want), f"EARLY={early} changed the result"
+    for late in (1, 0):  # the gate-up launched without its programmatic edge (LATE; also through the override)
+        y = gg.moe_experts(z, w, ids, *ws, "situ", 4.0, 25.0, {**base, "EARLY": 3, "LATE": late})
+        before = gvw.set_late_override(1 - late)
+        try:
+            y2 = gg.moe_experts(z, w, ids, *ws, "situ", 4.0, 25.0, {**base, "LATE": late})
+        finally:
+            gvw.set_late_override(before)
+        assert torch.equal(y, want) and torch.equal(y2, want), f"LATE={late} changed the result"
     assert not tile_counters(z.device, 1).any(), "GV=2 EARLY left an arrival counter set"
 
 

@@ -106,7 +106,11 @@ def test_kernel_equals_the_unfused_kernels_and_float64(M, plain, act):
         unfused = _unfused(x, ws, splits, config, act, beta1, beta2)
         assert len(fused) == len(unfused) == len(plain) + 1
         for f, u in zip(fused, unfused):
-            assert torch.equal(f, u), (config, (f - u).abs().max())
+            if config["GEMV"]:  # elementwise products and sums in a fixed order: the same bits
+                assert torch.equal(f, u), (config, (f - u).abs().max())
+            else:  # the interpreter's tl.dot is numpy's matmul, whose rounding of a column can depend on where the
+                # column sits in the tile (seen on an AMD EPYC host); on a GPU the two tiles' dots are the same
+                assert_close_rel(f, u, 1e-6, f"fused vs unfused dot tiles {config}")
     x64, w64 = x.double(), [w.double() for w in ws]
     gate, up = x64 @ w64[-2].T, x64 @ w64[-1].T
     ref = situ_ref(gate, up, beta1, beta2) if act == "situ_glu" else torch.nn.functional.silu(gate) * up

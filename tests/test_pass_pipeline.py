@@ -137,6 +137,7 @@ def expected_counts(cfg) -> dict[str, int]:
     tail = cfg.has_latent_moe and cfg.latent_moe_use_norm and cfg.num_shared_experts > 0
     return {"fused_indexer_front": indexed, "overlapped_mla_query": indexed, "fused_indexer_select": indexed,
             "value_gate": 2 * n["mla"] if cfg.mla_use_output_gate else 0,
+            "query_absorption": 2 * n["mla"] if cfg.has_indexer else 0,  # decode, verify: beside the indexer
             "latent_moe_tail": 3 * n["moe"] if tail else 0,
             "attn_res_fusion": 3 * mixes,
             "embedding_norm": 3,  # the embedding and layer 0's input norm, every entry

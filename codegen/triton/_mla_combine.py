@@ -45,10 +45,17 @@ def _absorb_kernel(qn_ptr, w_ptr, out_ptr, T, H, s_qt, s_qh, s_wh, s_wn, DN: tl.
     tl.store(out_ptr + (t.to(tl.int64)[:, None] * H + h) * KV + kk[None, :], acc, mask=tm[:, None])
 
 
-def absorb_queries(q_nope: torch.Tensor, W_UK: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def absorb_config(kv: int) -> dict:
+    """The absorption's launch config inside the attention node (and mla_absorb.py's heuristic)."""
+    return {"BLOCK_T": 16, "BLOCK_K": min(kv, 128), "num_warps": 4}
+
+
+def absorb_queries(q_nope: torch.Tensor, W_UK: torch.Tensor, dtype: torch.dtype,
+                   config: dict | None = None) -> torch.Tensor:
     """q~ = W_UK^T q_nope per head: [T, H, kv] in `dtype` from q_nope [T, H, dn] and W_UK [H, dn, kv] (strided
-    views allowed: unit inner strides), one `_absorb_kernel` launch with fp32 accumulation; dn must be a
-    power of two >= 16 (else the einsum in `dtype`)."""
+    views allowed: unit inner strides), one `_absorb_kernel` launch with fp32 accumulation (`config`: BLOCK_T
+    tokens x BLOCK_K latent columns a program, num_warps; default `absorb_config`); dn must be a power of two
+    >= 16 (else the einsum in `dtype`)."""
     T, H, DN = q_nope.shape
     KV = W_UK.shape[2]
     if DN & (DN - 1) or DN < 16 or KV % 32 or q_nope.stride(2) != 1 or W_UK.stride(2) != 1:
@@ -57,12 +64,15 @@ def absorb_queries(q_nope: torch.Tensor, W_UK: torch.Tensor, dtype: torch.dtype)
     if T == 0:
         return out
     f32 = _interpreting() or dtype == torch.float32
-    bk = min(KV, 128)
-    _absorb_kernel[(-(-T // 16), H, KV // bk)](q_nope, W_UK, out, T, H, q_nope.stride(0), q_nope.stride(1),
-                                               W_UK.stride(0), W_UK.stride(1), DN=DN, KV=KV, BLOCK_T=16,
+    cfg = config or absorb_config(KV)
+    bt, bk = int(cfg["BLOCK_T"]), min(KV, int(cfg["BLOCK_K"]))
+    if KV % bk or bt < 16 or bt & (bt - 1):
+        raise ValueError(f"mla absorb: config {cfg}: BLOCK_K must divide kv={KV}, BLOCK_T a power of two >= 16")
+    _absorb_kernel[(-(-T // bt), H, KV // bk)](q_nope, W_UK, out, T, H, q_nope.stride(0), q_nope.stride(1),
+                                               W_UK.stride(0), W_UK.stride(1), DN=DN, KV=KV, BLOCK_T=bt,
                                                BLOCK_K=bk, DOT_DT=tl.float32 if f32 else tl.bfloat16,
-                                               PREC="ieee" if f32 else precision.low_bits(), num_warps=4,
-                                               **launch_kwargs())
+                                               PREC="ieee" if f32 else precision.low_bits(),
+                                               num_warps=int(cfg["num_warps"]), **launch_kwargs())
     return out
 
 

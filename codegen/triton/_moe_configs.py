@@ -69,6 +69,12 @@ DECODE_MAXNREG = 168        # the cap that fits 6 when the programs fill several
 # The same session's second run (benches/results/h200-2026-11-30-s10/moe_t64_run2.json): this config 1.012, with the
 # decode's left shifts as IMADs (DEQ asm16i, _moe_decode16.py) 0.997 (gate-up 0.659 -> 0.640; wide-scale check ok);
 # K steps unrolled (KU 2 / 4) 1.06-1.18 (slower), 32-token tiles 1.152, the down kernel's KU 2 / 3 stages 1.005.
+# Session 12 (benches/results/h200-2026-11-30-s12/moe_t64_whole_lines.json; this config, its down kernel at 3 stages /
+# cap 128: 0.9997 and 1.0086 ms, 39.6% / 39.3%; gate-up alone 0.643, down 0.344): whole 128-byte weight lines a K step
+# (BK / BK2 256, 2-8 warps, wgmma or mma.sync) 1.16-1.82 ms, BK 128 1.016-1.088, GROUP_M 1 / 32 0.995 / 1.011: the
+# same ~3.7 instructions per weight element on fewer warps an SM (latency). With the context's L2 fetch
+# granularity at 128 bytes (default 64) the 32-byte-a-row read pattern alone went 2.52 -> 3.53 TB/s but the op only
+# 0.989 ms: at this instruction count the HBM pattern is not the binding limit; issue and latency are.
 DECODE_T64 = {"DEQ": "asm16i", "SL": 3, "BK": 64, "BK2": 64, "num_stages": 3, "MAXNREG": 128,
               "BN2": 64, "num_warps2": 2, "num_stages2": 4, "MAXNREG2": 96}
 
@@ -110,6 +116,8 @@ def constraints(config: dict, key: dict, target=None) -> list[str]:
     for name, allowed in (("GV", (1, 2)), ("PREF", (0, 1)), ("XV", (0, 1)), ("HX", (0, 1))):
         if config.get(name, allowed[-1]) not in allowed:
             out.append(f"{name}={config[name]} must be one of {allowed} (per-pair path, _moe_gemv.py)")
+    if config.get("LATE", 0) not in (0, 1):
+        out.append(f"LATE={config['LATE']} must be 0 or 1 (the gate-up launched without its programmatic edge)")
     if config.get("EARLY", 0) not in (0, 1, 2, 3):
         out.append(f"EARLY={config['EARLY']} must be 0..3 (bit 0: the down kernel's early reads, bit 1: gate-up's)")
     for ku, split in (("KU", "SPLIT"), ("KU2", "SPLIT2")):

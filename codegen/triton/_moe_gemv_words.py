@@ -21,6 +21,10 @@ Tiles (pair, row block of GN rows), pair fastest, both launches.
     where the router ran at least two launches before (the rank graph: router -> packed_linear -> experts),
     which the op cannot check, so the heuristic sets bit 0 alone. H200, T=1 top-2, session 8's tiles:
     27.6 -> 26.2 us (bit 0), 25.2 (both); PDL off, no gain.
+  - LATE=1: the gate-up kernel is launched without the programmatic edge (its PDL instructions stay: the wait
+    returns at once), so its programs become resident only once the kernel before it (z's GEMV) has completed,
+    instead of holding SM slots while they wait for it: in the rank decode step the shared expert's GEMVs on the
+    side stream (passes/overlapped_moe_branches.py) find those slots. `set_late_override` forces it (benches).
 """
 from __future__ import annotations
 
@@ -32,6 +36,16 @@ from codegen.triton._gemv import tile_counters
 from codegen.triton._moe_host import _TL, _step
 from codegen.triton._moe_tiles import UNBIAS, _codes, _glu
 from codegen.triton._pdl import launch_kwargs, pdl_enter
+
+
+_late_override: int | None = None
+
+
+def set_late_override(late: int | None) -> int | None:
+    """Force config LATE for every launch (None: each config's own); returns the previous override."""
+    global _late_override
+    before, _late_override = _late_override, late
+    return before
 
 
 @triton.jit
@@ -235,17 +249,21 @@ def _gemv_v2(z, weights, ids, g1, g3, g2, y, act_kw: dict, cfg: dict, kernels=("
     bq1, bq2 = _step(cfg.get("GK", 512), ell, 32) // 32, _step(cfg.get("GK2", 512), inter, 32) // 32
     nq1, nq2 = ell // 8, inter // 8
     hx, xv, early = int(cfg.get("HX", 1)), int(cfg.get("XV", 0)), int(cfg.get("EARLY", 0))
+    late = int(cfg.get("LATE", 0) if _late_override is None else _late_override)
     h = torch.empty(P, inter, dtype=torch.float32 if hx else z.dtype, device=z.device)
     opt = dict(ASM=bool(cfg.get("GASM", 0)) and z.is_cuda, PREF=int(cfg.get("PREF", 1)), num_stages=1,
                **launch_kwargs())
     if cfg.get("GREG") and z.is_cuda:       # a register cap: more programs resident per SM
         opt["maxnreg"] = int(cfg["GREG"])
+    gate_opt = {**opt, "PREF": 2 if opt["PREF"] and early & 2 and not late else opt["PREF"]}
+    if late:  # no programmatic edge: resident only once the kernel before has completed (module doc)
+        gate_opt.pop("launch_pdl", None)
     if "gate_up" in kernels:
         _gate_up_v2_kernel[(P * triton.cdiv(inter, gn),)](
             z, ids, g1[1], g3[1], g1[2], g3[2], h, g1[1].shape[0], inter, nq1, z.stride(0), *g1[3], h.stride(0),
             *act_kw["betas"], P, TOPK=K, ACT=act_kw["ACT"], HAS_BETA2=act_kw["HAS_BETA2"], GN=gn, BQ4=bq1, XV=xv,
             EVEN=nq1 % (4 * bq1) == 0, HX=hx, DT=_TL[z.dtype], num_warps=int(cfg.get("num_warps", 4)),
-            **{**opt, "PREF": 2 if opt["PREF"] and early & 2 else opt["PREF"]})
+            **gate_opt)
     nrb = triton.cdiv(ell, gn2)
     o = torch.empty(P if K > 1 else 1, ell, dtype=torch.float32, device=z.device)
     cnt = tile_counters(z.device, nrb * T) if K > 1 else o

@@ -19,7 +19,12 @@ path"). Triggering after the wait keeps at most one kernel's programs parked ahe
 
 What may come before the wait: a decode GEMV loads its first weight tile there, so its weight stream starts
 while the previous kernel finishes. (Asking L2 for the next tiles there as well, `prefetch.global.L2`, was
-measured slower on the H200: 710 vs 696 µs per rank decode graph, session 7; it was removed.)
+measured slower on the H200: 710 vs 696 µs per rank decode graph, session 7; it was removed. Session 12 asked L2
+for a whole prefix of each decode GEMV's weight there, one `cp.async.bulk.prefetch.L2` piece per program, so that
+HBM would work while latency-bound kernels (KDA decode, attention-residual mixes) run: batch 1 at 8K, graph replay,
+no prefetch 567.4-569.8 µs, 8 MB 571.8-575.0, 16 MB 585.3-588.2, 32 MB 602.4-604.1 (batch 8 unchanged, 1104-1108;
+benches/results/h200-2026-11-30-s12/runtime_l2pf.json): the latency-bound kernels slow down more under the extra
+traffic than the GEMVs gain. Removed.)
 
 One more thing may: data whose last writer is at least two launches back on the stream. A kernel starts only
 once every program of the kernel before it has triggered, and each triggers after its own wait, which

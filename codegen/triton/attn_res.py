@@ -14,6 +14,15 @@ two-value reduction):
     m' = max(m, s_i), acc = acc e^{m-m'} + e^{s_i-m'} V_i, l = l e^{m-m'} + e^{s_i-m'}, x = acc / l.
 Each source row is read once; x (or h) and the prefix are written once.
 
+EARLY (PDL, `_pdl.py`; the decode step's `fused.attn_res_mix_norm` with the prefix add): the prefetched bank rows and
+`prev` are read, and the bank rows scored, before the grid-dependency wait; after it only the sublayer's output
+`part` is read, and one reduction (the prefix's score) and the norm's remain. Legal because in the model's graph
+those rows are written by earlier attention-residual nodes (or the embedding) with at least the sublayer's
+kernels between, i.e. two or more launches back, which a PDL kernel may read before its wait (`_pdl.py`); the
+unfused `attn_res_mix` (whose `last` may come from the launch just before) never takes it. The scores and the
+fold are the same arithmetic in the same order, so both forms give the same bits. `set_early(False)` turns it
+off (benches compare).
+
 The sources arrive as separate tensors (no stacking copy): MAX_BANK bank pointers, N_BANK (constexpr)
 of them live. Math in fp32 (fp64 for fp64 inputs). Every row is reduced on its own in an order fixed by
 the config, which does not depend on the row count under `batch_invariant` (the key drops it).
@@ -30,12 +39,30 @@ from codegen.triton._pdl import launch_kwargs, pdl_enter
 
 MAX_BANK = 15
 MAX_BLOCK_D = 16384
+_early_on = True
+
+
+def set_early(on: bool) -> bool:
+    """Allow the EARLY form (module doc) where it is legal; returns the previous setting."""
+    global _early_on
+    before, _early_on = _early_on, bool(on)
+    return before
+
+
+@triton.jit
+def _score(v, w, d, eps):
+    dot, ss = tl.split(tl.sum(tl.join(v * w, v * v), axis=1))  # one reduction pass for both sums
+    return dot / tl.sqrt(ss / d + eps)
 
 
 @triton.jit
 def _mix_step(v, w, acc, m, l, d, eps, FIRST: tl.constexpr):
-    dot, ss = tl.split(tl.sum(tl.join(v * w, v * v), axis=1))  # one reduction pass for both sums
-    s = dot / tl.sqrt(ss / d + eps)
+    return _fold(v, _score(v, w, d, eps), acc, m, l, FIRST)
+
+
+@triton.jit
+def _fold(v, s, acc, m, l, FIRST: tl.constexpr):
+    """One source (row v, score s) into the online softmax's running (acc, m, l)."""
     if FIRST:
         acc_new = v
         m_new = s
@@ -55,11 +82,22 @@ def _bank_step(p, offs, ok, w, acc, m, l, d, eps, CDT: tl.constexpr):
 
 
 @triton.jit
+def _first_rows(b0, b1, b2, b3, offs, ok, N: tl.constexpr):
+    """The first N (<= 4) bank rows as stored, loaded together; the others are zeros nothing reads."""
+    z = tl.zeros(offs.shape, b0.dtype.element_ty)
+    p0 = tl.load(b0 + offs, mask=ok, other=0.0) if N > 0 else z
+    p1 = tl.load(b1 + offs, mask=ok, other=0.0) if N > 1 else z
+    p2 = tl.load(b2 + offs, mask=ok, other=0.0) if N > 2 else z
+    p3 = tl.load(b3 + offs, mask=ok, other=0.0) if N > 3 else z
+    return p0, p1, p2, p3
+
+
+@triton.jit
 def _attn_res_kernel(b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13, b14,
                      last_ptr, part_ptr, prefix_ptr, proj_ptr, mnorm_ptr, g_ptr, x_ptr, h_ptr, T, d, eps, norm_eps,
                      N_BANK: tl.constexpr, PREFIX_ADD: tl.constexpr, STORE_X: tl.constexpr, NORM: tl.constexpr,
                      CDT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr,
-                     PDL: tl.constexpr):
+                     EARLY: tl.constexpr, PDL: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < d
@@ -69,39 +107,47 @@ def _attn_res_kernel(b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13,
          * tl.load(mnorm_ptr + cols, mask=col_ok, other=0.0).to(CDT))[None, :]
     if NORM:
         g = tl.load(g_ptr + cols, mask=col_ok, other=0.0).to(CDT)[None, :]
+    # PREFETCH (<= N_BANK): the first PREFETCH bank rows are loaded before any arithmetic, so their memory latencies
+    # overlap (one round trip instead of one per source: the T = 1 decode row is latency-bound); EARLY (module doc):
+    # they and `prev` are read, and the bank rows scored, before the grid-dependency wait
+    if EARLY:
+        p0, p1, p2, p3 = _first_rows(b0, b1, b2, b3, offs, ok, PREFETCH)
+        s0, s1, s2, s3 = _score(p0.to(CDT), w, d, eps), _score(p1.to(CDT), w, d, eps), \
+            _score(p2.to(CDT), w, d, eps), _score(p3.to(CDT), w, d, eps)  # (those of absent rows go unused)
+        v = tl.load(last_ptr + offs, mask=ok, other=0.0)
     pdl_enter(PDL)
-    # PREFETCH: the first min(N_BANK, PREFETCH) bank rows are loaded before any arithmetic, so their
-    # memory latencies overlap (one round trip instead of one per source: the T = 1 decode row is latency-bound)
-    if PREFETCH > 0 and N_BANK > 0:
-        p0 = tl.load(b0 + offs, mask=ok, other=0.0)
-    if PREFETCH > 1 and N_BANK > 1:
-        p1 = tl.load(b1 + offs, mask=ok, other=0.0)
-    if PREFETCH > 2 and N_BANK > 2:
-        p2 = tl.load(b2 + offs, mask=ok, other=0.0)
-    if PREFETCH > 3 and N_BANK > 3:
-        p3 = tl.load(b3 + offs, mask=ok, other=0.0)
-    v = tl.load(last_ptr + offs, mask=ok, other=0.0)
+    if not EARLY:
+        p0, p1, p2, p3 = _first_rows(b0, b1, b2, b3, offs, ok, PREFETCH)
+        v = tl.load(last_ptr + offs, mask=ok, other=0.0)
     if PREFIX_ADD:  # prefix = prev + part, stored, and mixed as the stored (rounded) value
         v = (v.to(CDT) + tl.load(part_ptr + offs, mask=ok, other=0.0).to(CDT)).to(prefix_ptr.dtype.element_ty)
         tl.store(prefix_ptr + offs, v, mask=ok)
     acc, m, l = _mix_step(v.to(CDT), w, 0.0, 0.0, 0.0, d, eps, True)
     if N_BANK > 0:
-        if PREFETCH > 0:
+        if EARLY and PREFETCH > 0:
+            acc, m, l = _fold(p0.to(CDT), s0, acc, m, l, False)
+        elif PREFETCH > 0:
             acc, m, l = _mix_step(p0.to(CDT), w, acc, m, l, d, eps, False)
         else:
             acc, m, l = _bank_step(b0, offs, ok, w, acc, m, l, d, eps, CDT)
     if N_BANK > 1:
-        if PREFETCH > 1:
+        if EARLY and PREFETCH > 1:
+            acc, m, l = _fold(p1.to(CDT), s1, acc, m, l, False)
+        elif PREFETCH > 1:
             acc, m, l = _mix_step(p1.to(CDT), w, acc, m, l, d, eps, False)
         else:
             acc, m, l = _bank_step(b1, offs, ok, w, acc, m, l, d, eps, CDT)
     if N_BANK > 2:
-        if PREFETCH > 2:
+        if EARLY and PREFETCH > 2:
+            acc, m, l = _fold(p2.to(CDT), s2, acc, m, l, False)
+        elif PREFETCH > 2:
             acc, m, l = _mix_step(p2.to(CDT), w, acc, m, l, d, eps, False)
         else:
             acc, m, l = _bank_step(b2, offs, ok, w, acc, m, l, d, eps, CDT)
     if N_BANK > 3:
-        if PREFETCH > 3:
+        if EARLY and PREFETCH > 3:
+            acc, m, l = _fold(p3.to(CDT), s3, acc, m, l, False)
+        elif PREFETCH > 3:
             acc, m, l = _mix_step(p3.to(CDT), w, acc, m, l, d, eps, False)
         else:
             acc, m, l = _bank_step(b3, offs, ok, w, acc, m, l, d, eps, CDT)
@@ -138,10 +184,11 @@ def _attn_res_kernel(b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13,
 
 
 def attn_res_mix(bank, last, proj, mix_norm, eps: float, config: dict, *, part=None, norm_weight=None,
-                 norm_eps: float = 0.0):
+                 norm_eps: float = 0.0, early: bool = False):
     """Returns (prefix or None, x or None, h or None). The candidates are bank (0..15 tensors [..., d])
     then the prefix: `last`, or last + part when `part` is given (then the sum is returned as prefix).
-    x is returned when no norm_weight is given, h = rmsnorm(x) when one is."""
+    x is returned when no norm_weight is given, h = rmsnorm(x) when one is. `early`: the caller vouches that
+    the bank rows and `last` were written two or more launches back (module doc, EARLY; needs `part`)."""
     if len(bank) > MAX_BANK:
         raise ValueError(f"attn_res_mix: {len(bank)} bank sources; this kernel takes at most {MAX_BANK}")
     shape, dt = last.shape, last.dtype
@@ -169,8 +216,8 @@ def attn_res_mix(bank, last, proj, mix_norm, eps: float, config: dict, *, part=N
             pick(norm_weight), pick(x if x is not None else h), pick(h), T, d, float(eps), float(norm_eps),
             N_BANK=len(bank), PREFIX_ADD=part is not None, STORE_X=x is not None, NORM=norm_weight is not None,
             CDT=tl.float64 if dt == torch.float64 else tl.float32,
-            BLOCK_R=config["BLOCK_R"], BLOCK_D=config["BLOCK_D"], PREFETCH=config.get("PREFETCH", 0),
-            num_warps=config["num_warps"], **launch_kwargs())
+            BLOCK_R=config["BLOCK_R"], BLOCK_D=config["BLOCK_D"], PREFETCH=min(len(bank), config.get("PREFETCH", 0)),
+            EARLY=bool(early and part is not None and _early_on), num_warps=config["num_warps"], **launch_kwargs())
     lead = shape[:-1]
     shp = lambda t: None if t is None else t.reshape(*lead, d)  # noqa: E731
     return shp(prefix), shp(x), shp(h)
@@ -255,7 +302,7 @@ def split_fused(operands, attrs):
 def _launch_mix_norm(a, attrs, config):
     proj, mnorm, g, bank, last, part = split_fused(a.operands, attrs)
     prefix, _, h = attn_res_mix(bank, last, proj, mnorm, attrs["eps"], config, part=part, norm_weight=g,
-                                norm_eps=attrs["norm_eps"])
+                                norm_eps=attrs["norm_eps"], early=True)
     return (prefix, h) if part is not None else h
 
 

@@ -1,13 +1,16 @@
 """`fused.indexer_front` (passes/indexer_front_fusion.py): the DSA indexer's query projection, Hadamard
 rotation and FP8 power-of-two quantisation per (token, head), and the key path (LayerNorm + Hadamard + FP8
 + the paged cache writes of key codes and scales), with the row stages of `norm_quant` (whose docstring
-has the rotation and quantisation math).
+has the rotation and quantisation math) and `_indexer_front_rows`.
 
 Paths (chosen by the config): the query GEMM through `gemm_tile` then one norm/rotate/quantise pass per
 head, with the key rows in the same grid; or SPLIT > 1 (decode): each head's output columns cut into SPLIT
-parts, one program each writing fp32 partials, the last part to arrive (an atomic counter, release/
-acquire) rotating and quantising the head and resetting the counter, so results do not depend on arrival
-order; GEMV 1 computes the parts without tensor-core dots (T = 1).
+parts, one program each writing fp32 values, the last part to arrive (an atomic counter, release/acquire)
+rotating and quantising the head and resetting the counter, so results do not depend on arrival order:
+tensor-core parts of 16 tokens (GEMV 0, `_indexer_front_split_kernel`), or at T = 1 the one-token kernel
+(GEMV 2, _indexer_front_decode.py: the weights preloaded before the PDL wait). The session-6 GEMV 1 (the
+split kernel's parts as dot-free GEMVs, weights loaded after the wait) was removed in session 12: 8.28 µs
+alone / 7.96 in a PDL chain on the H200 against GEMV 2's 5.49 / 6.18.
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ import triton.language as tl
 
 from codegen.kernel import KernelTemplate, Tunable, pow2_bucket
 from codegen.triton import _precision as precision
-from codegen.triton._paging import paging_args, pool_strides, row_offsets, rows_of
+from codegen.triton._indexer_front_decode import MAX_KT, launch_gemv
+from codegen.triton._indexer_front_rows import _indexer_key_rows
+from codegen.triton._paging import paging_args, pool_strides
 from codegen.triton._pdl import launch_kwargs, pdl_enter
 from codegen.triton.gemm import dot_numerics, gemm_tile
-from codegen.triton.norm_quant import AMAX_FLOOR, _hadamard_tile, _quantize_rows, hadamard_matrix
+from codegen.triton.norm_quant import AMAX_FLOOR, _hadamard_tile, _quantize_rows
 
 
 @triton.jit
@@ -49,36 +54,6 @@ def _indexer_query_kernel(x_ptr, w_ptr, q_ptr, s_ptr, T, K, HEADS, stride_xm, st
 
 
 @triton.jit
-def _indexer_key_rows(prog, ik_ptr, g_ptr, b_ptr, iw_ptr, w_ptr, kpool_ptr, spool_ptr, req_ptr, pos_ptr, tbl_ptr, MB,
-                      T, HEADS, stride_ik, stride_iw, k_sblk, k_srow, s_sblk, s_srow, eps, weight_scale,
-                      BLOCK_R: tl.constexpr, DI: tl.constexpr, BLOCK_H: tl.constexpr, LOG_BS: tl.constexpr,
-                      HPREC: tl.constexpr):
-    """Token rows [prog * BLOCK_R, +BLOCK_R): key = fp8(H LayerNorm(ik)) written at the pool row of
-    (token_req, token_pos) through the block table (bytes and scale; pools flat or block views: row r at
-    (r >> LOG_BS) * s_blk + (r & (bs - 1)) * s_row elements, `_paging.row_offsets`), and w = weight_scale * iw."""
-    rows = prog * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < T
-    rows64 = rows.to(tl.int64)
-    cols = tl.arange(0, DI)
-    k = tl.load(ik_ptr + rows64[:, None] * stride_ik + cols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    mu = tl.sum(k, axis=1) / DI
-    kc = k - mu[:, None]
-    k = kc / tl.sqrt(tl.sum(kc * kc, axis=1) / DI + eps)[:, None]
-    k = k * tl.load(g_ptr + cols).to(tl.float32)[None, :] + tl.load(b_ptr + cols).to(tl.float32)[None, :]
-    code, scale = _quantize_rows(_hadamard_tile(k, DI, HPREC), cols[None, :] < DI, AMAX_FLOOR)
-    req = tl.load(req_ptr + rows, mask=row_ok, other=0)
-    dest = rows_of(tbl_ptr + req * MB, tl.load(pos_ptr + rows, mask=row_ok, other=0), row_ok, LOG_BS)
-    kdst = row_offsets(dest, LOG_BS, k_sblk, k_srow)
-    tl.store(kpool_ptr + kdst[:, None] + cols[None, :], code.to(tl.uint8), mask=row_ok[:, None])
-    tl.store(spool_ptr + row_offsets(dest, LOG_BS, s_sblk, s_srow), scale, mask=row_ok)
-    hs = tl.arange(0, BLOCK_H)
-    h_ok = row_ok[:, None] & (hs[None, :] < HEADS)
-    iw = tl.load(iw_ptr + rows64[:, None] * stride_iw + hs[None, :], mask=h_ok, other=0.0)
-    tl.store(w_ptr + rows64[:, None] * HEADS + hs[None, :], (iw.to(tl.float32) * weight_scale).to(w_ptr.dtype.element_ty),
-             mask=h_ok)
-
-
-@triton.jit
 def _indexer_key_kernel(ik_ptr, g_ptr, b_ptr, iw_ptr, w_ptr, kpool_ptr, spool_ptr, req_ptr, pos_ptr, tbl_ptr, MB,
                         T, HEADS, stride_ik, stride_iw, k_sblk, k_srow, s_sblk, s_srow, eps, weight_scale,
                         BLOCK_R: tl.constexpr, DI: tl.constexpr, BLOCK_H: tl.constexpr, LOG_BS: tl.constexpr,
@@ -91,46 +66,18 @@ def _indexer_key_kernel(ik_ptr, g_ptr, b_ptr, iw_ptr, w_ptr, kpool_ptr, spool_pt
 
 
 @triton.jit
-def _hadamard_row(x, DI: tl.constexpr):
-    """x [DI] @ H_DI / sqrt(DI) for one row, elementwise products summed over i (no tensor cores)."""
-    h = hadamard_matrix(DI)
-    return tl.sum(x.to(tl.float32)[:, None] * h, axis=0) * (1.0 / tl.sqrt(DI * 1.0))
-
-
-@triton.jit
-def _gemv_row(x_ptr, w_ptr, row, row_ok, offs_n, n_ok, K, stride_xm, stride_wn, EVEN_K: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[1, BLOCK_N] = x[row, :K] @ w[offs_n, :K]^T without tensor cores: P[n, j] = sum_i x[k0_i + j] w[n, k0_i + j]
-    over k0_i = 0, BLOCK_K, ... in order (fp32), then one sum over the BLOCK_K lanes."""
-    rk = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + rk[None, :]
-    x_ptrs = x_ptr + row.to(tl.int64) * stride_xm + rk
-    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            wt = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0).to(tl.float32)
-            xt = tl.load(x_ptrs + k0, mask=row_ok, other=0.0).to(tl.float32)
-        else:
-            k_ok = (rk + k0) < K
-            wt = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            xt = tl.load(x_ptrs + k0, mask=row_ok & k_ok, other=0.0).to(tl.float32)
-        acc += wt * xt[None, :]
-    return tl.sum(acc, axis=1)[None, :]
-
-
-@triton.jit
 def _indexer_front_split_kernel(x_ptr, w_ptr, qbuf_ptr, cnt_ptr, q_ptr, s_ptr,
                                 ik_ptr, g_ptr, b_ptr, iw_ptr, hw_ptr, kpool_ptr, spool_ptr, req_ptr, pos_ptr, tbl_ptr,
                                 MB, T, K, HEADS, NQ, stride_xm, stride_wn, stride_ik, stride_iw,
                                 k_sblk, k_srow, s_sblk, s_srow, eps, weight_scale,
                                 DOT_DTYPE: tl.constexpr, ACC_DTYPE: tl.constexpr, X_SPLITS: tl.constexpr,
-                                PRECISION: tl.constexpr, EVEN_K: tl.constexpr, GEMV: tl.constexpr,
-                                SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, DI: tl.constexpr, BLOCK_K: tl.constexpr,
+                                PRECISION: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
+                                BLOCK_M: tl.constexpr, DI: tl.constexpr, BLOCK_K: tl.constexpr,
                                 BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, LOG_BS: tl.constexpr,
                                 HPREC: tl.constexpr, PDL: tl.constexpr):
     """Programs [0, NQ): (token block, head j, part p) computes the DI / SPLIT query columns
-    [p * DI / SPLIT, +DI / SPLIT) of head j (dot-free GEMV at BLOCK_M = 1, tensor cores otherwise) into the
-    fp32 scratch qbuf, then counts itself in cnt[token block, j]; the last of the SPLIT parts to arrive
+    [p * DI / SPLIT, +DI / SPLIT) of head j (a tensor-core tile of BLOCK_M >= 16 tokens) into the fp32
+    scratch qbuf, then counts itself in cnt[token block, j]; the last of the SPLIT parts to arrive
     (release/acquire atomic) reads the whole head back, rotates and quantises it, and resets the counter.
     Every query value is produced by exactly one program, so the result does not depend on arrival order.
     Programs [NQ, ...): the key rows (`_indexer_key_rows`)."""
@@ -145,11 +92,8 @@ def _indexer_front_split_kernel(x_ptr, w_ptr, qbuf_ptr, cnt_ptr, q_ptr, s_ptr,
         offs_n = head * DI + part * DP + tl.arange(0, DP)
         m_ok = offs_m < T
         n_ok = offs_n < HEADS * DI
-        if GEMV:
-            acc = _gemv_row(x_ptr, w_ptr, tb, tb < T, offs_n, n_ok, K, stride_xm, stride_wn, EVEN_K, DP, BLOCK_K)
-        else:
-            acc = gemm_tile(x_ptr, w_ptr, w_ptr, offs_m, offs_n, m_ok, n_ok, K, stride_xm, 1, stride_wn, 1, 0, 0,
-                            0, 1, 1, DOT_DTYPE, ACC_DTYPE, X_SPLITS, PRECISION, EVEN_K, BLOCK_M, DP, BLOCK_K)
+        acc = gemm_tile(x_ptr, w_ptr, w_ptr, offs_m, offs_n, m_ok, n_ok, K, stride_xm, 1, stride_wn, 1, 0, 0,
+                        0, 1, 1, DOT_DTYPE, ACC_DTYPE, X_SPLITS, PRECISION, EVEN_K, BLOCK_M, DP, BLOCK_K)
         rows64 = offs_m.to(tl.int64)
         qrow = qbuf_ptr + rows64[:, None] * (HEADS * DI)
         tl.store(qrow + offs_n[None, :], acc.to(tl.float32), mask=m_ok[:, None])
@@ -159,10 +103,7 @@ def _indexer_front_split_kernel(x_ptr, w_ptr, qbuf_ptr, cnt_ptr, q_ptr, s_ptr,
             tl.store(cnt_ptr + tb * HEADS + head, 0)  # ready for the next launch
             cols = tl.arange(0, DI)
             q = tl.load(qrow + head * DI + cols[None, :], mask=m_ok[:, None], other=0.0, cache_modifier=".cg")
-            if BLOCK_M == 1:
-                rot = _hadamard_row(tl.sum(q, axis=0), DI)[None, :]
-            else:
-                rot = _hadamard_tile(q, DI, HPREC)
+            rot = _hadamard_tile(q, DI, HPREC)
             code, scale = _quantize_rows(rot, cols[None, :] < DI, AMAX_FLOOR)
             tl.store(q_ptr + (rows64[:, None] * HEADS + head) * DI + cols[None, :], code.to(tl.uint8),
                      mask=m_ok[:, None])
@@ -238,13 +179,17 @@ def indexer_front(ops: list, attrs: dict, config: dict):
 
 def _indexer_front_split(c_q, wq_b, ik, g, b, iw, key_pool, scale_pool, token_req, token_pos, block_table,
                          q8, qs, w, attrs, config) -> None:
-    """One launch of `_indexer_front_split_kernel` (config SPLIT > 1): query parts, then the key rows."""
+    """One launch of `_indexer_front_split_kernel` (config SPLIT > 1, GEMV 0: tensor-core parts) or of
+    `_indexer_front_decode._indexer_front_gemv_kernel` (GEMV 2)."""
     hi, di = int(attrs["heads"]), int(attrs["head_dim"])
     split, bm, bk, br = config["SPLIT"], config["BLOCK_M"], config["BLOCK_K"], config["BLOCK_R"]
-    if di % split or di // split < (1 if config.get("GEMV") else 16):
+    gemv = config.get("GEMV", 0)
+    if gemv not in (0, 2):
+        raise ValueError(f"fused.indexer_front: GEMV={gemv} is not a path (0: tensor-core parts, 2: one-token GEMV)")
+    if di % split or di // split < (1 if gemv else 16):
         raise ValueError(f"fused.indexer_front: SPLIT={split} does not cut head_dim {di} into parts of >= "
-                         f"{1 if config.get('GEMV') else 16} columns")
-    if config.get("GEMV") and bm != 1:
+                         f"{1 if gemv else 16} columns")
+    if gemv and bm != 1:
         raise ValueError(f"fused.indexer_front: the GEMV query path takes BLOCK_M = 1, found {bm}")
     T, K = c_q.shape
     dev = c_q.device
@@ -259,14 +204,17 @@ def _indexer_front_split(c_q, wq_b, ik, g, b, iw, key_pool, scale_pool, token_re
     n_tb = triton.cdiv(T, bm)
     nq = n_tb * hi * split
     qbuf = torch.empty(T, hi * di, dtype=torch.float32, device=dev)
+    head = (x, wq, qbuf, _counters(dev, n_tb * hi), q8, qs, ikc, g, b, iwc, w, key_pool.view(torch.uint8), scale_pool,
+            req, token_pos, tbl, mb, T, K, hi)
+    tail = (x.stride(0), wq.stride(0), ikc.stride(0), iwc.stride(0), *k_strides, *s_strides, float(attrs["eps"]),
+            float(attrs["weight_scale"]))
+    if gemv:
+        launch_gemv(head, tail, T, K, hi, di, log_bs, config, precision.precise_fp32())
+        return
     _indexer_front_split_kernel[(nq + triton.cdiv(T, br),)](
-        x, wq, qbuf, _counters(dev, n_tb * hi), q8, qs, ikc, g, b, iwc, w, key_pool.view(torch.uint8), scale_pool,
-        req, token_pos, tbl, mb, T, K, hi, nq, x.stride(0), wq.stride(0), ikc.stride(0), iwc.stride(0),
-        *k_strides, *s_strides, float(attrs["eps"]), float(attrs["weight_scale"]),
-        **dot_numerics(x.dtype, wq.dtype), EVEN_K=K % bk == 0, GEMV=int(config.get("GEMV", 0)), SPLIT=split,
-        BLOCK_M=bm, DI=di, BLOCK_K=bk, BLOCK_R=br, BLOCK_H=pow2_bucket(hi), LOG_BS=log_bs,
-        HPREC=precision.precise_fp32(), num_warps=config["num_warps"], num_stages=config["num_stages"],
-        **launch_kwargs())
+        *head, nq, *tail, **dot_numerics(x.dtype, wq.dtype), EVEN_K=K % bk == 0, SPLIT=split, BLOCK_M=bm, DI=di,
+        BLOCK_K=bk, BLOCK_R=br, BLOCK_H=pow2_bucket(hi), LOG_BS=log_bs, HPREC=precision.precise_fp32(),
+        num_warps=config["num_warps"], num_stages=config["num_stages"], **launch_kwargs())
 
 
 def _front_key(a, attrs) -> dict:
@@ -282,17 +230,18 @@ def _front_bucket(key: dict) -> dict:
 
 
 def _front_heuristic(key: dict, target: str) -> dict:
-    """Decode (not batch-invariant), one launch (`_indexer_front_split_kernel`): T = 1: every head cut
-    into SPLIT = 8 parts of DI / 8 columns, dot-free GEMV with BLOCK_K 512 and 4 warps (HI * 8 programs
-    stream wq_b across the SMs); T <= 16: SPLIT = 4 parts, 16-token tensor-core tiles. Otherwise (and
-    always under batch invariance: no dependence on T) the two-kernel path: query GEMM with 32 tokens x
-    one head per program, BLOCK_K 128, 8 warps (accumulator + Hadamard tile without spills; 64 tokens or
-    4 warps spill); key rows: 16 tokens per program."""
+    """Decode (not batch-invariant), one launch: T = 1: `_gemv_config` (the one-token kernel,
+    _indexer_front_decode.py); T <= 16 (or T = 1 when wq_b is too wide to preload): every head cut into
+    SPLIT = 4 parts, 16-token tensor-core tiles (`_indexer_front_split_kernel`). Otherwise (and always
+    under batch invariance: no dependence on T) the two-kernel path: query GEMM with 32 tokens x one head per
+    program, BLOCK_K 128, 8 warps (accumulator + Hadamard tile without spills; 64 tokens or 4 warps spill);
+    key rows: 16 tokens per program."""
     di, T, bi = key.get("DI", 0), key.get("T", 0), key.get("bi", 1)  # no key: the T-independent path
-    if not bi and T == 1:
-        return {"SPLIT": min(8, di), "GEMV": 1, "BLOCK_M": 1, "BLOCK_K": 512 if target != "cpu" else 64,
-                "BLOCK_R": 16, "num_warps": 4, "num_stages": 1}
-    if not bi and 1 < T <= 16 and di >= 32:
+    if not bi and T == 1 and key.get("K"):
+        cfg = _gemv_config(di, key["K"], target)
+        if cfg is not None:
+            return cfg
+    if not bi and 1 <= T <= 16 and di >= 32:
         return {"SPLIT": min(4, di // 16), "GEMV": 0, "BLOCK_M": 16, "BLOCK_K": 128 if target != "cpu" else 64,
                 "BLOCK_R": 16, "num_warps": 4, "num_stages": 3 if target != "cpu" else 1}
     if target == "cpu":
@@ -300,19 +249,42 @@ def _front_heuristic(key: dict, target: str) -> dict:
     return {"SPLIT": 1, "GEMV": 0, "BLOCK_M": 32, "BLOCK_K": 128, "BLOCK_R": 16, "num_warps": 8, "num_stages": 3}
 
 
+PRELOAD_MAX = 192  # weight values a thread of the one-token kernel holds (the H200's best config: 160 registers)
+
+
+def _gemv_config(di: int, K: int, target: str) -> dict | None:
+    """T = 1: SPLIT 8 parts of DI / 8 columns, 4 warps, K in at most MAX_KT tiles of BLOCK_K >= 512 (K 1536: three
+    of 512), all preloaded before the PDL wait (H200, rank preset: 5.49 µs alone, 6.18 in a PDL chain, against
+    8.28 / 7.96 for the session-6 split GEMV; the sweep is in _indexer_front_decode.py's docstring). Wider K: more
+    parts until a thread holds <= PRELOAD_MAX weight values; None when even one column per part does not fit."""
+    bk = max(512 if target != "cpu" else 64, pow2_bucket(-(-K // MAX_KT)))
+    kt, split, warps = -(-K // bk), min(8, di), 4
+    while (di // split) * bk * kt > PRELOAD_MAX * 32 * warps and split < di:
+        split *= 2
+    if (di // split) * bk * kt > PRELOAD_MAX * 32 * warps:
+        return None
+    return {"SPLIT": split, "GEMV": 2, "BLOCK_M": 1, "BLOCK_K": bk, "BLOCK_R": 16, "num_warps": warps, "num_stages": 1}
+
+
 def _front_constraints(config: dict, key: dict, target: str) -> list[str]:
     out = []
-    gemv, split = config.get("GEMV", 0), config.get("SPLIT", 1)
-    if config["BLOCK_R"] < 16 or (config["BLOCK_M"] < 16 and not gemv):
+    gemv, split, bk = config.get("GEMV", 0), config.get("SPLIT", 1), config["BLOCK_K"]
+    if gemv not in (0, 2):
+        out.append(f"GEMV={gemv}: 0 (tensor-core tiles) or 2 (the one-token kernel)")
+    if not gemv and (config["BLOCK_R"] < 16 or config["BLOCK_M"] < 16):
         out.append("the Hadamard dot needs BLOCK_R >= 16 and (tensor-core query tiles) BLOCK_M >= 16")
     if gemv and (config["BLOCK_M"] != 1 or split < 2):
         out.append("the GEMV query path takes BLOCK_M = 1 and SPLIT >= 2")
     if key["DI"] % split or (split > 1 and not gemv and key["DI"] // split < 16):
         out.append(f"SPLIT={split} does not cut head_dim {key['DI']} into tensor-core parts of >= 16 columns")
-    if gemv and (key["DI"] // split) * config["BLOCK_K"] > 64 * 32 * config["num_warps"]:
+    if gemv and (key["DI"] // split) * bk > 64 * 32 * config["num_warps"]:
         out.append("GEMV tile (DI/SPLIT) x BLOCK_K > 64 fp32 accumulator values a thread spills")
-    smem = (config["BLOCK_M"] + key["DI"]) * config["BLOCK_K"] * 2 * config["num_stages"] + key["DI"] ** 2 * 4
-    if target != "cpu" and smem > 232448:
+    if gemv and -(-key["K"] // bk) > MAX_KT:
+        out.append(f"the one-token kernel holds at most {MAX_KT} weight tiles of BLOCK_K")
+    elif gemv and (key["DI"] // split) * bk * -(-key["K"] // bk) > PRELOAD_MAX * 32 * config["num_warps"]:
+        out.append(f"the one-token kernel's preloaded weights > {PRELOAD_MAX} values a thread")
+    smem = (config["BLOCK_M"] + key["DI"]) * bk * 2 * config["num_stages"] + key["DI"] ** 2 * 4
+    if target != "cpu" and not gemv and smem > 232448:
         out.append(f"shared memory {smem} B > 232448 B")
     return out
 
@@ -333,7 +305,7 @@ TEMPLATES = [
     KernelTemplate(
         family="indexer_front", backend="triton", ops=("fused.indexer_front",),
         launch=lambda a, attrs, config: indexer_front(a.operands, attrs, config), key_dims=_front_key,
-        heuristic=_front_heuristic, tunables=(Tunable("SPLIT", (1, 2, 4, 8, 16)), Tunable("GEMV", (0, 1)),
+        heuristic=_front_heuristic, tunables=(Tunable("SPLIT", (1, 2, 4, 8, 16)), Tunable("GEMV", (0, 2)),
                                               Tunable("BLOCK_M", (1, 16, 32, 64)),
                                               Tunable("BLOCK_K", (64, 128, 256, 512)),
                                               Tunable("BLOCK_R", (16, 32, 64)), Tunable("num_warps", (4, 8)),

@@ -369,7 +369,22 @@ def heuristic(key, target):
         108.9-150.8 (s11, removed); a streaming kernel ([BK, BV] chunks in two passes, o = S'^T q + v_new (k.q);
         s11b, removed) 127.6-328 (best BV 32 BK 32 x 2 warps; pipelined chunk loops 169-175; at B=1 11.5-20.6):
         even its bare two-pass state copy takes 85.9-106 vs 70.8 one-pass (the second read is no free L1 / L2
-        hit). B=64 x 8 tokens (states kept): 850-875."""
+        hit). B=64 x 8 tokens (states kept): 850-875.
+    s12, measured and removed (H200; floors 63.25-63.79 at 4208-4244 GB/s):
+      RPP (benches/results/h200-2026-11-30-s12/kda_rpp_helper.json), one program per 8 requests of a head (their
+      fronts as [8, D] tiles, the gate f_a f_b^T one in-kernel dot reading the head's f_b once, the next state block
+      always in flight across requests, per-request vectors through an fp32 workspace; 255 registers, no spills):
+      86.56 / 87.19 at B=64 H=32 vs this default's 87.87 in the same run, PDL off 89.62 vs 87.50: ~1%, for a second
+      kernel valid only when every request has exactly one token (T == R alone does not say so). Slower: its BV 32
+      98.2, 4 requests a program 95.3 (two waves), 16 107.0, + gate GEMM 91.85. Its bare state walk takes 70.84 vs
+      69.46-70.63 for one program per (request, head). B=1 H=12: split 4 x 8 warps 7.12, x 2 warps 8.06, one
+      program per head 8.12 vs 6.24 (fla f given 5.48, + GEMM 8.64; ours f given 5.18).
+      FRONT (kda_front_split.json): the fronts (conv, L2, gate, beta, conv tails) in a launch of their own into an
+      fp32 workspace, then the recurrence with its first state block loaded before the PDL wait (bitwise equal to
+      the fused launch): 90.86 with the gate GEMM, 96.36 with the dot-free gate in the front launch, 141.8 with a
+      whole-row block on 8 warps, vs 88.38 fused (copy ceiling 70.9 in the same run). So the fronts are not what
+      keeps the kernel above the copy ceiling: the recurrence alone stays ~15 us above it (probably its per-block
+      reductions over D run across warps, through shared memory)."""
     D = key["D"]
     if str(target).startswith("cpu"):
         return {"BV": D, "WARPS": 4, "SPLIT": 1, "PREFETCH": 1, "GATE_MM": 0, "RB": 32, "MAXNREG": 0, "GEMV": 0,

@@ -241,15 +241,22 @@ def mla_sparse_decode(q_nope, q_pe, latent, kv_b, token_pos, token_req, block_ta
                       selection=None, *,
                       latent_format: str = "bf16", latent_scale: float = 1.0, pe_scale: float = 1.0,
                       selection_rows: bool = False, return_lse: bool = False, latent_out: bool = False,
-                      config: dict | None = None, max_context: int | None = None):
+                      config: dict | None = None, max_context: int | None = None, nope_dim: int | None = None):
     """Absorbed MLA attention: o [T, H, dv] (latent_out: o~ [T, H, kv], the IR's form="latent", W_UV left
     to mla_value_proj), and lse [T, H] (natural log) when return_lse. q~ = W_UK^T q_nope and
     o = W_UV o~ are matmuls in q_nope's dtype around the kernel (q~: `absorb_queries`, one launch; the
-    attention writes o~ in q_nope's dtype itself: form="latent" is 2 launches, 3 with split rows)."""
+    attention writes o~ in q_nope's dtype itself: form="latent" is 2 launches, 3 with split rows). `nope_dim`:
+    q_nope already holds q~ [T, H, kv] (IR mla_attention {q_absorbed}, mla_absorb.py), nope_dim is dn."""
     T, H, dn = q_nope.shape
-    W_UK, W_UV = split_kv_b(kv_b, H, dn)
     dt = q_nope.dtype
-    q_abs = absorb_queries(q_nope, W_UK, dt)
+    if nope_dim is not None:
+        if dn != kv_b.shape[1]:
+            raise ValueError(f"mla: an absorbed query must be [T, H, kv={kv_b.shape[1]}], found {tuple(q_nope.shape)}")
+        W_UK, W_UV = split_kv_b(kv_b, H, int(nope_dim))
+        q_abs = q_nope
+    else:
+        W_UK, W_UV = split_kv_b(kv_b, H, dn)
+        q_abs = absorb_queries(q_nope, W_UK, dt)
     rows_given = selection is not None and selection_rows
     paging = None if rows_given else paging_args(block_table, token_req, block_size, q_nope.device)
     o_lat, lse = sparse_latent_attention(q_abs, q_pe.to(dt), latent, token_pos, paging, scale, selection,
@@ -266,7 +273,8 @@ def _launch(a, attrs, config):
     return mla_sparse_decode(a.q_nope, a.q_pe, a.latent, a.kv_b, a.token_pos, a.token_req, a.block_table,
                              int(attrs["block_size"]), float(attrs["scale"]), a.selection, latent_format=fmt, config=config,
                              selection_rows=attrs.get("selection_kind", "positions") == "rows",
-                             latent_out=attrs.get("form") == "latent", max_context=attrs.get("max_context"))
+                             latent_out=attrs.get("form") == "latent", max_context=attrs.get("max_context"),
+                             nope_dim=int(attrs["nope_dim"]) if attrs.get("q_absorbed") else None)
 
 
 def _key(a, attrs) -> dict:

@@ -48,8 +48,10 @@ SCALE_NO_SPEC below keeps SL=3's decode on the packed tile in Triton 3.6 and 3.7
 Host-side operand, storage and target helpers: _moe_host.py;
 the heuristic's named configs, the split-K rule and the config constraints: _moe_configs.py.
 Decode T=64 (E=112, top-16, l=3584, I=3072, bf16; 1.82 GB of MXFP4 weights): 0.997 ms, 40.5% of the read
-ceiling (session 10; what bounds it, measured: _moe_configs.py at DECODE_T64): each K step asks L2 for 32 bytes
-of each of 64-128 weight rows, a pattern that alone caps the weight reads at 2.32 TB/s (4.10 with whole lines).
+ceiling (session 10; session 12 1.000 / 1.009, 39.6%; measured, _moe_configs.py at DECODE_T64): each K step asks L2
+for 32 bytes of each of 64-128 weight rows, a pattern that alone reads 2.52 TB/s (4.28 with whole lines); but whole
+lines a step (BK 256) measured 1.16-1.82 ms (fewer warps an SM at the same instructions per element), and whole-line
+fetches from HBM (L2 fetch granularity 128 B: that pattern at 3.53 TB/s) only 0.989 ms: issue and latency bind.
 """
 
 from __future__ import annotations
@@ -317,11 +319,15 @@ def heuristic(key: dict, target=None) -> dict:
     """Path and tiles measured on the H200 (benches/bench_moe.py). Up to GEMV_MAX_PAIRS routed pairs (T=1
     top-2, T=8 top-2): the per-pair path (_moe_gemv.py GV=2: two launches, FFMA on the MXFP4 words) with the
     GEMV_T1 tiles (T=1: 24.3 us, session 8's tiles 28.1 in the same run; T=8: 151.8 us, session 8's 169.0; see
-    _moe_configs.py). Dense expert weights run the GV=1 kernels with the same tiles. Grouped decode (<= 16 tokens per
+    _moe_configs.py); from 2 tokens on the gate-up is launched without its programmatic edge (LATE: H200 rank decode
+    step, batch 8, 1078.4-1080.5 vs 1096.6-1100.5 us; batch 1 no gain, 555.9-564.2 vs 557.0-564.0,
+    benches/results/h200-2026-11-30-s12/runtime_moe_sched.json). Dense expert weights run the GV=1 kernels with the
+    same tiles. Grouped decode (<= 16 tokens per
     expert): a 16-token tile x 64 weight rows on 2 warps (mma.sync, see the module doc), K steps of 128,
     asm16, scales first (SL); when the routed tiles fill the GPU (T=64, top-16) a register cap (DECODE_MAXNREG),
     and with asm16 DECODE_T64 (_moe_configs.py: the asm16i decode, scales a K step ahead, K steps of 64, the two
-    kernels' stages and caps apart): 0.997 ms, 40.5% of read bandwidth (session 8's config 1.055).
+    kernels' stages and caps apart): 0.997 ms, 40.5% of read bandwidth (session 8's config 1.055); session 12:
+    BK 256 (whole weight lines a step) on 2-8 warps 1.16-1.82 ms, slower.
     Split-K when the routed tiles leave the GPU idle (`decode_split`; grouped T=1 top-2: split 4, 69.6 ->
     44.7 us); T=64 top-16 fills the GPU, no split. Prefill: 128 tokens x 64 rows on wgmma, asm.
     Batch-invariant: one fixed grouped tiling, no split.
@@ -355,6 +361,8 @@ def heuristic(key: dict, target=None) -> dict:
         cfg.update(GEMV_T1)
         if cc is None:              # the interpreter pays per program: fewer, taller row blocks
             cfg.update(GN=32, GN2=32)
+        elif key["T"] > 1:          # the gate-up not resident while it waits for z (LATE, _moe_gemv_words.py)
+            cfg["LATE"] = 1
         return cfg
     tiles = max_tiles(key["T"] * key["K"], key["E"], cfg["BM"])
     full = tiles * -(-key["I"] // cfg["BN"]) >= 2 * GPU_SLOTS

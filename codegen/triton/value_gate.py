@@ -8,7 +8,14 @@ A program computes one (BLOCK_T tokens) x (one head) x (BLOCK_V value channels) 
 GEMM tile loop (`gemm.gemm_tile`, kv reduced in BLOCK_K steps, fp32 accumulation, no split-K) and
 applies the gate in registers before the only store: o never goes to memory. BLOCK_T = 1 (decode, one
 token): no tensor cores, the tile is a dot-free GEMV (fp32 products summed over each BLOCK_K lane, then
-across lanes), so narrow BLOCK_V slices spread W_UV over many programs.
+across lanes), so narrow BLOCK_V slices spread W_UV over many programs. Its first weight tile (all of
+W_UV's slice when kv <= BLOCK_K) is loaded before `pdl_wait` (_pdl.py), so it streams while the previous
+kernel finishes; after the wait the o~ row (broadcast over the tile's rows: loaded in the tile's register
+layout, no shared-memory exchange) and the gate are loaded together. H200, session 12, rank preset (12 heads,
+kv 512, dv 128; benches/results/h200-2026-11-30-s12/decode_fallbacks_front_value_gate.json; µs alone in a
+graph / marginal in a PDL chain after an rms_norm producer; byte floor 0.76): the session-6 form (every load
+after the wait, 16 rows x 4 warps) 2.27 / 2.09; preloaded, BLOCK_V x warps: 8 x 4 1.53 / 1.17, 16 x 4
+1.49 / 1.26, 8 x 2 1.57 / 1.24, 4 x 2 1.54 / 1.27, 4 x 1 1.61 / 1.55, 16 x 8 1.53 / 1.52, 32 x 8 1.70 / 1.87.
 
 `fused.value_gate` operands (passes/fused_value_gate.py): (o_latent [T, H, kv], kv_b [H*(dn+dv), kv],
 gate [T, H*dv] (the gate projection's output, before the sigmoid)); attr nope_dim; result y [T, H*dv].
@@ -32,7 +39,6 @@ def _value_gate_kernel(o_ptr, w_ptr, g_ptr, y_ptr, T, KV, DV, stride_ot, stride_
                        GATE: tl.constexpr, DOT_DTYPE: tl.constexpr, ACC_DTYPE: tl.constexpr,
                        X_SPLITS: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
                        BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    pdl_enter(PDL)
     head = tl.program_id(1)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -40,26 +46,33 @@ def _value_gate_kernel(o_ptr, w_ptr, g_ptr, y_ptr, T, KV, DV, stride_ot, stride_
     v_ok = offs_v < DV
     x_ptr = o_ptr + head.to(tl.int64) * stride_oh
     wh_ptr = w_ptr + (head.to(tl.int64) * ROWS_PER_HEAD + NOPE) * stride_wn
-    if BLOCK_T == 1:  # one token: dot-free GEMV, P[v, j] = sum_i W[v, k0_i + j] o~[k0_i + j], then sum_j
-        rk = tl.arange(0, BLOCK_K)
-        xrow = x_ptr + tl.program_id(0).to(tl.int64) * stride_ot
-        part = tl.zeros((BLOCK_V, BLOCK_K), ACC_DTYPE)
-        for k0 in range(0, KV, BLOCK_K):
-            k_ok = k0 + rk < KV
-            wt = tl.load(wh_ptr + offs_v.to(tl.int64)[:, None] * stride_wn + (k0 + rk)[None, :],
-                         mask=v_ok[:, None] & k_ok[None, :], other=0.0).to(ACC_DTYPE)
-            xt = tl.load(xrow + k0 + rk, mask=k_ok & (tl.program_id(0) < T), other=0.0).to(ACC_DTYPE)
-            part += wt * xt[None, :]
-        acc = tl.sum(part, axis=1)[None, :]
-    else:
-        acc = gemm_tile(x_ptr, wh_ptr, wh_ptr, offs_t, offs_v, t_ok, v_ok, KV, stride_ot, 1, stride_wn, 1, 0, 0,
-                        0, 1, 1, DOT_DTYPE, ACC_DTYPE, X_SPLITS, PRECISION, EVEN_K, BLOCK_T, BLOCK_V, BLOCK_K)
     cols = head * DV + offs_v
     ok = t_ok[:, None] & v_ok[None, :]
     rows64 = offs_t.to(tl.int64)[:, None]
+    if BLOCK_T == 1:  # one token: dot-free GEMV, P[v, j] = sum_i W[v, k0_i + j] o~[k0_i + j], then sum_j
+        rk = tl.arange(0, BLOCK_K)
+        w_ptrs = wh_ptr + offs_v.to(tl.int64)[:, None] * stride_wn + rk[None, :]
+        w0 = tl.load(w_ptrs, mask=v_ok[:, None] & (rk < KV)[None, :], other=0.0)  # weights: before the wait
+        pdl_enter(PDL)
+        x_ptrs = x_ptr + tl.program_id(0).to(tl.int64) * stride_ot + rk[None, :] + (offs_v * 0)[:, None]
+        x0 = tl.load(x_ptrs, mask=(tl.program_id(0) < T) & (rk < KV)[None, :], other=0.0)
+        if GATE:
+            g = tl.load(g_ptr + rows64 * stride_gt + cols[None, :], mask=ok, other=0.0)
+        part = w0.to(ACC_DTYPE) * x0.to(ACC_DTYPE)
+        for k0 in range(BLOCK_K, KV, BLOCK_K):
+            k_ok = k0 + rk < KV
+            wt = tl.load(w_ptrs + k0, mask=v_ok[:, None] & k_ok[None, :], other=0.0).to(ACC_DTYPE)
+            xt = tl.load(x_ptrs + k0, mask=k_ok[None, :] & (tl.program_id(0) < T), other=0.0).to(ACC_DTYPE)
+            part += wt * xt
+        acc = tl.sum(part, axis=1)[None, :]
+    else:
+        pdl_enter(PDL)
+        acc = gemm_tile(x_ptr, wh_ptr, wh_ptr, offs_t, offs_v, t_ok, v_ok, KV, stride_ot, 1, stride_wn, 1, 0, 0,
+                        0, 1, 1, DOT_DTYPE, ACC_DTYPE, X_SPLITS, PRECISION, EVEN_K, BLOCK_T, BLOCK_V, BLOCK_K)
+        if GATE:
+            g = tl.load(g_ptr + rows64 * stride_gt + cols[None, :], mask=ok, other=0.0)
     if GATE:
-        g = tl.load(g_ptr + rows64 * stride_gt + cols[None, :], mask=ok, other=0.0).to(ACC_DTYPE)
-        acc = acc / (1.0 + tl.exp(-g))
+        acc = acc / (1.0 + tl.exp(-g.to(ACC_DTYPE)))
     tl.store(y_ptr + rows64 * stride_yt + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
@@ -112,13 +125,14 @@ TUNABLES = (Tunable("BLOCK_T", (1, 16, 32, 64, 128)), Tunable("BLOCK_V", (8, 16,
 
 
 def heuristic(key: dict, target: str) -> dict:
-    """T = 1 (not batch-invariant): the dot-free GEMV, BLOCK_V = 16 value rows x BLOCK_K 512 a program
-    (H*dv/16 programs stream W_UV); decode (T <= 64): BLOCK_T = pow2(T) >= 16, BLOCK_V = 64 so H*dv/64
-    programs stream W_UV; prefill: 128 x 128 tiles, 3 stages. Batch-invariant: 64 x 64 for every T.
+    """T = 1 (not batch-invariant): the dot-free GEMV, BLOCK_V = 8 value rows x BLOCK_K 512 a program, 4 warps
+    (H*dv/8 programs stream W_UV; the module docstring has the H200 sweep); decode (T <= 64): BLOCK_T =
+    pow2(T) >= 16, BLOCK_V = 64 so H*dv/64 programs stream W_UV; prefill: 128 x 128 tiles, 3 stages.
+    Batch-invariant: 64 x 64 for every T.
     cpu: whole-head tiles."""
     dv = pow2_bucket(key["DV"], 16)
     if key["T"] == 1 and not key["bi"]:
-        return {"BLOCK_T": 1, "BLOCK_V": min(dv, 16), "BLOCK_K": min(512, pow2_bucket(key["KV"], 16)),
+        return {"BLOCK_T": 1, "BLOCK_V": min(dv, 8), "BLOCK_K": min(512, pow2_bucket(key["KV"], 16)),
                 "num_warps": 4, "num_stages": 1}
     if target == "cpu":
         return {"BLOCK_T": 64, "BLOCK_V": min(dv, 128), "BLOCK_K": 64, "num_warps": 4, "num_stages": 1}

@@ -82,6 +82,11 @@ def _mla_infer(a, at):
     t, h, dn = a.q_nope.shape
     dr = a.q_pe.shape[2]
     kv = a.kv_b.shape[1]
+    if at["q_absorbed"]:  # operand q_nope holds q~ = W_UK^T q_nope [T, H, kv] (mla_absorb's result)
+        expect(at["form"] in ("absorbed", "latent") and shapes_equal((dn,), (kv,)) and at["nope_dim"] > 0,
+               f"mla: q_absorbed takes q~ {a.q_nope} of width kv = {kv} (form absorbed|latent, nope_dim > 0), "
+               f"found form {at['form']!r}, nope_dim {at['nope_dim']}")
+        dn = at["nope_dim"]
     expect(at["latent_format"] in ("plain", "nvfp4"),
            f"mla: latent_format must be plain|nvfp4, found {at['latent_format']!r}")
     bs = at["block_size"]
@@ -109,7 +114,8 @@ def _mla_ref(a, at):
     if at["latent_format"] == "nvfp4":  # the reference reads the codes back to values (SPEC §7)
         latent = formats.dequantize_latent_nvfp4(latent, int(a.kv_b.shape[1])).to(a.q_nope.dtype)
     return ref_mla.mla_attention(a.q_nope, a.q_pe, latent, a.kv_b, a.token_pos, a.token_req, a.block_table,
-                                 at["block_size"], at["scale"], a.selection, at["form"], at["selection_kind"])
+                                 at["block_size"], at["scale"], a.selection, at["form"], at["selection_kind"],
+                                 nope_dim=at["nope_dim"] if at["q_absorbed"] else None)
 
 
 def _mla_ctx(a):
@@ -131,12 +137,30 @@ def _mla_bytes(a, o, at):
 defop("mla_attention", ["q_nope", "q_pe", "latent", "kv_b", "token_pos", "token_req", "block_table", "selection?"],
       ["o"], _mla_infer, _mla_ref, attrs={**BLOCK_SIZE, "scale": attr(float), "form": attr(str, default="absorbed"),
                                           "latent_format": attr(str, default="plain"),
-                                          "selection_kind": attr(str, default="positions")},
+                                          "selection_kind": attr(str, default="positions"),
+                                          "q_absorbed": attr(bool, default=False), "nope_dim": attr(int, default=0)},
       flops=_mla_flops, bytes=_mla_bytes,
       doc="softmax(scale*(q_nope.k_nope + q_pe.k_pe)) v over the causal context (or the selected positions); "
           "absorbed: q~ = [W_UK^T q_nope; q_pe] against latent rows; decompressed: k_nope, v = W_UK c, W_UV c; "
           "latent: the absorbed form returning o~ = sum p c [T,H,kv] (W_UV applied by mla_value_proj); "
-          "selection_kind: selection entries are request positions or physical pool rows")
+          "selection_kind: selection entries are request positions or physical pool rows; q_absorbed: operand "
+          "q_nope already holds q~ = W_UK^T q_nope [T,H,kv] (mla_absorb), nope_dim its dn")
+
+
+def _absorb_infer(a, at):
+    t, h, dn = a.q_nope.shape
+    kv = a.kv_b.shape[1]
+    expect(a.kv_b.rank == 2, f"mla_absorb: kv_b {a.kv_b} must be [H*(dn+dv), kv]")
+    dv = sympy.simplify(a.kv_b.shape[0] / h - dn)
+    expect(dv.is_integer and dv > 0, f"mla_absorb: kv_b {a.kv_b} is not [H*(dn+dv), kv] for H={h}, dn={dn}")
+    return [TensorType(a.q_nope.dtype, (t, h, kv))]
+
+
+defop("mla_absorb", ["q_nope", "kv_b"], ["q_abs"], _absorb_infer,
+      lambda a, at: ref_mla.mla_absorb(a.q_nope, a.kv_b),
+      flops=lambda a, o, at: 2 * numel(o[0].shape) * a.q_nope.shape[2],
+      doc="q~^h = W_UK^h^T q_nope^h, W_UK^h = rows 0..dn of head h of kv_b viewed [H, dn+dv, kv] (the absorbed "
+          "MLA's query side, computed where mla_attention {q_absorbed} reads it)")
 
 
 def _value_proj_infer(a, at):

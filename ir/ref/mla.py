@@ -14,7 +14,7 @@ import torch
 
 from .paging import cache_rows, read_rows, rows_to_positions
 
-__all__ = ["mla_attention", "mla_value_proj", "context_positions", "selection_positions_to_rows",
+__all__ = ["mla_attention", "mla_absorb", "mla_value_proj", "context_positions", "selection_positions_to_rows",
            "selection_rows_to_positions"]
 
 # Upper bound on the elements of one token block's gathered-context intermediates; the
@@ -81,10 +81,19 @@ def _token_blocks(n_tokens: int, per_token: int):
         yield s, min(n_tokens, s + bs)
 
 
+def mla_absorb(q_nope: torch.Tensor, kv_b_w: torch.Tensor) -> torch.Tensor:
+    """q~ [B, H, kv] = W_UK^T q_nope per head, in q_nope's dtype (kv_b_w cast to it): exactly the query side that
+    ``mla_attention``'s absorbed form computes inside."""
+    B, H, dn = q_nope.shape
+    kv = kv_b_w.shape[1]
+    W_UK = kv_b_w.to(q_nope.dtype).view(H, kv_b_w.shape[0] // H, kv)[:, :dn]
+    return torch.einsum("bhn,hnk->bhk", q_nope, W_UK)
+
+
 def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
                   kv_b_w: torch.Tensor, token_pos: torch.Tensor, token_req: torch.Tensor,
                   block_table: torch.Tensor, block_size: int, scale: float, selection: torch.Tensor | None = None,
-                  form: str = "absorbed", selection_kind: str = "positions") -> torch.Tensor:
+                  form: str = "absorbed", selection_kind: str = "positions", nope_dim: int | None = None) -> torch.Tensor:
     """MLA attention for a ragged batch of tokens against a latent cache pool.
 
     q_nope [B, H, dn], q_pe [B, H, dr]; latent pool rows [c_KV (normalised); k_pe], flat [N, kv+dr]
@@ -100,6 +109,8 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor
       form="latent":       the absorbed form without the final W_UV product: returns o~ [B, H, kv]
                            (``mla_value_proj`` applies W_UV).
     selection_kind: "positions" (request positions) or "rows" (physical pool rows).
+    nope_dim (absorbed / latent forms only): q_nope already holds q~ = W_UK^T q_nope [B, H, kv] (``mla_absorb``)
+    and nope_dim is dn.
     The current token's own latent row must already be in the pool.  Computes in q_nope's
     dtype (latent / kv_b_w are cast to it).  Returns o [B, H, dv] (o~ [B, H, kv] for "latent").
     """
@@ -110,6 +121,11 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor
     if selection is not None and selection_kind == "rows":
         selection = selection_rows_to_positions(selection, token_req, block_table, block_size)
     B, H, dn = q_nope.shape
+    if nope_dim is not None:
+        if form == "decompressed" or dn != kv_b_w.shape[1]:
+            raise ValueError(f"an absorbed query (nope_dim given) is [B, H, kv={kv_b_w.shape[1]}] in the absorbed "
+                             f"or latent form, got {tuple(q_nope.shape)} with form {form!r}")
+        dn = nope_dim
     dr = q_pe.shape[-1]
     dt, dev = q_nope.dtype, q_nope.device
     kv = kv_b_w.shape[1]
@@ -136,7 +152,7 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor
         c, kpe = ctx[..., :kv], ctx[..., kv:]
         rope_part = torch.einsum("bhr,blr->bhl", q_pe[s:e], kpe)
         if form in ("absorbed", "latent"):
-            q_abs = torch.einsum("bhn,hnk->bhk", q_nope[s:e], W_UK)     # W_UK^T q_nope
+            q_abs = q_nope[s:e] if nope_dim is not None else torch.einsum("bhn,hnk->bhk", q_nope[s:e], W_UK)
             logits = scale * (torch.einsum("bhk,blk->bhl", q_abs, c) + rope_part)
             p = torch.softmax(logits.masked_fill(~m.unsqueeze(1), float("-inf")), dim=-1)
             o_lat = torch.einsum("bhl,blk->bhk", p, c)

@@ -21,7 +21,13 @@ executor's side stream has the lowest; torch instantiates graphs with per-node p
 both streams have blocks waiting for a free SM the main path's are placed first. Off by default: on the
 H200 (rank preset, 8K, session 11, bench_runtime_gpu.py --sections priority) it made the batch-1 step
 slower, 582-584 vs 568-572 us, and batch 8 1205-1213 vs 1112: the side stream's shared-expert GEMVs, which
-the MoE tail waits for, then start only after the main path's blocks.
+the MoE tail waits for, then start only after the main path's blocks. The opposite, the side stream at the
+highest priority (session 12, benches/results/h200-2026-11-30-s12/runtime_moe_sched.json), changed nothing:
+batch 1 564.0-565.2 vs 557.0-563.9 µs, batch 8 1095.7-1096.6 vs 1097.2-1100.5, and with the experts' gate-up
+launched late (`_moe_gemv_words` LATE) 555.9-564.2 / 1078.4-1080.5 vs LATE alone 561.2-564.0 / 1079.6-1080.4:
+not kept. In that run's trace the MoE layer's middle (the experts beside the shared expert's GEMVs) moves its
+bytes at ~60% of the bandwidth: the experts' MXFP4 decode at one token needs ~11 µs of the whole GPU's issue
+slots a layer (~42 instructions per 8-value word, _moe_configs.py), which the concurrent GEMVs then lack.
 
 Padding. Rows R..B-1 are padding requests: token 0 at position 0, block table [scratch block, -1, ...],
 state slot = the scratch slot. The scratch block and slot are reserved for this purpose when the runtime
@@ -33,7 +39,10 @@ packed int32 buffer into the static inputs (`step_metadata.GraphMetadata`, the s
 offsets depend only on (B, W)): a replay costs the host one numpy write of a pinned buffer (two,
 alternating), one asynchronous copy and `cudaGraphLaunch`; nothing waits for the device, so the host can
 prepare step N+1 while step N runs. With `metadata_in_graph=False` the copy and the kernel run before
-each replay (`StepMetadataBuilder`, writing into the static inputs).
+each replay (`StepMetadataBuilder`, writing into the static inputs). In the H200 trace the step's second kernel
+starts ~7 µs after this kernel ends; launching it with a programmatic edge (session 12: the metadata kernel
+waiting and triggering at its start) did not move that start (batch 1 568.3-569.0 vs 568.6-570.2 µs,
+benches/results/h200-2026-11-30-s12/runtime_late_metapdl.json), so the gap is not the launch; not kept.
 Steps outside the buckets (more requests than the largest
 bucket, a table wider than `max_width` blocks) and every prefill/verify step run eagerly; fallbacks are
 counted by reason in `stats()`.

@@ -249,14 +249,10 @@ def mla_sparse_decode(q_nope, q_pe, latent, kv_b, token_pos, token_req, block_ta
     q_nope already holds q~ [T, H, kv] (IR mla_attention {q_absorbed}, mla_absorb.py), nope_dim is dn."""
     T, H, dn = q_nope.shape
     dt = q_nope.dtype
-    if nope_dim is not None:
-        if dn != kv_b.shape[1]:
-            raise ValueError(f"mla: an absorbed query must be [T, H, kv={kv_b.shape[1]}], found {tuple(q_nope.shape)}")
-        W_UK, W_UV = split_kv_b(kv_b, H, int(nope_dim))
-        q_abs = q_nope
-    else:
-        W_UK, W_UV = split_kv_b(kv_b, H, dn)
-        q_abs = absorb_queries(q_nope, W_UK, dt)
+    if nope_dim is not None and dn != kv_b.shape[1]:
+        raise ValueError(f"mla: an absorbed query must be [T, H, kv={kv_b.shape[1]}], found {tuple(q_nope.shape)}")
+    W_UK, W_UV = split_kv_b(kv_b, H, dn if nope_dim is None else int(nope_dim))
+    q_abs = q_nope if nope_dim is not None else absorb_queries(q_nope, W_UK, dt)
     rows_given = selection is not None and selection_rows
     paging = None if rows_given else paging_args(block_table, token_req, block_size, q_nope.device)
     o_lat, lse = sparse_latent_attention(q_abs, q_pe.to(dt), latent, token_pos, paging, scale, selection,

@@ -82,8 +82,8 @@ def _token_blocks(n_tokens: int, per_token: int):
 
 
 def mla_absorb(q_nope: torch.Tensor, kv_b_w: torch.Tensor) -> torch.Tensor:
-    """q~ [B, H, kv] = W_UK^T q_nope per head, in q_nope's dtype (kv_b_w cast to it): exactly the query side that
-    ``mla_attention``'s absorbed form computes inside."""
+    """q~ [B, H, kv] = W_UK^T q_nope per head, in q_nope's dtype (kv_b_w cast to it): the query side that
+    ``mla_attention``'s absorbed form computes (it calls this)."""
     B, H, dn = q_nope.shape
     kv = kv_b_w.shape[1]
     W_UK = kv_b_w.to(q_nope.dtype).view(H, kv_b_w.shape[0] // H, kv)[:, :dn]
@@ -152,7 +152,7 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor
         c, kpe = ctx[..., :kv], ctx[..., kv:]
         rope_part = torch.einsum("bhr,blr->bhl", q_pe[s:e], kpe)
         if form in ("absorbed", "latent"):
-            q_abs = q_nope[s:e] if nope_dim is not None else torch.einsum("bhn,hnk->bhk", q_nope[s:e], W_UK)
+            q_abs = q_nope[s:e] if nope_dim is not None else mla_absorb(q_nope[s:e], kv_b_w)
             logits = scale * (torch.einsum("bhk,blk->bhl", q_abs, c) + rope_part)
             p = torch.softmax(logits.masked_fill(~m.unsqueeze(1), float("-inf")), dim=-1)
             o_lat = torch.einsum("bhl,blk->bhk", p, c)

@@ -39,13 +39,19 @@ def rel(a, b) -> float:  # ||a - b|| / ||b||, NaN unless a is finite
     return ((a.double() - b.double()).norm() / b.double().norm()).item() if torch.isfinite(a).all() else float("nan")
 
 
-def resources(**fns) -> list:
-    """ptxas registers / spills / shared KiB / warps of every compiled variant of the named kernels."""
+def resources(skip=(), **fns) -> list:
+    """ptxas registers / spills / shared KiB / warps of every compiled variant of the named kernels (but those whose
+    cache keys are in skip: `compiled_keys`)."""
     cks = [(n, c) for n, fn in fns.items() for cache in getattr(fn, "device_caches", {}).values()
-           for c in cache[0].values()]
+           for key, c in cache[0].items() if key not in skip]
     for _, ck in cks:
         ck._init_handles()
     return [f"{n}:{c.n_regs}r/{c.n_spills}s/{c.metadata.shared // 1024}K/w{c.metadata.num_warps}" for n, c in cks]
+
+
+def compiled_keys(fn) -> set:
+    """The cache keys of fn's variants compiled (or loaded) in this process so far."""
+    return {key for cache in getattr(fn, "device_caches", {}).values() for key in cache[0]}
 
 
 def attempt(res, key, fn):

@@ -47,13 +47,18 @@ _ONE_BLOCK = [dec(1, 128, warps=8), dec(1, 128, warps=16), dec(2, 64, warps=8)] 
 # passes; removed, see kda_decode.heuristic) took 127.6-328 us at B=64 H=32 vs the heuristic's 88.19. The state copy
 # ceiling (bench_kda.py `state_copy_ceiling`): (BV, stages, warps); s11b µs: 64/0/4 70.78, 128/0/8 73.39, 64/3/8
 # 70.83; that kernel's two-pass pattern (each block read twice in [32, BV] chunks) took 85.85 (BV 64) - 105.3 (BV 128)
-COPY_VARIANTS = [(64, 0, 4), (128, 0, 8), (64, 3, 8)]
+# s13 (benches/results/h200-2026-11-30-s13/kda_decode_wk_helper.json), µs: (BV, stages, warps, CS: streaming stores)
+# 64/0/4/0 70.83, 64/0/4/1 69.65, 128/0/8/0 73.77, 64/3/8/0 70.51; written to a second pool 71.62; the warp-owns-
+# columns tile (8 rows x 64 bytes a warp access) 101.8, with CS 98.44, BV 32 132.6 (removed)
+COPY_VARIANTS = [(64, 0, 4, 0), (64, 0, 4, 1), (128, 0, 8, 0), (64, 3, 8, 0)]
+# s13: WK (warp-owned state columns), streaming state stores, EARLY with two blocks at B=64: all slower (numbers in
+# kda_decode.heuristic; the code removed); the hoisted one-token broadcasts (the default now) 88.70 vs 88.97
 DECODE_CASES = [
     (B_DEC, H, 1, [dec(2, 64, gate_mm=1), dec(2, 64, early=0, gate_mm=1), dec(4, 32, gate_mm=1), dec(2, 64),
-                   dec(1, 64, 32, early=0, gate_mm=1, warps=8)] * SWEEP,
-     [dec(1, 64, 32, early=0, gate_mm=1), dec(1, 64, 32, early=0, gemv=1)]),
-    (1, H_RANK, 1, _ONE_BLOCK, [dec(4, 32), dec(8, 16, early=0)]),
-    (1, H, 1, _ONE_BLOCK, [dec(4, 32), dec(2, 64)]),
+                   dec(1, 64, 32, early=0, gate_mm=1, warps=8), dec(1, 64, 32, early=0, gemv=1)] * SWEEP,
+     [dec(1, 64, 32, early=0, gate_mm=1)]),
+    (1, H_RANK, 1, _ONE_BLOCK + [dec(8, 16, early=0)] * SWEEP, [dec(4, 32)]),
+    (1, H, 1, _ONE_BLOCK + [dec(2, 64)] * SWEEP, [dec(4, 32)]),
     (B_DEC, H, 8, [], [dec(1, 64, 32, early=0)])]
 
 

@@ -23,7 +23,9 @@ eager bitwise over 50 replays with PDL on (a kernel breaking the PDL contract ra
 read / time vs the measured bandwidth (`frac_of_measured_bw`), and previous / new (`summary`; MLA also the best
 opt-in F16 variant vs the default, checked the same way; the indexer also its best SELECT 2 variant). Breakdowns:
 the best SELECT 2 config's score pass alone (its SCORE_ONLY specialisation, no memset), the long-context default's
-score pass alone (`stop_after="score"`: the rest is candidate filter, merge and rescore), MLA's best without the
+score pass alone (`stop_after="score"`: the rest is candidate filter, merge and rescore; with SCORES 1 the rest is
+select and placement, and the previous path's score pass is timed too; every SCORES variant selects the default's
+rows, `scores_kernels` its score kernel's registers), MLA's best without the
 query absorption, and at batch 64 MLA's default and best with every token reading token 0's rows (L2 resident: the
 kernel's cost without HBM) and with contiguous 64-row blocks (`_mla_diagnostics`). `kernels`: registers, spills,
 shared memory of every compiled indexer / MLA specialisation (`_attention_checks.kernel_inventory`);
@@ -159,13 +161,88 @@ def _idx_shapes(tag):
     return (min(T, 2), 1024 if T == 1 else 2048, 64) if SMOKE else (T, L, 2048)
 
 
+def _long_previous(T, L):
+    """The long-context path before SCORES 1 (sessions 8-12): per-tile group top-2 candidates, FILTER 1, merges,
+    rescore."""
+    from codegen.triton.indexer_topk import default_kt_pairs
+    nt = -(-L // 128)
+    return dict(BLOCK_N=128, KT=default_kt_pairs(128, 2048, L), SPLITS=max(1, min(max(1, nt // 4), round(8 * 132 / T))),
+                num_warps=4, num_stages=1, CAND=1, DOT=3, MERGE_TILE=2048, FILTER=1, FILTER_PARTS=16)
+
+
+def _scores_variants(tag, base):
+    """SCORES 1 (materialised scores, `_indexer_scores`) around the heuristic's config: with BUCKET 1, its select parts,
+    the threshold program's resident bucket and twice the score programs (smoke: SCORES / BUCKET configs built from the
+    CPU heuristic's). Session 13 (benches/results/h200-2026-11-30-s13/
+    attention_decode_indexer_scores.json), batch 32 at 128K, all with SELECT_RES 8192 on 8 warps unless named: that
+    config 361.0 us, SELECT_RES 2048 on 4 warps 342.4 (the new default), SPLITS 66 357.4, 32 select parts 364.5,
+    8-warp scoring 394.7, BLOCK_N 64 367.0, BLOCK_N 256 on 8 warps 458.1, num_stages 2 365.6, the first digit
+    counted in a pass of its own 405.7 (removed); the previous path 445.0. Second call (attention_decode_indexer_
+    bucket.json): BUCKET 1 with 16 parts, SELECT_RES 4096 on 8 warps 312.0 vs 346.6 for the SELECT 1 default (the
+    select alone 68.3 vs 88.4); 32 parts 307.8 (the new default), 64 parts 308.9, SELECT_RES 2048 on 4 warps 310.7,
+    8192 335.6, MERGE_TILE 4096 322.6, SPLITS 66 310.9; score-kernel prefetch 347.9, prefetch under 168 registers
+    322.2, TMA key tiles did not compile (see `_indexer_scores`)."""
+    if SMOKE and tag == "idx_b32":
+        s = dict(base, KT=base["BLOCK_N"], SCORES=1, SELECT=1, SELECT_PARTS=4, SELECT_RES=64, SPLITS=4)
+        return [s, dict(s, SELECT_RES=16), dict(s, BUCKET=1), dict(s, BUCKET=1, SELECT_RES=16)]
+    if SMOKE or not base.get("SCORES"):
+        return []
+    if not base.get("BUCKET"):
+        return [dict(base, SPLITS=2 * base["SPLITS"]), dict(base, SELECT_RES=8192, MERGE_WARPS=8)]
+    return [dict(base, SELECT_PARTS=16), dict(base, SELECT_PARTS=64), dict(base, SELECT_RES=2048, MERGE_WARPS=4),
+            dict(base, SPLITS=2 * base["SPLITS"])]
+
+
+def _scores_previous(base):
+    """The SCORES 1 default before BUCKET 1 (session 13, first change): SELECT 1's parts + last arriver."""
+    return dict({k: v for k, v in base.items() if k != "BUCKET"}, SELECT_PARTS=16, SELECT_RES=2048, MERGE_WARPS=4)
+
+
+def _select_only(d, K, cfg):
+    """The launcher over scores stored by one score pass (`indexer_topk`'s scores_in hook): memset, select, place."""
+    from codegen.triton.indexer_topk import indexer_topk
+    st = {}
+    ba._indexer_call(d, K, cfg, output="rows", stats=st, stop_after="score")()
+    keep = st["scores"]
+    return lambda: indexer_topk(d["q8"], d["qs"], d["w"], d["keys"], d["ks"], d["pos"], d["req"], d["tbl"], BS, K,
+                                key_format=d["fmt"], output="rows", config=cfg, max_context=d["L"], scores_in=keep)
+
+
+def _scores_checks(tag, sets, K, ms, first, checked):
+    """Every timed SCORES variant selects exactly what the first SCORES config (checked vs the IR reference)
+    selects; registers / spills of the score kernel's specialisations."""
+    if not checked:
+        check(f"{tag}_scores_vs_ir_reference", lambda: ba._indexer_check(sets[0], K, first))
+    want = ba._indexer_call(sets[0], K, first, output="rows")()
+    for m in ms:
+        if m and m.get("config", {}).get("SCORES"):
+            got = ba._indexer_call(sets[0], K, m["config"], output="rows")()
+            m["same_rows_as_default"] = bool(torch.equal(got, want))
+            DOC["checks"].append({"name": f"{m['name']}_same_rows_as_default", "ok": m["same_rows_as_default"]})
+    from codegen.triton._indexer_scores import _scores_kernel
+    DOC.setdefault("scores_kernels", [])
+    for fn in ((_scores_kernel,) if not SMOKE else ()):
+        for caches in getattr(fn, "device_caches", {}).values():
+            for k in list(caches[0].values()):
+                k._init_handles()
+                DOC["scores_kernels"].append({"kernel": fn.__name__, "n_regs": k.n_regs, "n_spills": k.n_spills,
+                                              "num_warps": k.metadata.num_warps, "shared": k.metadata.shared})
+
+
 def sec_idx(tag, warm=None):
     T, L, K = _idx_shapes(tag)
     n_sets = 1 if (SMOKE or T > 1 or warm) else (48 if L <= 8192 else 12)
     sets = [ba._indexer_inputs(T, L, seed=200 + i) for i in range(n_sets)]
     nbytes = ba._indexer_bytes(sets[0], K)
     base, variants = _idx_variants(T, L, K)
-    prev_cfg = _idx_prev(T, L) if not SMOKE else dict(base, SELECT=0)
+    if base.get("SCORES"):   # SELECT 2 (short contexts) does not apply to the materialised scores
+        variants = [c for c in variants if c.get("SELECT") != 2]
+    variants = variants + [c for c in _scores_variants(tag, base) if c not in variants]
+    prev_cfg = _idx_prev(T, L) if not SMOKE else dict(base, SELECT=0, SCORES=0)
+    if prev_cfg.get("BUCKET"):   # session 13's second change: the SCORES 1 default before BUCKET 1
+        prev_cfg = _scores_previous(prev_cfg)
+    elif prev_cfg.get("SCORES"):   # the heuristic's long-context default changed in session 13
+        prev_cfg = _long_previous(T, L)
 
     def calls(cfg, **kw):
         return [ba._indexer_call(d, K, cfg, output="rows", **kw) for d in sets]
@@ -184,15 +261,31 @@ def sec_idx(tag, warm=None):
     new = prev if base == prev_cfg else measure(f"{tag}_new_default", calls(base), nbytes, config=base)
     off = measure(f"{tag}_new_default_pdl_off", calls(base), nbytes, pdl=False, config=base)
     check(f"{tag}_new_default_vs_ir_reference", lambda: ba._indexer_check(sets[0], K, base))
+    if base.get("SCORES") and prev_cfg != base:   # the previous path's score pass too
+        measure(f"{tag}_previous_score_pass_only", [ba._indexer_call(d, K, prev_cfg, stop_after="score") for d in sets],
+                nbytes, config=prev_cfg)
     if base.get("SELECT") != 2:   # score pass vs the rest (candidates merge / select) of the default path
         measure(f"{tag}_new_default_score_pass_only", [ba._indexer_call(d, K, base, stop_after="score") for d in sets],
                 nbytes, config=base)
+    pairs = [(n_, c) for n_, c in (("previous", prev_cfg), ("new_default", base)) if c.get("SCORES")]
+    if SMOKE and tag == "idx_b32":
+        pairs = [(f"smoke{i}", c) for i, c in enumerate(_scores_variants(tag, base)[::2])]
+    for name, cfg in pairs:   # the select alone (memset + select + placement) over stored scores, old and new
+        measure(f"{tag}_{name}_select_only", [_select_only(d, K, cfg) for d in sets], nbytes, config=cfg)
     check(f"{tag}_new_default_graph_vs_eager", lambda: graph_vs_eager(calls(base)[0]))
     ms = [new]
     for i, cfg in enumerate(variants[1:]):
         m = measure(f"{tag}_variant{i}", calls(cfg), nbytes, config=cfg)
         ms.append(m)
+        if base.get("SCORES") and cfg.get("SPLITS") != base.get("SPLITS"):   # a score pass of its own
+            measure(f"{tag}_variant{i}_score_pass_only",
+                    [ba._indexer_call(d, K, cfg, stop_after="score") for d in sets], nbytes, config=cfg)
     best = _summarize(tag, prev, new, [prev] + ms)
+    if best is not None and base.get("SCORES") and best.get("config") not in (base, prev_cfg):
+        check(f"{tag}_best_graph_vs_eager", lambda: graph_vs_eager(calls(best["config"])[0]))
+    scores = [c for c in variants if c.get("SCORES")]
+    if scores:
+        _scores_checks(tag, sets, K, [m for m in ms if m], scores[0], scores[0] == base)
     if tag in DOC["summary"] and off:
         DOC["summary"][tag]["new_default_pdl_off_us"] = off["median_us"]
     for i, cfg in enumerate(variants[1:]):   # exactness of every variant that was timed

@@ -41,13 +41,14 @@ SHAPES = [("router", 112, 7168, torch.float32), ("o_proj_1536", 7168, 1536, torc
           ("down_3072", 7168, 3072, torch.bfloat16), ("down_4224", 7168, 4224, torch.bfloat16),
           ("packed_3808", 3808, 7168, torch.bfloat16), ("packed_6284", 6284, 7168, torch.bfloat16),
           ("packed_8448", 8448, 7168, torch.bfloat16), ("packed_9728", 9728, 7168, torch.bfloat16),
-          ("lm_head", 20480, 7168, torch.float32)]
+          ("lm_head", 20480, 7168, torch.float32), ("z_3584", 3584, 7168, torch.bfloat16)]
 CPU_SHAPES = [("router", 7, 96, torch.float32), ("o_proj_1536", 40, 48, torch.bfloat16),
               ("packed_3808", 50, 64, torch.bfloat16)]
 # HEAD c7cb4b0's heuristic at these shapes (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, GEMV, num_warps, num_stages);
 # its split-K added the partials in a second launch. Every other shape class took the first row of its M.
 PREVIOUS = {(1, "lm_head"): (1, 4, 512, 1, 1, 4, 1), (1, "router"): (1, 1, 512, 8, 1, 4, 1),
             (1, "packed_3808"): (1, 4, 512, 1, 1, 4, 1), (1, "packed"): (1, 8, 512, 1, 1, 4, 1),
+            (1, "z"): (1, 8, 512, 1, 1, 4, 1),
             (1, "o_proj_1536"): (1, 8, 256, 1, 1, 4, 1), (1, "down"): (16, 32, 128, 1, 0, 4, 4),
             (8, "lm_head"): (16, 64, 128, 2, 0, 4, 4), (8, "router"): (16, 16, 128, 16, 0, 4, 4),
             (8, ""): (16, 32, 128, 1, 0, 4, 4), (64, "lm_head"): (64, 64, 128, 1, 0, 4, 4),
@@ -92,6 +93,10 @@ def sweep(name: str, m: int) -> list[tuple[str, dict]]:
                    g(16, 256, 4, 4), g(32, 128, 4, 4), g(32, 256, 8, 3), d(16, 32, 128, 5), d(16, 64, 128, 4),
                    d(16, 32, 256, 3), d(16, 32, 128, 4, 2)]
             return out + ([g(2, 4096, 8)] if name == "down_3072" else [])
+        if name == "z_3584":
+            return [g(8, 512, 4, 3), g(8, 512, 4, 4), g(8, 512, 4, 5), g(8, 1024, 4, 3), g(8, 1024, 4, 4),
+                    g(16, 512, 4, 4), g(16, 512, 8, 4), g(4, 512, 4, 4), g(4, 1024, 4, 3), g(2, 1024, 4, 4),
+                    g(8, 256, 4, 6), g(4, 512, 2, 4), g(8, 512, 8, 4), g(8, 512, 4, 3, 2)]
         if name.startswith("packed"):
             return [g(8, 512), g(4, 512), g(8, 512, 4, 3), g(4, 512, 4, 3), g(8, 256, 4, 4), g(16, 512, 8, 2),
                     g(4, 1024, 4, 2), g(16, 256, 4, 4), g(32, 128, 4, 4)]
@@ -149,6 +154,10 @@ def main():
     ap.add_argument("--m", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--budget-s", type=float, default=140.0, help="no sweep config starts after this many seconds")
     ap.add_argument("--replays", type=int, default=40)
+    ap.add_argument("--shapes", default="", help="comma-separated shape names (default: all)")
+    ap.add_argument("--isolated", action="store_true",
+                    help="also time each launch behind a one-kernel dependency (x *= 1 first): a GEMV after a small "
+                         "kernel, as in the decode step, not back to back with itself")
     ap.add_argument("--compile-workers", type=int, default=min(12, os.cpu_count() or 1),
                     help="processes that compile every Triton config into the cache before the timing pass")
     args = ap.parse_args()
@@ -162,6 +171,8 @@ def main():
                           "triton": triton.__version__}
     torch.backends.cuda.matmul.allow_tf32 = False
     shapes = SHAPES if CUDA else CPU_SHAPES
+    if args.shapes:
+        shapes = [sh for sh in shapes if sh[0] in args.shapes.split(",")]
     results, t0 = rep.doc["measurements"], time.time()
     rep.doc["ceilings"]["bandwidth_GBps"] = copy_bandwidth_GBps(dev) if CUDA else 10.0
 
@@ -212,10 +223,15 @@ def main():
                     row["bits_equal_two_launch"] = bool(torch.equal(y, gemm.gemm(x, ws[0], dict(c, COMBINE=0))))
                 ms = timed([lambda w=w: call(w) for w in ws])
                 row.update(us=ms * 1e3, GBps=nbytes / (ms * 1e-3) / 1e9, x_floor=ms * 1e3 / floor_us)
+                if args.isolated and CUDA:
+                    tiny = timed([lambda: x.mul_(1.0) for _ in ws])
+                    pair = timed([lambda w=w: (x.mul_(1.0), call(w)) for w in ws])
+                    row.update(iso_us=(pair - tiny) * 1e3, iso_x_floor=(pair - tiny) * 1e3 / floor_us)
             except Exception as e:  # one shot on the GPU: report the variant and go on
                 row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
             case["variants"].append(row)
             print(f"{name:12} M={m:<3} {tag:28} {row.get('us', float('nan')):8.2f} us "
+                  f"iso {row.get('iso_us', float('nan')):7.2f} "
                   f"x{row.get('x_floor', float('nan')):5.2f} err {row.get('rel_err', float('nan')):.1e} "
                   f"{row.get('error', '')[:120]}", flush=True)
         peer = next((r["us"] for r in case["variants"] if r["variant"] == "torch_bf16" and "us" in r), None)

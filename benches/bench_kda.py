@@ -15,9 +15,10 @@ cache in parallel; every timing waits for them to end:
          split by torch.profiler, fla's too) vs fla chunk_kda; then B=1 x 8192 and 1 x 32768 while time is left
 A candidate whose warm-up met a CUDA error (a dead context: in session 10 one kernel-1 variant's illegal address ended
 every later case) is skipped, and new kernel-1 variants run here only once a warm-up ran them cleanly. The decode's
-ceiling: the B=64 grid's state read + write alone (`_state_rmw_kernel`, per block width / staging / warps; session 11:
-70.8-72.8 us with BV 64-128 unstaged, 73.8 with BV 32 x 4 stages, 91.6 BV 16 x 5 stages, 80.9 BV 32 unstaged;
-`_kda_bench_variants.COPY_VARIANTS`).
+ceiling: the B=64 grid's state read + write alone (`_state_rmw_kernel`, per block width / staging / warps / streaming
+stores; session 11: 70.8-72.8 us with BV 64-128 unstaged, 73.8 with BV 32 x 4 stages, 91.6 BV 16 x 5 stages, 80.9 BV 32
+unstaged; session 13: 69.65 with .cs stores vs 70.83; `_kda_bench_variants.COPY_VARIANTS`). Each decode check records
+its kernel's registers / spills (`resources`).
 Run: `python benches/bench_kda.py` on a CUDA machine; cases that would start after KDA_BENCH_DEADLINE_S (140) are
 skipped; KDA_BENCH_SECTIONS=decode: the decode sections alone (no prefill checks, timings or warm-ups);
 KDA_BENCH_SWEEP=1 adds earlier sessions' (slower) variants; KDA_BENCH_FLA_PREFILL=0 leaves fla's prefill out;
@@ -35,9 +36,9 @@ import time
 import torch
 # _kda_bench_inputs before triton: it picks the interpreter on a CPU
 from _kda_bench_inputs import (ACT, B_DEC, DEV, FLA, FLA_PREFILL, H, T_PRE, TINY, D, attempt,  # noqa: I001
-                               decode_operands, decode_run, f_given, fla_decode, fla_prefill, kernel_split_ms, low,
-                               n_chain, ours_prefill, poison_key, poisoned, prefill_bytes, prefill_inputs, rel,
-                               resources, wait_all, warm_up)
+                               compiled_keys, decode_operands, decode_run, f_given, fla_decode, fla_prefill,
+                               kernel_split_ms, low, n_chain, ours_prefill, poison_key, poisoned, prefill_bytes,
+                               prefill_inputs, rel, resources, wait_all, warm_up)
 from _kda_bench_variants import (_INTRA_KEYS, COPY_VARIANTS, DECODE_CASES, PREV_PREFILL,  # noqa: I001
                                  decode_candidates, decode_jobs, state_configs)
 from _report import BenchReport, copy_bandwidth_GBps, graph_ms, median_ms  # benches/ (the script's folder)
@@ -87,14 +88,16 @@ def _empty_kernel(x):
 
 
 @triton.jit
-def _state_rmw_kernel(st, D: tl.constexpr, BV: tl.constexpr, STAGES: tl.constexpr):
+def _state_rmw_kernel(st, D: tl.constexpr, BV: tl.constexpr, STAGES: tl.constexpr, CS: tl.constexpr):
     """The decode's state traffic alone: each program reads its [D, D] fp32 state in [D, BV] blocks and writes
-    it back (x 0.5, in place); STAGES > 0 through Triton's pipelined loop (cp.async into shared memory)."""
+    it back (x 0.5, in place); STAGES > 0 through Triton's pipelined loop (cp.async into shared memory); CS:
+    streaming stores (.cs)."""
     base = st + tl.program_id(0).to(tl.int64) * D * D
     dd = tl.arange(0, D)
     for vb in tl.range(0, D // BV, num_stages=STAGES if STAGES > 0 else None):
         x = tl.load(base + vb * BV + (dd[:, None] * D + tl.arange(0, BV)[None, :]), eviction_policy="evict_first")
-        tl.store(base + (dd[:, None] * D + vb * BV + tl.arange(0, BV)[None, :]), x * 0.5)
+        tl.store(base + (dd[:, None] * D + vb * BV + tl.arange(0, BV)[None, :]), x * 0.5,
+                 cache_modifier=".cs" if CS else "")
 
 
 # ------------------------------------------------------------------------------------------ checks
@@ -113,10 +116,12 @@ def check_decode():
                 record(f"decode_check_B{B}_H{heads}_q{qlen}", config=cfg, error="CUDA error in its warm-up: skipped")
                 continue
             try:
+                seen = compiled_keys(dec_mod._kda_decode_kernel)
                 out = decode_run(low(ops), cfg, keep=qlen > 1)()
-                errs = dict(rel_err_out=rel(out[0].float(), y_ref), rel_err_state=rel(out[2][1:], want[12][1:]))
+                errs = dict(rel_err_out=rel(out[0].float(), y_ref), rel_err_state=rel(out[2][1:], want[12][1:]),
+                            resources=resources(seen, decode=dec_mod._kda_decode_kernel))
                 errs.update(rel_err_kept_states=rel(out[3], states_ref)) if qlen > 1 else None
-                good = all(e < 1e-2 for e in errs.values())
+                good = all(e < 1e-2 for e in errs.values() if isinstance(e, float))
                 record(f"decode_check_B{B}_H{heads}_q{qlen}", **errs, tol=1e-2, ok=good, config=cfg,
                        role="new" if i < i_prev else ("previous" if i < len(cands) - 1 or cfg != heur else
                                                       "heuristic"), heuristic=cfg == heur)
@@ -168,12 +173,12 @@ def state_copy_ceiling(B=None, heads=H):
     B = B or B_DEC
     floor_us = B * heads * D * D * 4 * 2 / DOC["ceilings"].get("copy_GBps", 1) / 1e3
     pools = [torch.randn(B * heads, D, D, device=DEV) for _ in range(n_chain(B, heads))]
-    for bv, stages, warps in COPY_VARIANTS:
+    for bv, stages, warps, cs in COPY_VARIANTS:
         if late(f"state copy ceiling BV {bv}"):
             return
-        res = dict(B=B, H=heads, BV=bv, STAGES=stages, WARPS=warps, byte_floor_us=floor_us)
+        res = dict(B=B, H=heads, BV=bv, STAGES=stages, WARPS=warps, CS=cs, byte_floor_us=floor_us)
         attempt(res, "us", lambda: chain_us([lambda p=p: _state_rmw_kernel[(B * heads,)](  # noqa: B023
-            p, D=D, BV=min(bv, D), STAGES=stages, num_warps=warps)  # noqa: B023
+            p, D=D, BV=min(bv, D), STAGES=stages, CS=cs, num_warps=warps)  # noqa: B023
             for p in pools], pdl=False))
         res["x_floor"] = res["us"] / floor_us if "us" in res else None
         record(f"state_copy_B{B}_H{heads}", **res)
@@ -375,6 +380,7 @@ def main():
     warm_dec = [spawn(f"decode:{i}:{n_dec}") for i in range(n_dec)] if gpu else []
     warm_pre = [spawn(f"prefill:{i}:4") for i in range(4)] if gpu and PREFILL else []
     warm_fla = [spawn(f"fla:{i}:{n_fla}") for i in range(n_fla)] if FLA else []
+    DOC["env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("KDA_BENCH", "K31C_"))}
     DOC["machine"] = {"host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
                       "triton": triton.__version__, "device": torch.cuda.get_device_name() if gpu else "cpu",
                       "tiny": TINY, "fla": getattr(__import__("fla"), "__version__", "?") if FLA else "not used"}

@@ -424,6 +424,56 @@ def main():
             return doc["notes"].append("priority: needs a cuda device (streams)")
         alternate("priority", lambda rt, on: rt.set_main_priority(on))
 
+    @rep.section
+    def trace_start():
+        """Where the ~7 µs before the step's second kernel comes from: `trace` with PDL off, and with the step
+        metadata expanded before the replay instead of by the graph's first node."""
+        from codegen.triton import _pdl
+        was = _pdl.set_enabled(False)
+        try:
+            trace("_nopdl")
+        finally:
+            _pdl.set_enabled(was)
+
+        def outside(rt):
+            rt.metadata_in_graph = False
+            rt.drop_graphs()
+        trace("_meta_outside", setup=outside)
+
+    @rep.section
+    def mla_orient():
+        """Batch 64 (and 8) at the first context: the sparse MLA's ORIENT 2 default (rows as the wgmma M,
+        `_mla_rowsm.py`) vs session 12's ORIENT 1 config for the same shapes, graph replay device time, two rounds."""
+        if not cuda:
+            return doc["notes"].append("mla_orient: needs a cuda device")
+        from codegen.registry import all_templates
+        t = next(t for t in all_templates() if t.family == "mla_sparse")
+        base = t.heuristic
+
+        def orient1(key, target):
+            cfg = base(key, target)
+            if cfg.get("ORIENT") == 2:
+                cfg = dict(ORIENT=1, BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=3, PREFETCH=1, F16=1, LSUM=1,
+                           CHUNK=cfg["CHUNK"])
+            return cfg
+        ctx = contexts[0]
+        rt = runtime(ctx, max(batches))
+        try:
+            for rnd in range(2):
+                for label, h in (("orient2", base), ("orient1", orient1)):
+                    object.__setattr__(t, "heuristic", h)
+                    if "tuning" in st:
+                        st["tuning"]._resolved.clear()
+                    for b in [x for x in batches if x >= 8]:
+                        rt.drop_graphs()
+                        record_replay(rt, ctx, b, f"graph_replay_mla_{label}", rnd)
+        finally:
+            object.__setattr__(t, "heuristic", base)
+            if "tuning" in st:
+                st["tuning"]._resolved.clear()
+        del rt
+        torch.cuda.empty_cache()
+
     def compare_artifacts(name: str, disabled: dict):
         """The default artifact and one compiled per entry of `disabled` (label -> passes turned off), each
         captured in this run, every batch at the first context, two rounds (device time of the graph replay)."""
@@ -486,7 +536,7 @@ def main():
         torch.cuda.empty_cache()
 
     @rep.section
-    def trace(suffix=""):
+    def trace(suffix="", setup=None):
         """The decode graph of batch 1 and 8 at the first context, kernel by kernel under the profiler
         (benches/_graph_trace.py): durations, the device's idle gaps between kernels, two-stream overlap."""
         if not cuda:
@@ -495,6 +545,8 @@ def main():
 
         ctx = contexts[0]
         rt = runtime(ctx, 8)
+        if setup is not None:
+            setup(rt)
         for b in (1, 8):
             replay, g, _ = replay_us(rt, b)
             t = graph_trace(g.graph)
@@ -731,7 +783,8 @@ def main():
     build()
     if "art" in st:
         sections = {"graph_check": graph_check, "decode": decode, "pdl": pdl, "late": late, "absorb": absorb, "attn_early": attn_early, "trace_late": trace_late, "overlap": overlap,
-                    "priority": priority, "schedule": schedule, "nodes": nodes,
+                    "priority": priority, "schedule": schedule, "nodes": nodes, "trace_start": trace_start,
+                    "mla_orient": mla_orient,
                     "trace": trace, "host": host,
                     "engine_decode": engine_decode,
                     "reference_peer": reference_peer,

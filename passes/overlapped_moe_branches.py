@@ -19,7 +19,12 @@ Why: at decode sizes the experts are latency-bound (few tokens, MXFP4 decode) wh
 stream 3 x d x I weights at copy rate: on two streams they share the GPU (k31c/runtime/executor.py runs
 `overlap` nodes on its side stream in program order; a CUDA graph captures the fork and the joins as edges).
 H200, rank preset, batch 1, 8K: 578-580 us per step before (z packed with S, R beside it, D beside E),
-560-572 after.
+560-572 after. Session 13 (benches/results/h200-2026-11-30-s13/runtime_zfirst.json, runtime_side_narrow.json):
+S and D moved after Z, so that z streams alone first (the side stream waits for the main stream's earlier work):
+batch 1 568.5-579.2 us (with the experts' gate-up launched late 563.0-571.0) vs 552.4-561.5, batch 8 1105.7-1111.9
+vs 1084.7-1086.5; in its trace z alone still takes 22.4 us in the first MoE layer (13.2 us behind one small
+kernel in benches/bench_gemm_decode.py --isolated). S and D with 2x / 4x rows a program (fewer programs beside the
+experts): 550.3-552.1 / 570.6-572.8 vs 549.1-551.0. Neither kept.
 When z is still packed with S (moe_expert_input_split disabled), the layer keeps the earlier schedule: R
 beside the node after it when that node does not read the routing, D moved just before E on the side stream.
 

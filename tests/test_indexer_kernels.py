@@ -270,10 +270,11 @@ def test_launcher_reads_no_device_data_on_the_host(monkeypatch):
 
 def test_short_context_heuristic_takes_every_key():
     """Decode at 8K with top-2048 (the rank preset): every key is a candidate, one 128-key tile per program at
-    batch 1; long contexts keep per-tile candidates (group top-2)."""
+    batch 1; long-context prefill keeps per-tile candidates (group top-2; decode materialises its scores:
+    test_indexer_scores.py)."""
     cfg = heuristic({"T": 1, "L": 8192, "K": 2048, "HI": 32, "DI": 128}, "h200")
     assert cfg["KT"] == cfg["BLOCK_N"] == 128 and cfg["SPLITS"] == 64
-    long = heuristic({"T": 32, "L": 1 << 17, "K": 2048, "HI": 32, "DI": 128}, "h200")
+    long = heuristic({"T": 512, "L": 1 << 17, "K": 2048, "HI": 32, "DI": 128}, "h200")
     assert long["CAND"] == 1 and long["KT"] == default_kt_pairs(long["BLOCK_N"], 2048, 1 << 17) < long["BLOCK_N"]
     # session 7 measurements: the pre-selection once a row holds > 4 x 2048 candidates, fp16 dots at long contexts
     mid = heuristic({"T": 1, "L": 32768, "K": 2048, "HI": 32, "DI": 128}, "h200")
@@ -343,12 +344,12 @@ def test_every_kernel_of_both_families_keeps_the_pdl_contract():
     replays vs eager)."""
     import inspect
 
-    from codegen.triton import (_indexer_tiles, _mla_combine, _mla_heads, _mla_rows, _mla_tiles, _topk_fused,
-                                _topk_parallel, _topk_select)
-    kernels = {getattr(m, n) for m in (_indexer_tiles, _topk_select, _topk_parallel, _topk_fused, _mla_heads, _mla_rows,
-                                       _mla_tiles, _mla_combine)
+    from codegen.triton import (_indexer_scores, _indexer_tiles, _mla_combine, _mla_heads, _mla_rows, _mla_tiles,
+                                _topk_fused, _topk_parallel, _topk_select)
+    kernels = {getattr(m, n) for m in (_indexer_scores, _indexer_tiles, _topk_select, _topk_parallel, _topk_fused,
+                                       _mla_heads, _mla_rows, _mla_tiles, _mla_combine)
                for n in dir(m) if n.endswith("_kernel") and n.startswith("_")}
-    assert len(kernels) >= 12, [k for k in kernels]
+    assert len(kernels) >= 13, [k for k in kernels]
     for k in kernels:
         fn = getattr(k, "fn", k)
         src = inspect.getsource(fn)

@@ -151,3 +151,22 @@ def test_decode_dot_free_gate_gemv(H, D, rank, rank_block, split, bias):
         y_ref, _ = _unfused(want, D ** -0.5, lb, 1e-5)
         assert_close_rel(out, y_ref, 1e-5, f"GEMV gate output, lengths {lengths}")
         assert_close_rel(state, want[12], 1e-5, f"GEMV gate states, lengths {lengths}")
+
+
+
+@pytest.mark.parametrize("H,D,lengths,block_v,split,early", [
+    (2, 32, [1, 1, 1], 8, 1, False),  # 4 blocks a program
+    (1, 64, [1, 1], 32, 1, False),    # 2 blocks (the B=64 heuristic's shape)
+    (2, 32, [1, 2, 1], 8, 2, False),  # split 2, 2 blocks each; a 2-token request walked one token a group
+])
+def test_decode_one_token_several_blocks(H, D, lengths, block_v, split, early):
+    """One token a group (MAXT 1) over several state blocks: its k, q and decay broadcasts are made once, before
+    the block walk; the same outputs and states as the unfused sequence."""
+    g = _gen(14)
+    ops = decode_operands(g, H, D, lengths, 24, len(lengths) + 1)
+    want = [x.clone() if isinstance(x, torch.Tensor) else x for x in ops]
+    out, _, state = kda_decode(*[x.clone() if isinstance(x, torch.Tensor) else x for x in ops], scale=D ** -0.5,
+                               lower_bound=-5.0, norm_eps=1e-5, block_v=block_v, split=split, early=early, group=1)
+    y_ref, _ = _unfused(want, D ** -0.5, -5.0, 1e-5)
+    assert_close_rel(out, y_ref, 1e-5, "one-token output")
+    assert_close_rel(state, want[12], 1e-5, "one-token state pool")

@@ -14,7 +14,8 @@ from codegen.triton import mla_prefill as prefill_mod
 from codegen.triton._mla_heads import _pow2_scale
 from codegen.triton import mla_sparse as sparse_mod
 from codegen.triton.mla_prefill import dequantize_latent, mla_prefill, quantize_latent_fp8, quantize_latent_nvfp4
-from codegen.triton.mla_sparse import mla_sparse_decode
+from codegen.triton._paging import paging_args
+from codegen.triton.mla_sparse import mla_sparse_decode, sparse_latent_attention
 from codegen.registry import templates_for
 from ir.ops import OPS
 from ir.ref import mla as ref
@@ -178,6 +179,7 @@ def test_heuristic_splits_selected_rows_by_batch():
     one = sparse_mod.heuristic({"H": 12, "L": 2048, "KV": 512, "fmt": 1, "sparse": 1, "T": 1, "bi": 0}, "h200")
     many = sparse_mod.heuristic({"H": 12, "L": 2048, "KV": 512, "fmt": 1, "sparse": 1, "T": 64, "bi": 0}, "h200")
     assert one["ORIENT"] == 1 and 2048 // one["CHUNK"] >= 32 and 2048 // many["CHUNK"] <= 16
+    assert many["ORIENT"] == 2 and many["BLOCK_N"] >= 64   # rows as the wgmma M once the tokens fill the GPU
     inv = [sparse_mod.heuristic({"H": 12, "L": 2048, "KV": 512, "fmt": 1, "T": T, "bi": 1}, "h200") for T in (1, 64)]
     assert inv[0] == inv[1]
     for key in ({"H": H_, "L": 2048, "KV": 512, "fmt": f, "T": T, "bi": bi} for T in (1, 8, 64) for bi in (0, 1)
@@ -428,3 +430,113 @@ def test_f16_heads_kernel_widens_rows_before_the_relayout_on_sm90():
     assert cvt > 0 and ldm > 0 and bytewise == 0, p.stdout
     # the batch-64 default (LSUM, 3 stages): the same widening, gathers in cp.async groups one step ahead
     assert cvt2 > 0 and ldm2 > 0 and bytewise2 == 0 and wait2 > 0, p.stdout
+
+
+
+ROWS_M = dict(ORIENT=2, BLOCK_H=16, BLOCK_N=16, CHUNK=32, num_warps=4, num_stages=1, PREFETCH=1, KB=32)  # 2 blocks
+ROWS_M_CFGS = [ROWS_M, dict(ROWS_M, CHUNK=64, PREFETCH=0, KB=64), dict(ROWS_M, CHUNK=48, KB=16)]
+ROWS_M_IDS = ["split_kb32", "whole_kb64", "three_steps_kb16"]
+
+
+def _latent64(q_abs, q_pe, deq, rows):
+    """float64 (o~, lse) of the absorbed attention over pool rows (a list per token), per token and head."""
+    o = torch.zeros(q_abs.shape, dtype=torch.float64)
+    lse = torch.empty(q_abs.shape[:2], dtype=torch.float64)
+    for t, r in enumerate(rows):
+        c = deq[r].double()
+        z = SCALE * (q_abs[t].double() @ c[:, :KV].T + q_pe[t].double() @ c[:, KV:].T)
+        lse[t] = torch.logsumexp(z, 1)
+        o[t] = torch.softmax(z, 1) @ c[:, :KV]
+    return o, lse
+
+
+def _bf16_queries(T, seed):
+    """q~, q_pe of bf16 precision (ORIENT 2 splits each value into two e4m3 parts: exact for those), heads of
+    magnitudes 1e-3 .. 1e4 (the per-head power-of-two scaling)."""
+    g = torch.Generator().manual_seed(seed)
+    mag = torch.tensor([1e-3, 1.0, 1e4])[torch.arange(H) % 3].view(1, H, 1)
+    return tuple((torch.randn(T, H, w, generator=g) * mag).to(torch.bfloat16).float() for w in (KV, DR))
+
+
+@pytest.mark.parametrize("config", ROWS_M_CFGS, ids=ROWS_M_IDS)
+def test_rows_m_orientation_vs_float64(config):
+    """ORIENT 2 (rows as the dots' M, fp8 logits dots against queries split into two e4m3 parts, c_KV in KB-wide
+    column blocks) on FP8 pools, queries of bf16 precision: o~ / lse vs float64 to fp32 rounding for -1 padded
+    selections of positions (1-8 tokens per request, paged pool), the dense causal context, and selections of rows
+    read from a block view of a packed pool, in pieces merged by LSE and in one piece."""
+    b = _batch(13, [(40, 3), (9, 1), (25, 8), (12, 1)])
+    pool, ls = quantize_latent_fp8(b["lat"])
+    deq = dequantize_latent(pool, "fp8", KV, ls, 1.0)
+    qa, qp = _bf16_queries(len(b["tp"]), 14)
+    paging = paging_args(b["tbl"], b["tr"], b["bs"], "cpu")
+    kw = dict(latent_format="fp8", latent_scale=ls, config=config)
+    rows = ref.selection_positions_to_rows(b["sel"], b["tr"], b["tbl"], b["bs"])
+    view = _packed_block_view(pool, b["bs"], 16, 48, 15)
+    dense = [[paged_row(b["tbl"], b["bs"], int(r), s) for s in range(int(p) + 1)] for r, p in zip(b["tr"], b["tp"])]
+    for what, got, want_rows in (
+            ("positions", sparse_latent_attention(qa, qp, pool, b["tp"], paging, SCALE, b["sel"], **kw),
+             [r[r >= 0] for r in rows]),
+            ("dense", sparse_latent_attention(qa, qp, pool, b["tp"], paging, SCALE, None, max_context=64, **kw), dense),
+            ("rows of a block view", sparse_latent_attention(qa, qp, view, b["tp"], None, SCALE, rows,
+                                                             block_size=b["bs"], **kw), [r[r >= 0] for r in rows])):
+        o64, lse64 = _latent64(qa, qp, deq, want_rows)
+        assert_close_rel(got[0], o64, 1e-5, f"{what} o")
+        assert_close_rel(got[1], lse64, 1e-5, f"{what} lse")
+
+
+def test_rows_m_fp32_queries_and_pool_formats():
+    """ORIENT 2 with fp32 queries (two e4m3 parts keep ~8 significant bits of each value): o~ / lse within the FP8
+    paths' tolerances; float and NVFP4 pools are rejected."""
+    b = _batch(16, [(35, 2), (18, 1)])
+    pool, ls = quantize_latent_fp8(b["lat"])
+    deq = dequantize_latent(pool, "fp8", KV, ls, 1.0)
+    o, lse = mla_sparse_decode(*_args(b, pool), latent_format="fp8", latent_scale=ls, return_lse=True, config=ROWS_M)
+    assert_close_rel(o, ref.mla_attention(*_args(b, deq), "absorbed"), 2e-2, "fp32 queries o")
+    assert_close_rel(lse, _lse64(b, deq), 2e-3, "fp32 queries lse")
+    with pytest.raises(ValueError, match="FP8 pools only"):
+        mla_sparse_decode(*_args(b), config=ROWS_M)
+    nv, ls4, ps4 = quantize_latent_nvfp4(b["lat"], KV)
+    with pytest.raises(ValueError, match="FP8 pools only"):
+        mla_sparse_decode(*_args(b, nv), latent_format="nvfp4", latent_scale=ls4, pe_scale=ps4, config=ROWS_M)
+
+
+_SM90_ROWS_M = r'''
+import os
+os.environ["TRITON_INTERPRET"] = "0"
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile as tc
+from codegen.aot.record import Recorder
+from codegen.triton.mla_sparse import heuristic, sparse_latent_attention
+target = GPUTarget("cuda", 90, 32)
+T, H, N = 64, 12, 4096
+cfg = heuristic({"H": H, "L": 2048, "KV": 512, "fmt": 1, "T": T, "bi": 0}, "h200")
+assert cfg["ORIENT"] == 2, cfg
+pool = torch.zeros(N, 576, dtype=torch.uint8).view(torch.float8_e4m3fn)
+rows = torch.arange(T * 2048).view(T, 2048) % N
+with Recorder(target) as rec:
+    q = torch.zeros(T, H, 576, dtype=torch.bfloat16)
+    sparse_latent_attention(q[..., :512], q[..., 512:], pool, torch.full((T,), N), None, 0.1, rows, latent_format="fp8",
+                            config=cfg, block_size=64, out_dtype=torch.bfloat16)
+for spec in rec.specs.values():
+    fn, sig, cx, attrs, opts = spec.compile_args
+    if fn.fn.__name__ == "_mla_rowsm_kernel":
+        ptx = tc(ASTSource(fn, sig, cx, attrs), target=target, options=dict(vars(opts))).asm["ptx"]
+        print(*(ptx.count(w) for w in (".e4m3.e4m3", ".f16.f16", "cvt.rn.f16x2.e4m3x2", "cp.async.cg", "mma.sync")))
+'''
+
+
+def test_rows_m_kernel_uses_wgmma_on_sm90():
+    """The heuristic's batch-64 FP8 config (ORIENT 2) built for sm_90a: fp8 wgmma for the logits (e4m3 x e4m3, A the
+    gathered bytes), fp16 wgmma for the values, rows widened by `_e4m3_to_f16`, gathers as cp.async (pipelined), no
+    mma.sync. Compiled in a subprocess (not interpreting) through the AOT recorder."""
+    import os
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=repo)
+    p = subprocess.run([sys.executable, "-c", _SM90_ROWS_M], env=env, capture_output=True, text=True, timeout=240,
+                       cwd=repo)
+    assert p.returncode == 0, p.stderr[-3000:]
+    e4m3, f16, cvt, cpasync, mma_sync = map(int, p.stdout.split())
+    assert e4m3 > 0 and f16 > 0 and cvt > 0 and cpasync > 0 and mma_sync == 0, p.stdout

@@ -311,7 +311,13 @@ def decode_gemv_config(key: dict, sms: int) -> dict:
     projections): 8 x 512, the K loop pipelined 3 deep: 16.5 / 24.6 / 33.2 / 37.2 us at N = 3808 / 6284 / 8448
     / 9728 (1.25 / 1.12 / 1.13 / 1.10x; unpipelined 16.7 / 25.2 / 36.1 / 38.0). Shorter K (o_proj 1536, down
     3072 / 4224): 8 x 256, 3 stages: 8.1 / 13.8 / 17.6 us (1.52 / 1.29 / 1.20x; before 8.4 / 14.6 / 19.1,
-    cuBLAS 8.8 / 16.4 / 20.5). Too few row tiles are refilled by halving BLOCK_N, then splitting K."""
+    cuBLAS 8.8 / 16.4 / 20.5). Too few row tiles are refilled by halving BLOCK_N, then splitting K.
+    Session 13 (bench_gemm_decode.py --isolated, benches/results/h200-2026-11-30-s13/gemm_decode_isolated.json):
+    launched back to back (each the next one's PDL predecessor) vs alone behind one small kernel, this
+    heuristic's configs: z 3584 x 7168 16.1 vs 13.2 us (floor 12.3), down 3072 14.0 vs 11.8, down 4224 18.4 vs
+    15.5, o_proj 1536 7.6 vs 8.0; 14-19 other configs a shape (BLOCK_N 2-32, BLOCK_K 256-1024, 2-8 warps, 1-6
+    stages, split 2) within 5% of these or slower: a GEMV alone is near its floor, what it loses in the decode
+    step comes from what runs beside it."""
     if key["N"] < sms and key["K"] <= 8192:
         return dict(BLOCK_M=1, BLOCK_N=1, BLOCK_K=max(32, pow2_bucket(key["K"])), GROUP_M=1, SPLIT_K=1, GEMV=1,
                     num_warps=8, num_stages=1)

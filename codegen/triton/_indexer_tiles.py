@@ -38,6 +38,14 @@ def _load_q(q_ptr, w_ptr, qs_ptr, row, HI: tl.constexpr, DI: tl.constexpr, HP: t
 
 
 @triton.jit
+def _row_query(q_ptr, w_ptr, qs_ptr, tbl_ptr, req_ptr, MB, row, HI: tl.constexpr, DI: tl.constexpr, HP: tl.constexpr,
+               KEY_FMT: tl.constexpr, DOT_DT: tl.constexpr):
+    """(block-table row of the token's request, `_load_q`'s operands) of query row `row`."""
+    qa, qb, wq = _load_q(q_ptr, w_ptr, qs_ptr, row, HI, DI, HP, KEY_FMT, DOT_DT)
+    return tbl_ptr + tl.load(req_ptr + row) * MB, qa, qb, wq
+
+
+@triton.jit
 def _fp8_as(x, DT: tl.constexpr):
     """e4m3 codes (an fp8 load, or raw uint8 bytes in the interpreter) as DT (fp8 itself: no conversion)."""
     if x.dtype == tl.uint8:
@@ -73,6 +81,13 @@ def _tile_load(k_ptr, ks_ptr, k_sb, k_sr, s_sb, s_sr, tblrow, ctx, start, DI: tl
 @triton.jit
 def _tile_score(qa, qb, wq, kt, ks, p, valid, KEY_FMT: tl.constexpr, DOT_DT: tl.constexpr, IMPRECISE: tl.constexpr):
     """Keys (`_score_keys`) of a tile loaded by `_tile_load` (invalid positions are INVALID)."""
+    return _score_keys(_tile_sums(qa, qb, wq, kt, ks, KEY_FMT, DOT_DT, IMPRECISE), p, valid)
+
+
+@triton.jit
+def _tile_sums(qa, qb, wq, kt, ks, KEY_FMT: tl.constexpr, DOT_DT: tl.constexpr, IMPRECISE: tl.constexpr):
+    """fp32 scores [BLOCK_N] of a tile loaded by `_tile_load`: ks * sum_j wq_j ReLU(q8_j . k8) (FP8), or the
+    MXFP4 keys dequantised in registers and dotted with the even / odd query halves."""
     if KEY_FMT == 0:
         if DOT_DT == tl.float8e4nv:   # FP8 tensor cores; IMPRECISE: K-steps summed before an exact fp32 add
             acc = tl.dot(_fp8_as(kt, DOT_DT), qa, max_num_imprecise_acc=IMPRECISE)          # [BLOCK_N, HP]
@@ -85,7 +100,7 @@ def _tile_score(qa, qb, wq, kt, ks, p, valid, KEY_FMT: tl.constexpr, DOT_DT: tl.
         hi = (e2m1_to_f32(kt >> 4) * sc).to(DOT_DT)
         acc = tl.dot(lo, qa) + tl.dot(hi, qb)
         s = tl.sum(tl.maximum(acc, 0.0) * wq[None, :], 1)
-    return _score_keys(s, p, valid)
+    return s
 
 
 @triton.jit
@@ -138,8 +153,7 @@ def _score_kernel(q_ptr, w_ptr, qs_ptr, k_ptr, ks_ptr, k_sb, k_sr, s_sb, s_sr, t
     split = tl.program_id(1)
     ctx = tl.load(pos_ptr + row) + 1
     if ctx > TOPK:
-        tblrow = tbl_ptr + tl.load(req_ptr + row) * MB
-        qa, qb, wq = _load_q(q_ptr, w_ptr, qs_ptr, row, HI, DI, HP, KEY_FMT, DOT_DT)
+        tblrow, qa, qb, wq = _row_query(q_ptr, w_ptr, qs_ptr, tbl_ptr, req_ptr, MB, row, HI, DI, HP, KEY_FMT, DOT_DT)
         n_tiles = tl.cdiv(ctx, BLOCK_N)
         crow = cand_ptr + row.to(tl.int64) * NT * KT
         hacc = tl.zeros([2048], tl.int32)

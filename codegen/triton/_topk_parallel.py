@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from ._pdl import pdl_enter
-from ._topk_select import (INVALID, _collect, _flag_overflow_tiles, _gather_ge, _hist_pass, _hist_vals, _low32,
-                           _part_range, _radix_step, _select_all)
+from ._topk_select import (INVALID, _collect_vals, _finish_streamed, _flag_overflow_tiles, _gather_ge, _hist_vals,
+                           _low32, _part_range, _radix_step, _row_keys, _select_all)
 
 
 @triton.jit
@@ -77,7 +77,8 @@ def _filter_kernel(cand_ptr, hist_ptr, hist2_ptr, cnt_ptr, comp_ptr, ncomp_ptr, 
 def _select_kernel(cand_ptr, tmin_ptr, hist_ptr, hist2_ptr, ncomp_ptr, arrive_ptr, comp_ptr, poff_ptr,
                    ovf_ptr, novf_ptr, th_ptr, out_ptr, tbl_ptr, req_ptr, MB, pos_ptr, NT, TOPK, MAX_OVF,
                    BLOCK_N: tl.constexpr, KT: tl.constexpr, PARTS: tl.constexpr, TILE: tl.constexpr,
-                   RES: tl.constexpr, ROWS_OUT: tl.constexpr, LOG_BS: tl.constexpr, PDL: tl.constexpr):
+                   RES: tl.constexpr, ROWS_OUT: tl.constexpr, LOG_BS: tl.constexpr, SRC32: tl.constexpr,
+                   PDL: tl.constexpr):
     """SELECT 1, step 1 (grid rows x PARTS; `_place_kernel` is step 2): the threshold of a row's top-k with no
     program passing over all candidates. Program (row, part) owns the candidates [part*per, (part+1)*per)
     (per a multiple of KT: a tile's candidates share a part) and
@@ -95,7 +96,10 @@ def _select_kernel(cand_ptr, tmin_ptr, hist_ptr, hist2_ptr, ncomp_ptr, arrive_pt
         owning part and stores each part's output offset (exclusive prefix) for `_place_kernel`, and pads
         the output with -1 past the selected count.
     A row whose context holds <= topk positions is written whole by its part 0. The survivor buffer is what
-    PHASE 2 re-selects from (COMPACT: ncomp keys)."""
+    PHASE 2 re-selects from (COMPACT: ncomp keys). SRC32 (SCORES 1, KT = BLOCK_N): the row is the materialised
+    orderable scores (int32, one per position: `_indexer_scores`), keys formed on load (`_row_keys`). Every part
+    carries the last arriver's registers (H200 session 13, SRC32 at batch 32 x 128K, 16 parts: 241 registers at RES
+    2048 on 4 warps, 255 and spills at RES 8192 on 8 warps), so few parts are resident per SM."""
     pdl_enter(PDL)
     row = tl.program_id(0)
     part = tl.program_id(1)
@@ -115,7 +119,7 @@ def _select_kernel(cand_ptr, tmin_ptr, hist_ptr, hist2_ptr, ncomp_ptr, arrive_pt
                                                 tl.zeros([], tl.int64), tl.zeros([], tl.int64), 53, 11, 1024)
         for c0 in range(0, n, TILE):   # survivors appended (one slot reservation per tile), bucket b0 counted
             o = c0 + tl.arange(0, TILE)
-            k = tl.load(crow + lo + o, mask=o < n, other=INVALID)
+            k = _row_keys(crow, lo, o, n, ctx, SRC32)
             live = (o < n) & (k != INVALID)
             sel = live & ((k & pmask) >= prefix)
             c = tl.sum(sel.to(tl.int32), 0)
@@ -147,18 +151,8 @@ def _select_kernel(cand_ptr, tmin_ptr, hist_ptr, hist2_ptr, ncomp_ptr, arrive_pt
                 owner = ((_low32() - (k_r & _low32())) // BLOCK_N * KT // per).to(tl.int32)
                 hsel = tl.histogram(owner, PARTS, mask=sel)
             else:
-                for p in tl.static_range(6):
-                    if done == 0:
-                        sh = 34 - 8 * p if p < 5 else 0
-                        need, prefix, pmask, done = _radix_step(_hist_pass(srow, n_s, prefix, pmask, sh, TILE), idx,
-                                                                need, prefix, pmask, sh, 8, 0)
-                hsel = tl.zeros([PARTS], tl.int32)
-                for s0 in range(0, n_s, TILE):
-                    o = s0 + tl.arange(0, TILE)
-                    k = tl.load(srow + o, mask=o < n_s, other=INVALID, cache_modifier=".cg")
-                    sel = (o < n_s) & (k != INVALID) & ((k & pmask) >= prefix)
-                    owner = ((_low32() - (k & _low32())) // BLOCK_N * KT // per).to(tl.int32)
-                    hsel += tl.histogram(owner, PARTS, mask=sel)
+                prefix, pmask, hsel = _finish_streamed(srow, n_s, need, prefix, pmask, done, idx, per, 34, 6, BLOCK_N,
+                                                       KT, PARTS, TILE)
             total = tl.sum(hsel, 0)
             tl.store(poff_ptr + row * PARTS + pp, tl.cumsum(hsel, 0) - hsel)
             tl.store(th_ptr + row.to(tl.int64) * 2, prefix)
@@ -177,11 +171,11 @@ def _select_kernel(cand_ptr, tmin_ptr, hist_ptr, hist2_ptr, ncomp_ptr, arrive_pt
 @triton.jit
 def _place_kernel(cand_ptr, novf_ptr, th_ptr, poff_ptr, out_ptr, tbl_ptr, req_ptr, MB, pos_ptr, NT, TOPK,
                   BLOCK_N: tl.constexpr, KT: tl.constexpr, PARTS: tl.constexpr, TILE: tl.constexpr,
-                  ROWS_OUT: tl.constexpr, LOG_BS: tl.constexpr, PDL: tl.constexpr):
+                  ROWS_OUT: tl.constexpr, LOG_BS: tl.constexpr, SRC32: tl.constexpr, PDL: tl.constexpr):
     """SELECT 1, step 2 (grid rows x PARTS): program (row, part) writes the selected keys ((k & pmask) >=
     prefix, from `_select_kernel`) of its candidates, which are in position order, as positions (pool rows
     when ROWS_OUT) from its part's offset: the row's output ascending. Rows with overflowed tiles are left to
-    PHASE 2 of `_merge_kernel`; rows with context <= topk were written by `_select_kernel`."""
+    PHASE 2 of `_merge_kernel`; rows with context <= topk were written by `_select_kernel`. SRC32: as there."""
     pdl_enter(PDL)
     row = tl.program_id(0)
     part = tl.program_id(1)
@@ -193,5 +187,9 @@ def _place_kernel(cand_ptr, novf_ptr, th_ptr, poff_ptr, out_ptr, tbl_ptr, req_pt
             prefix = tl.load(th_ptr + row.to(tl.int64) * 2)
             pmask = tl.load(th_ptr + row.to(tl.int64) * 2 + 1)
             tblrow = tbl_ptr + tl.load(req_ptr + row) * MB
-            _collect(cand_ptr + row.to(tl.int64) * NT * KT + lo, n, prefix, pmask, out_ptr + row.to(tl.int64) * TOPK,
-                     tl.load(poff_ptr + row * PARTS + part), tblrow, TOPK, TILE, ROWS_OUT, LOG_BS)
+            crow = cand_ptr + row.to(tl.int64) * NT * KT
+            cnt = tl.load(poff_ptr + row * PARTS + part)
+            for off in range(0, n, TILE):
+                o = off + tl.arange(0, TILE)
+                cnt = _collect_vals(_row_keys(crow, lo, o, n, ctx, SRC32), o < n, prefix, pmask,
+                                    out_ptr + row.to(tl.int64) * TOPK, cnt, tblrow, TOPK, ROWS_OUT, LOG_BS)

@@ -31,13 +31,36 @@ def _low32():  # an int64 constant (a bare 0xFFFFFFFF literal would be uint32)
 
 
 @triton.jit
-def _score_keys(s, p, valid):
-    """Unique int64 keys ordered like (score desc, position asc); invalid lanes get INVALID."""
-    s = tl.where(s == 0.0, 0.0, s)                     # -0 -> +0 (they tie in the reference)
+def _score_ord(s):
+    """fp32 scores as int32 whose signed order is the float order (-0 -> +0: they tie in the reference)."""
+    s = tl.where(s == 0.0, 0.0, s)
     bits = s.to(tl.int32, bitcast=True)
-    ordv = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # signed int order == float order
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def _ord_keys(ordv, p, valid):
+    """Keys of orderable scores (`_score_ord`) at positions p; invalid lanes get INVALID."""
     key = (ordv.to(tl.int64) << 32) | (_low32() - p.to(tl.int64))
     return tl.where(valid, key, INVALID)
+
+
+@triton.jit
+def _row_keys(ptr, lo, o, n, ctx, SRC32: tl.constexpr):
+    """Keys of a row's entries lo + o (o < n): stored int64 keys, or (SRC32) keys formed from the row's
+    materialised orderable scores (int32, entry = position; positions >= ctx are INVALID)."""
+    if SRC32:
+        p = lo + o
+        m = (o < n) & (p < ctx)
+        return _ord_keys(tl.load(ptr + p, mask=m, other=0), p, m)
+    else:
+        return tl.load(ptr + lo + o, mask=o < n, other=INVALID)
+
+
+@triton.jit
+def _score_keys(s, p, valid):
+    """Unique int64 keys ordered like (score desc, position asc); invalid lanes get INVALID."""
+    return _ord_keys(_score_ord(s), p, valid)
 
 
 @triton.jit
@@ -155,6 +178,26 @@ def _hist_pass(ptr, n, prefix, pmask, shift: tl.constexpr, TILE: tl.constexpr):
         m = o < n
         hist += _hist_vals(tl.load(ptr + o, mask=m, other=INVALID), m, prefix, pmask, shift)
     return hist
+
+
+@triton.jit
+def _finish_streamed(ptr, n, need, prefix, pmask, done, idx, per, SH0: tl.constexpr, STEPS: tl.constexpr,
+                     BLOCK_N: tl.constexpr, KT: tl.constexpr, PARTS: tl.constexpr, TILE: tl.constexpr):
+    """The radix select finished over keys ptr[0:n] in passes (8-bit digits at SH0, SH0 - 8, ..., the last at 0),
+    then the selected keys counted by owning part (entry range per of a row whose tiles hold KT keys each).
+    Returns (prefix, pmask, per-part counts)."""
+    for s in tl.static_range(STEPS):
+        if done == 0:
+            sh = SH0 - 8 * s if s < STEPS - 1 else 0
+            need, prefix, pmask, done = _radix_step(_hist_pass(ptr, n, prefix, pmask, sh, TILE), idx, need, prefix,
+                                                    pmask, sh, 8, 0)
+    hsel = tl.zeros([PARTS], tl.int32)
+    for s0 in range(0, n, TILE):
+        o = s0 + tl.arange(0, TILE)
+        k = tl.load(ptr + o, mask=o < n, other=INVALID, cache_modifier=".cg")
+        sel = (o < n) & (k != INVALID) & ((k & pmask) >= prefix)
+        hsel += tl.histogram(((_low32() - (k & _low32())) // BLOCK_N * KT // per).to(tl.int32), PARTS, mask=sel)
+    return prefix, pmask, hsel
 
 
 @triton.jit

@@ -8,7 +8,12 @@ tensor-core dot accumulates in fp32; DOT 1/2: the e4m3 codes straight into FP8 t
 dequantised in registers (exact in bf16) and dotted with the even/odd halves of q. Sel(i) = top-k by
 (score desc, position asc), ascending, -1 padded; a context of <= topk positions selects all of it.
 
-The [rows x context] score matrix never exists in memory. Each score becomes a unique 64-bit key
+Workspace, not a score matrix: the launcher processes rows in chunks whose workspace fits WORKSPACE_BYTES, so a
+prefill's [rows x context] scores never exist at once. Within a chunk, the paths below keep per-tile candidates
+(CAND 0 / 1) or, with KT = BLOCK_N (short contexts) and SCORES 1 (decode at long contexts while T x L x 4 B fits
+SCORES_WORKSPACE, 64 MB: 16.8 MB at 32 tokens x 128K), every position's key or int32 score: for those rows the
+chunk's score row is in memory (issue 4 asks for no full score matrix; this is the bounded departure, config
+SCORES 0 avoids it at long contexts). Each score becomes a unique 64-bit key
     key = (orderable(score) << 32) | (2^32 - 1 - position)            (signed int64 order)
 whose order is exactly the selection order; four kernels:
  1. score    grid (rows, SPLITS): a lean streaming pass (nothing held across tiles; num_stages lets the
@@ -45,6 +50,12 @@ SELECT 2 (KT = BLOCK_N; `_topk_fused`): two launches, no memset: the score progr
 histograms, the last to arrive reads the exact threshold off them, a parallel kernel places the selection.
 (A SELECT 3 without a last arriver, every placement part reading the threshold off the histograms itself, was
 measured slower in session 11 and removed: see `heuristic`.)
+SCORES 1 (decode at long contexts, `_indexer_scores`): the score kernel stores each position's orderable fp32 score
+bits (int32) to a [rows, NT * BLOCK_N] workspace and counts their first digit, nothing else; SELECT 1 then runs over
+that row (`_select_kernel` / `_place_kernel` with SRC32 form each key from its score and position on load), or with
+BUCKET 1 (`_topk_bucket`, the default) three launches none of which carries another's registers: lean parts count
+the scores above the boundary digit and append the boundary bucket's keys, one program per row finishes the exact
+threshold over that bucket and stores each part's offset, then `_place_kernel`.
 Workspace per row 8 B x (NT*(KT+1) + (topk/KT)*BLOCK_N + 2 pow2(topk) + 2); prefill runs in row chunks.
 Pools: flat [N, ...] or block views [NB, block_size, ...] of a packed pool (`_paging.pool_strides`), read
 in place through `row_offsets`.
@@ -52,8 +63,8 @@ in place through `row_offsets`.
 API: `indexer_topk(...)` (positions: the IR op), `output="rows"` (the positions' pool rows, -1
 padded: what attention kernels read), `key_format="mxfp4"`. Tunables: BLOCK_N, KT, SPLITS (programs
 per row), CAND, DOT, PREFETCH (score kernel: next tile in flight), num_warps / num_stages (score kernel),
-MERGE_TILE, MERGE_WARPS, FILTER / FILTER_PARTS, SELECT / SELECT_PARTS / SELECT_RES (SELECT 2: SELECT_PARTS,
-SELECT_TILE, SELECT_WB, SELECT_WARPS: `_topk_fused.fused_launch`), HIST (score kernel: per-program first-digit histogram).
+MERGE_TILE, MERGE_WARPS, FILTER / FILTER_PARTS, SCORES, BUCKET, SELECT / SELECT_PARTS / SELECT_RES (SELECT 2:
+SELECT_PARTS, SELECT_TILE, SELECT_WB, SELECT_WARPS: `_topk_fused.fused_launch`), HIST (score kernel: per-program first-digit histogram).
 Every kernel keeps the PDL contract (`_pdl`: `pdl_enter` first, the caches they read are written earlier in the
 step). Batch invariant (each row on its own).
 """
@@ -69,13 +80,16 @@ import triton.language as tl
 
 from ..kernel import KernelTemplate, Tunable, pow2_bucket
 from ._paging import context_bound, paging_args, pool_strides
+from ._indexer_scores import scores_launch
 from ._indexer_tiles import _rescore_kernel, _score_kernel
 from ._pdl import launch_kwargs
+from ._topk_bucket import bucket_select
 from ._topk_fused import fused_launch
 from ._topk_parallel import _filter_kernel, _place_kernel, _select_kernel
 from ._topk_select import _merge_kernel
 
 WORKSPACE_BYTES = 1 << 28
+SCORES_WORKSPACE = 1 << 26   # the heuristic materialises the scores (SCORES 1) when T x L x 4 B fit this
 RESCORE_PROGRAMS = 16   # programs per row rescoring overflowed tiles
 WORK_ROW_FACTOR = 2     # second merge: survivors of the first merge's threshold held in a work row of 2 pow2(topk) keys
 
@@ -105,8 +119,10 @@ def heuristic(key: dict, target: str) -> dict:
     Short contexts (L <= ~8 topk: a 128-key tile then holds >= 32 winners on average): every key is a candidate
     (KT = BLOCK_N: no per-tile sort, no witness, never a rescore), one tile per program, SELECT 1 (parallel
     threshold, last arriver over the survivors, `_place_kernel`), FILTER once a row holds > 4 x 2048 candidates.
-    Long contexts: the best two of each group of consecutive positions (CAND 1, `default_kt_pairs`), fp16 dots
-    (DOT 3) at num_stages 1, FILTER 1; the few tiles that hold more winners are rescored exactly.
+    Long contexts: decode (T x L x 4 B <= SCORES_WORKSPACE; batch invariant: any T, the choice depends on L only)
+    materialises the scores (SCORES 1, then the BUCKET 1 select over them); prefill keeps the best two of each group of
+    consecutive positions (CAND 1, `default_kt_pairs`), fp16 dots (DOT 3) at num_stages 1, FILTER 1; the few tiles
+    that hold more winners are rescored exactly.
     DOT is numerics, not a tunable: SPEC §5.6 asks fp32 accumulation, which DOT 0 and DOT 3 (e4m3 codes widened
     exactly to bf16 / fp16, fp32-accumulating tensor-core dots) give. DOT 1 (FP8 tensor-core dots, reduced-precision
     sums promoted to fp32 every 32-deep step) differs from the reference at near-ties within 1e-4; DOT 2 (no
@@ -139,7 +155,23 @@ def heuristic(key: dict, target: str) -> dict:
     is the serial part: the last arriver's dependent histogram reads and radix steps, then the placement.
     SELECT 3 (every placement part reading the threshold off two launch-parity histogram sets, no last arriver)
     measured 13.82-14.19 us vs SELECT 2's 13.37 at batch 1 8K and 26.59 vs 25.51 in the indexer + MLA chain
-    (benches/results/h200-2026-11-30-s11/attention_decode_final.json): removed."""
+    (benches/results/h200-2026-11-30-s11/attention_decode_final.json): removed.
+    Session 13 (one H200 call, benches/results/h200-2026-11-30-s13/attention_decode_indexer_scores.json; read
+    bandwidth 4.45 TB/s, byte floor 124.6 us): batch 32 at 128K, SCORES 1 with SELECT_RES 2048 on 4 warps 342.4 us
+    (36.4%) vs 445.0 (28.0%) for the group top-2 path in the same run (its score pass alone 315.8); the SCORES score
+    pass alone (memset + scores) 248.7 (50.1%): select and placement take the other ~94 us. With SELECT_RES
+    8192 on 8 warps 361.0 (PDL off 366.7): `_select_kernel` then holds 255 registers and spills, and the parts
+    carry the last arriver's registers (241 at RES 2048 / 4 warps: 2 programs per SM for 512 parts). SELECT_PARTS 32
+    364.5; score-kernel variants in `_indexer_scores`. Batch 1 at 8K unchanged (SELECT 2, 13.65 us).
+    Session 13, second call (benches/results/h200-2026-11-30-s13/attention_decode_indexer_bucket.json; read bandwidth
+    4.33 TB/s, byte floor 127.9 us; every config exact: the default vs the IR reference, the others the same rows,
+    graph == eager over 50 replays for the default and the best): BUCKET 1 (`_topk_bucket`: lean parts, one threshold
+    program per row over the boundary bucket, placement) with 16 parts, SELECT_RES 4096 on 8 warps 312.0 us (41.0%;
+    PDL off 317.2) vs 346.6 (36.9%) for the SELECT 1 default above; the select alone (memset + select + placement over
+    stored scores) 68.3 vs 88.4, the score pass alone 246.9. 32 parts 307.8 (41.6%: the new default), 64 parts 308.9,
+    SELECT_RES 2048 on 4 warps 310.7, SELECT_RES 8192 335.6 (the threshold program's pass over the resident bucket
+    costs with its size), MERGE_TILE 4096 322.6 (`_place_kernel` then 249 registers), SPLITS 66 310.9 (score pass
+    241.7). Batch 1 at 8K unchanged (SELECT 2, 13.66 us)."""
     L, K, T = max(1, key["L"]), key["K"], max(1, key["T"])
     if target == "cpu":
         bn = 32 if L <= 256 else 128
@@ -156,6 +188,9 @@ def heuristic(key: dict, target: str) -> dict:
                     CAND=0, DOT=3, MERGE_TILE=2048, FILTER=int(nt * bn > 4 * 2048), FILTER_PARTS=16,
                     SELECT=1, SELECT_PARTS=16, SELECT_RES=2048)
     splits = max(1, min(max(1, nt // 4), round(8 * 132 / T)))
+    if key.get("bi") or T * L * 4 <= SCORES_WORKSPACE:   # decode: materialised scores (batch invariant: any T)
+        return dict(BLOCK_N=bn, KT=bn, SPLITS=splits, num_warps=4, num_stages=1, CAND=0, DOT=3, MERGE_TILE=2048,
+                    SCORES=1, SELECT=1, BUCKET=1, SELECT_PARTS=32, SELECT_RES=4096, MERGE_WARPS=8)
     return dict(BLOCK_N=bn, KT=default_kt_pairs(bn, K, L), SPLITS=splits, num_warps=4, num_stages=1, CAND=1, DOT=3,
                 MERGE_TILE=2048, FILTER=1, FILTER_PARTS=16)
 
@@ -163,7 +198,7 @@ def heuristic(key: dict, target: str) -> dict:
 def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_table, block_size: int, topk: int, *,
                  key_format: str = "fp8", output: str = "positions", config: dict | None = None,
                  max_context: int | None = None, stats: dict | None = None,
-                 stop_after: str | None = None) -> torch.Tensor:
+                 stop_after: str | None = None, scores_in: tuple | None = None) -> torch.Tensor:
     """Exact DSA top-k. q f8e4m3 [T, HI, DI], q_scale fp32 [T, HI], w [T, HI];
     key_format "fp8": keys f8e4m3 (or its uint8 view) [N, DI], key_scale fp32 [N];
     key_format "mxfp4": keys uint8 [N, DI/2] (low nibble = even element), key_scale uint8 E8M0 [N, DI/32].
@@ -177,7 +212,9 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_tab
     score kernel, the merge; with per-tile candidates (KT < BLOCK_N) also the rescore and the second merge;
     `stats` (a dict) receives overflowed_rows / overflowed_tiles (a host sync; tests and benches).
     `stop_after="score"` runs the score kernel only, "merge1" also the first selection (filter + merge 1, or
-    SELECT's two kernels) but no rescore / merge 2: profiling aids for benches (`out` is then unfinished)."""
+    SELECT's two kernels) but no rescore / merge 2: profiling aids for benches (`out` is then unfinished). SCORES 1
+    bench hooks: with `stop_after="score"` and `stats`, stats["scores"] = (score rows, first-digit histogram);
+    `scores_in` = that pair (same inputs and config, one workspace chunk) skips the score kernel: the select alone."""
     T, HI, DI = q.shape
     fmt = {"fp8": 0, "mxfp4": 1}.get(key_format)
     width = DI if fmt == 0 else DI // 2
@@ -198,7 +235,10 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_tab
     L = int(max_context) if max_context is not None else int(block_table.shape[1]) * int(block_size)
     cfg = dict(config or heuristic({"T": T, "L": L, "K": topk, "HI": HI, "DI": DI},
                                    "cpu" if dev.type == "cpu" else "gpu"))
-    bn, kt = int(cfg["BLOCK_N"]), int(cfg["KT"])
+    bn, kt, scores = int(cfg["BLOCK_N"]), int(cfg["KT"]), int(cfg.get("SCORES", 0)) == 1
+    if scores and (kt != bn or int(cfg.get("SELECT", 1)) != 1):
+        raise ValueError(f"indexer_topk: config {cfg}: SCORES 1 needs every key a candidate (KT == BLOCK_N), SELECT 1")
+    scores = scores and L > topk   # (shorter contexts: everything is selected, no scores needed)
     if kt > bn or kt & (kt - 1) or bn & (bn - 1) or bn < 16:
         raise ValueError(f"indexer_topk: config {cfg} needs powers of two KT <= BLOCK_N, BLOCK_N >= 16")
     interp = os.environ.get("TRITON_INTERPRET") == "1"
@@ -222,7 +262,8 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_tab
     max_ovf = max(1, topk // (kt if cand_mode == 0 else 2))   # an overflowed tile holds >= KT (CAND 1: 2) winners
     KP = _pow2(topk)
     KW = WORK_ROW_FACTOR * KP    # work row: top-k plus the survivors of rescored tiles (second merge)
-    per_row = 8 * (2 * NT * kt + NT + max_ovf * bn + KW + 2) + 4 * (max_ovf + 1 + 2 * 2048 + 1024 + 1)
+    per_row = 8 * (2 * NT * kt + NT + max_ovf * bn + KW + 2) + 4 * (max_ovf + 1 + 2 * 2048 + 1024 + 1) - \
+        4 * NT * kt * scores   # SCORES: the row is int32
     chunk = max(1, min(T, WORKSPACE_BYTES // per_row))
     # DOT 0 / 3: both sides exact in bf16 / fp16, fp32 accumulation (SPEC §5.6). DOT 1 / 2: FP8 keys x FP8 queries on
     # the tensor cores, which sum the products of one 32-deep MMA step with ~14-bit alignment (not exact
@@ -234,9 +275,10 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_tab
     imprecise = (32 if dot == 1 else DI) if fp8_dot else 0
     HP = max(16, _pow2(HI))
     mt = int(cfg.get("MERGE_TILE", 1024))
-    sel_mode = bool(cfg.get("SELECT", 0)) and L > topk
+    sel_mode = (bool(cfg.get("SELECT", 0)) or scores) and L > topk
     filt, parts = bool(cfg.get("FILTER", 0)) and L > topk and not sel_mode, int(cfg.get("FILTER_PARTS", 16))
     sparts, res = int(cfg.get("SELECT_PARTS", 16)), int(cfg.get("SELECT_RES", 4096))
+    bucket = scores and int(cfg.get("BUCKET", 0)) == 1   # the three-launch select (`_topk_bucket`)
     if parts & (parts - 1) or not 1 <= parts <= 1024 or sparts & (sparts - 1) or not 1 <= sparts <= 1024 or \
             res & (res - 1) or res < 16:
         raise ValueError(f"indexer_topk: config {cfg}: FILTER_PARTS / SELECT_PARTS must be powers of two in 1..1024, "
@@ -258,43 +300,59 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_tab
                 stats["overflowed_tiles"] = stats.get("overflowed_tiles", 0)
             continue
         cand, tmin, ext, work, th = (torch.empty(n, m, dtype=torch.int64, device=dev)
-                                     for m in (NT * kt, NT, max_ovf * bn, KW, 2))
+                                     for m in (NT * kt * (not scores), NT, max_ovf * bn, KW, 2))
+        if scores:   # the materialised scores (`_indexer_scores`)
+            cand = torch.empty(n, NT * kt, dtype=torch.int32, device=dev)
         ovf = torch.empty(n, max_ovf, dtype=torch.int32, device=dev)
         # one memset: first-digit histograms (counted while scoring), overflow counts, second-digit histograms,
         # survivor counts and arrival counters (SELECT)
-        seg = [2048, 1] + [2048] * (filt or sel_mode) + [1, 1] * sel_mode
+        seg = [2048, 1] + [2048] * (filt or (sel_mode and not bucket)) + [1, 1] * sel_mode
         zeroed = torch.zeros(n * sum(seg), dtype=torch.int32, device=dev)
         views = [zeroed[n * sum(seg[:i]):n * sum(seg[:i + 1])].view(n, w_) for i, w_ in enumerate(seg)]
         hist, novf = views[0], views[1].view(n)
-        hist2 = views[2] if len(views) > 2 else hist
+        hist2 = views[2] if len(views) > 2 and not bucket else hist
         cnt, ncomp = (torch.empty(n, parts, dtype=torch.int32, device=dev),
                       torch.empty(n, dtype=torch.int32, device=dev)) if filt else (novf, novf)
         if sel_mode:
-            ncomp, arrive = views[3].view(n), views[4].view(n)
+            ncomp, arrive = views[-2].view(n), views[-1].view(n)
         qc, wc, sc, rc, pc, oc = q8[r0:r1], w[r0:r1], q_scale[r0:r1], req[r0:r1], pos[r0:r1], out[r0:r1]
         common = dict(HI=HI, DI=DI, HP=HP, BLOCK_N=bn, KT=kt, KEY_FMT=fmt, DOT_DT=dot_dt, LOG_BS=log_bs,
                       IMPRECISE=imprecise, **pdl)
         pools = (k8, ks, k_sb, k_sr, s_sb, s_sr)
         splits = max(1, min(int(cfg["SPLITS"]), NT))
-        _score_kernel[(n, splits)](qc, wc, sc, *pools, tbl, rc, MB, pc, cand, tmin, hist, NT, topk, splits,
-                                   num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
-                                   CAND=cand_mode, PREFETCH=int(cfg.get("PREFETCH", 0)), HIST=int(cfg.get("HIST", 0)),
-                                   **common)
+        if scores_in is not None:   # bench hook (see the docstring)
+            if not scores or n != T:
+                raise ValueError("indexer_topk: scores_in needs SCORES 1 and one workspace chunk")
+            cand, hist = scores_in
+        elif scores:
+            scores_launch((qc, wc, sc, *pools, tbl, rc, MB, pc), cand, hist, n, NT, topk, cfg,
+                          {k: v for k, v in common.items() if k != "KT"})
+        else:
+            _score_kernel[(n, splits)](qc, wc, sc, *pools, tbl, rc, MB, pc, cand, tmin, hist, NT, topk, splits,
+                                       num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
+                                       CAND=cand_mode, PREFETCH=int(cfg.get("PREFETCH", 0)),
+                                       HIST=int(cfg.get("HIST", 0)), **common)
+        if scores and stats is not None and stop_after == "score":
+            stats["scores"] = (cand, hist)
         if stop_after == "score":
             continue
         merge = dict(BLOCK_N=bn, KT=kt, KP=KP, KW=KW, ROWS_OUT=output == "rows", TILE=mt, LOG_BS=log_bs,
                      COMPACT=filt or sel_mode, num_warps=int(cfg.get("MERGE_WARPS", 8 if mt >= 1024 else 4)), **pdl)
         src = cand
         if sel_mode:   # parallel threshold (last arriver) + parallel placement; PHASE 2 reads the survivors
-            src = torch.empty_like(cand)
+            src = torch.empty(n, NT * kt, dtype=torch.int64, device=dev)
             poff = torch.empty(n, sparts, dtype=torch.int32, device=dev)
-            _select_kernel[(n, sparts)](cand, tmin, hist, hist2, ncomp, arrive, src, poff, ovf, novf, th, oc, tbl, rc,
-                                        MB, pc, NT, topk, max_ovf, BLOCK_N=bn, KT=kt, PARTS=sparts, TILE=mt, RES=res,
-                                        ROWS_OUT=output == "rows", LOG_BS=log_bs,
-                                        num_warps=int(cfg.get("MERGE_WARPS", 8)), **pdl)
+            if bucket:
+                bucket_select(cand, hist, ncomp, src, poff, th, oc, tbl, rc, MB, pc, NT, topk, cfg, bn, sparts,
+                              output == "rows", log_bs, pdl)
+            else:
+                _select_kernel[(n, sparts)](cand, tmin, hist, hist2, ncomp, arrive, src, poff, ovf, novf, th, oc, tbl,
+                                            rc, MB, pc, NT, topk, max_ovf, BLOCK_N=bn, KT=kt, PARTS=sparts, TILE=mt,
+                                            RES=res, ROWS_OUT=output == "rows", LOG_BS=log_bs, SRC32=scores,
+                                            num_warps=int(cfg.get("MERGE_WARPS", 8)), **pdl)
             _place_kernel[(n, sparts)](cand, novf, th, poff, oc, tbl, rc, MB, pc, NT, topk, BLOCK_N=bn, KT=kt,
-                                       PARTS=sparts, TILE=mt, ROWS_OUT=output == "rows", LOG_BS=log_bs, num_warps=4,
-                                       **pdl)
+                                       PARTS=sparts, TILE=mt, ROWS_OUT=output == "rows", LOG_BS=log_bs, SRC32=scores,
+                                       num_warps=4, **pdl)
         else:
             if filt:   # parallel pre-selection: the merges then run over the survivors only
                 src = torch.empty_like(cand)
@@ -345,7 +403,7 @@ def _key(a, attrs) -> dict:
     a = _fused(a)
     L = context_bound(a.token_pos, attrs)
     T, HI, DI = (int(x) if hasattr(x, "__index__") else 0 for x in a.q.shape)
-    return {"T": T, "HI": HI, "DI": DI, "L": L, "K": int(attrs["topk"])}
+    return {"T": T, "HI": HI, "DI": DI, "L": L, "K": int(attrs["topk"]), "bi": int(bool(attrs.get("batch_invariant")))}
 
 
 def _bucket(key: dict) -> dict:
@@ -356,6 +414,8 @@ def _constraints(config: dict, key: dict, target: str) -> list[str]:
     bn, kt, smem = config["BLOCK_N"], config["KT"], config["BLOCK_N"] * key.get("DI", 128) * config["num_stages"]
     return [f"KT {kt} > BLOCK_N {bn}"] * (kt > bn) + \
         [f"SELECT 2 needs KT == BLOCK_N, found KT {kt}"] * (config.get("SELECT", 0) == 2 and kt != bn) + \
+        [f"SCORES 1 needs KT == BLOCK_N and SELECT 1, found KT {kt}, SELECT {config.get('SELECT')}"] * \
+        (config.get("SCORES", 0) == 1 and (kt != bn or config.get("SELECT", 1) != 1)) + \
         [f"key tiles BLOCK_N*DI*num_stages = {smem} B of shared memory"] * (target != "cpu" and smem > 200 * 1024)
 
 
@@ -371,7 +431,7 @@ TUNABLES = (Tunable("BLOCK_N", (64, 128, 256)), Tunable("KT", (4, 8, 16, 32, 64)
             Tunable("CAND", (0, 1)), Tunable("PREFETCH", (0, 1)), Tunable("FILTER", (0, 1)),
             Tunable("FILTER_PARTS", (16, 32)), Tunable("SELECT", (0, 1, 2)))
 # DOT fixes the numerics (never searched); MERGE_WARPS, SELECT_PARTS / SELECT_RES / SELECT_TILE / SELECT_WB /
-# SELECT_WARPS (the space stays under the tuner's enumeration limit) and HIST only by an explicit config
+# SELECT_WARPS (the space stays under the tuner's enumeration limit), HIST, SCORES and BUCKET only by an explicit config
 
 TEMPLATES = [
     KernelTemplate(family="indexer_topk", backend="triton", ops=("indexer_topk",), launch=_launch, key_dims=_key,

@@ -27,7 +27,8 @@ groups of MAXT tokens at once as [MAXT, D] tiles (MAXT = min(8, pow2(T/R)): 1 in
 verification; f_a f_b^T as 16-row tensor-core dots over RB rank columns at a time, with GEMV (one token) as
 f_c = sum_j f_b[c, j] f_a[j] over [D, RB] tiles, or with GATE_MM one GEMM before the kernel), then walks
 its D/SPLIT state columns in [D, BV] blocks (independent; with PREFETCH the next block's load is issued
-before the current block's update), so the state is read and written once per step. Every other load (the
+before the current block's update; one token's k, q and decay broadcasts over the block's columns are made
+once, before the walk), so the state is read and written once per step. Every other load (the
 v conv inputs, the output gate, o_norm_w, the new conv tails) is issued before the recurrence, so no load
 waits at the end. SPLIT > 1 (small batches) shares a head's columns among SPLIT programs: each stores its
 slice of o (fp32 workspace) and counts itself on a per-(request, head) atomic counter (acq_rel); the last
@@ -73,6 +74,7 @@ def _kda_decode_kernel(q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, fa, s_fa, fb,
     NV: tl.constexpr = DVP // BV
     FB1: tl.constexpr = EARLY and LOWRANK and RL <= RB  # the whole rank in one block: f_b's tile before the wait
     c0 = vs * DVP
+    offs = tl.arange(0, D)[:, None] * D + tl.arange(0, BV)[None, :]  # one [D, BV] state block's element offsets
     dd = tl.arange(0, D)
     tt = tl.arange(0, MAXT)
     ch = h * D + dd
@@ -104,7 +106,7 @@ def _kda_decode_kernel(q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, fa, s_fa, fb,
         n = tl.load(cu + r + 1).to(tl.int64) - bos
         slot = tl.load(slots + r).to(tl.int64)
         st_h = st + (slot * H + h) * D * D
-        sp0 = st_h + dd[:, None] * D + c0 + tl.arange(0, BV)[None, :]
+        sp0 = st_h + c0 + offs
         s_next = tl.load(sp0, eviction_policy="evict_first")
         pdl_enter(PDL)
     else:
@@ -113,7 +115,7 @@ def _kda_decode_kernel(q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, fa, s_fa, fb,
         n = tl.load(cu + r + 1).to(tl.int64) - bos
         slot = tl.load(slots + r).to(tl.int64)
         st_h = st + (slot * H + h) * D * D
-        sp0 = st_h + dd[:, None] * D + c0 + tl.arange(0, BV)[None, :]
+        sp0 = st_h + c0 + offs
     cst = cstate + slot * (KW - 1) * C3
     # the new conv tails (last K-1 context rows) are loaded up front, so the kernel's end waits on no load;
     # they are stored at the end, after every read of the old tails (all programs of the head read q/k)
@@ -176,14 +178,15 @@ def _kda_decode_kernel(q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, fa, s_fa, fb,
             xv2 = _conv_silu(v, s_v, cst + 2 * P, C3, vw, bos, t0, nt, cvp, KW, MAXT)
         xv3 = tl.reshape(xv2, [MAXT, NV, BV])
         o3 = tl.zeros([MAXT, NV, BV], dtype=tl.float32)
+        if MAXT == 1 and NV > 1:  # one token: its k, q, decay broadcasts, the same for every block, made once
+            k1, q1, g1 = _row(kn, 0)[:, None], _row(qn, 0)[:, None], _row(eg, 0)[:, None]
         # the recurrence, one [D, BV] column block of the state at a time
         for vb in range(NV):
-            cv = c0 + vb * BV + tl.arange(0, BV)
             sp = sp0 + vb * BV
             if PREFETCH or EARLY:  # block vb was loaded one step ahead; issue block vb+1 before computing on vb
                 S = s_next.to(tl.float32)
                 if NV > 1:
-                    s_next = tl.load(sp + BV, mask=(vb + 1 < NV) & (dd < D)[:, None], other=0.0,
+                    s_next = tl.load(sp + BV, mask=(vb + 1 < NV) & (offs >= 0), other=0.0,
                                      eviction_policy="evict_first")
             else:
                 S = tl.load(sp, eviction_policy="evict_first").to(tl.float32)
@@ -192,16 +195,23 @@ def _kda_decode_kernel(q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, fa, s_fa, fb,
             else:
                 xv = tl.sum(tl.where((tl.arange(0, NV) == vb)[None, :, None], xv3, 0.0), axis=1)
             for t in range(0, tl.minimum(nt, MAXT)):
-                kt = _row(kn, t)
-                S = S * _row(eg, t)[:, None]
-                pred = tl.sum(S * kt[:, None], axis=0)                       # S'^T k
-                beta_t = tl.sum(tl.where(tt == t, bt, 0.0), axis=0)
-                S = S + kt[:, None] * (beta_t * (_row(xv, t) - pred))[None, :]
-                o = tl.sum(S * _row(qn, t)[:, None], axis=0)                 # S^T (q scale)
+                if MAXT == 1 and NV > 1:
+                    S = S * g1
+                    pred = tl.sum(S * k1, axis=0)
+                    beta_t = tl.sum(tl.where(tt == t, bt, 0.0), axis=0)
+                    S = S + k1 * (beta_t * (_row(xv, t) - pred))[None, :]
+                    o = tl.sum(S * q1, axis=0)
+                else:
+                    kt = _row(kn, t)
+                    S = S * _row(eg, t)[:, None]
+                    pred = tl.sum(S * kt[:, None], axis=0)                   # S'^T k
+                    beta_t = tl.sum(tl.where(tt == t, bt, 0.0), axis=0)
+                    S = S + kt[:, None] * (beta_t * (_row(xv, t) - pred))[None, :]
+                    o = tl.sum(S * _row(qn, t)[:, None], axis=0)             # S^T (q scale)
                 put = (tt == t)[:, None] & (tl.arange(0, NV) == vb)[None, :]
                 o3 += tl.where(put[:, :, None], o[None, None, :], 0.0)
                 if KEEP:
-                    tl.store(st_keep + ((bos + t0 + t) * H + h) * D * D + dd[:, None] * D + cv[None, :],
+                    tl.store(st_keep + ((bos + t0 + t) * H + h) * D * D + c0 + vb * BV + offs,
                              S.to(st_keep.dtype.element_ty))
             tl.store(sp, S.to(st.dtype.element_ty), eviction_policy="evict_first")
         if t0 + MAXT < n:  # another group follows: its loads come after this group's stores
@@ -384,7 +394,22 @@ def heuristic(key, target):
       the fused launch): 90.86 with the gate GEMM, 96.36 with the dot-free gate in the front launch, 141.8 with a
       whole-row block on 8 warps, vs 88.38 fused (copy ceiling 70.9 in the same run). So the fronts are not what
       keeps the kernel above the copy ceiling: the recurrence alone stays ~15 us above it (probably its per-block
-      reductions over D run across warps, through shared memory)."""
+      reductions over D run across warps, through shared memory).
+    s13 (benches/results/h200-2026-11-30-s13/kda_decode_wk_helper.json; floor 64.71 at 4148 GB/s; the copy ceiling
+    70.83, 69.65 with streaming stores, 71.62 written to a second pool; ptxas registers / spills from Triton 3.6):
+      B=64 H=32: 88.70 (PDL off 87.89; 254 registers, 0 spills) with one token's k, q, decay broadcasts made once
+        before the block walk (13 instead of 19 bar.sync per block in the PTX) vs 88.97 (89.05; 246 / 0) without:
+        kept, a gain at the noise level. fla 88.83, + its GEMM 92.30; ours with f given 85.22.
+      Measured and removed: WK, each warp owning BV/warps whole columns of the block (a [D/KL, warps, KL, BV/warps]
+        tile, KL lanes along k) so that reductions over k stay in the warp (2-7 bar.sync per block left): its state
+        walk alone takes 98.4-101.8 (a warp reads 8 rows x 64 bytes instead of 2 x 256; BV 32: 132.6) and Triton
+        3.6 spilled (n_spills 0-118): 148.2, 141.8 without the hoist, 178.1 with v and o in the tile layout too
+        (wrong outputs, rel 0.06, on the GPU at BV 32 x 4 warps and 16 warps: not investigated), BV 32 x 2 warps
+        117.5, BV 16 x 1 warp 374.6, BV 128 x 8 warps 198.0, EARLY 164.7; 8-token verification 1467 vs 871.1; B=1
+        split 4 6.70 / 7.10 (H=12; WK / with v, o) and 7.56 / 7.99 (H=32) vs 6.21 / 7.27, x 2 warps 10.31 / 11.28,
+        split 8 x 2 warps 8.22, split 2 x 8 warps 7.83, one program x 8 warps 10.16 (H=12). Streaming state stores
+        (.cs) 88.81. EARLY with two blocks a program (the first loaded before the PDL wait) 108.0 (255 / 6).
+      B=1 H=12 6.21 (fla 5.55, + its GEMM 8.65; ours with f given 5.03), H=32 7.26-7.27 (fla 6.08, + GEMM 9.09)."""
     D = key["D"]
     if str(target).startswith("cpu"):
         return {"BV": D, "WARPS": 4, "SPLIT": 1, "PREFETCH": 1, "GATE_MM": 0, "RB": 32, "MAXNREG": 0, "GEMV": 0,

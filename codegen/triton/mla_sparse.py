@@ -8,13 +8,14 @@ Math, per token t (request r, position p) and head h, over its context rows c(s)
 The kernel does the attention over latent rows: one program per (token, block of BLOCK_H heads,
 chunk of CHUNK context entries), all heads of the block sharing every latent row it loads (the
 row is read once per token, not once per head), online softmax in fp32 (exp2), tensor-core dots.
-Two orientations (ORIENT): 1 = `_mla_heads_kernel` in _mla_heads.py (heads are the dots' M, one pass per step over
-whole rows: the default, FP8 pools), 0 = `_mla_sparse_kernel` in _mla_rows.py (rows are M, optional column
-blocks: the previous path, kept for bf16 / NVFP4 pools). Both gather and dequantise rows through
-_mla_tiles.py. Chunks of the same token are merged by `_combine_kernel` (_mla_tiles.py, launched by
-_mla_combine.py's `combine_chunks`, which also holds the query absorption) with their
-log-sum-exps, in a fixed order (o~ i = sum_i e^(lse_i - lse) o~_i, lse = log sum_i e^lse_i). The number
-of chunks is L / CHUNK with L the number of selected rows (sparse) or the context bound (dense): never the
+Three orientations (ORIENT): 1 = `_mla_heads_kernel` in _mla_heads.py (heads are the dots' M, one pass per step over
+whole rows: FP8 pools at small batches), 2 = `_mla_rowsm_kernel` in _mla_rowsm.py (rows are the dots' M, wgmma on
+sm_90, fp8 logits dots against queries split into two e4m3 parts: FP8 pools once the tokens fill the GPU),
+0 = `_mla_sparse_kernel` in _mla_rows.py (rows are M, optional column blocks: the previous path, kept for bf16 /
+NVFP4 pools). All gather and dequantise rows through _mla_tiles.py. Chunks of the same token are merged by
+`_combine_kernel` (_mla_tiles.py, launched by _mla_combine.py's `combine_chunks`, which also holds the query
+absorption) with their log-sum-exps, in a fixed order (o~ i = sum_i e^(lse_i - lse) o~_i, lse = log sum_i e^lse_i).
+The number of chunks is L / CHUNK with L the number of selected rows (sparse) or the context bound (dense): never the
 context for a selection. Chunk boundaries depend only on CHUNK and the token's own rows; CHUNK follows the
 batch size (to fill the GPU) except in batch-invariant mode, where it depends on L only.
 
@@ -34,7 +35,7 @@ blocks per row, 1 = one pass, 4 = two passes), PREFETCH (1: next step's rows res
 2: next step's bytes in registers), LSUM (ORIENT 1: softmax denominators summed over the row lanes once after the
 loop: one cross-warp reduction per step instead of two),
 F16 (ORIENT 1 on FP8 / NVFP4 pools: fp16 dots with per-head power-of-two query scaling, `_mla_heads.py`),
-num_warps, num_stages.
+KB (ORIENT 2: width of the c_KV column blocks), num_warps, num_stages.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from ..kernel import KernelTemplate, Tunable, pow2_bucket
 from ._mla_combine import _interpreting, absorb_queries, combine_chunks, split_kv_b
 from ._mla_heads import _mla_heads_kernel
 from ._mla_rows import _mla_sparse_kernel
+from ._mla_rowsm import _mla_rowsm_kernel
 from ._mla_tiles import _LN2, e2m1_to_f32, e8m0_to_f32  # noqa: F401  (re-exported: mla_prefill, the indexer)
 from ._paging import context_bound, paging_args, pool_strides
 from ._pdl import launch_kwargs
@@ -66,7 +68,9 @@ def _pow2(n: int) -> int:
 
 
 def heuristic(key: dict, target: str) -> dict:
-    """FP8 pools (the model's): ORIENT 1 (`_mla_heads_kernel`), BLOCK_H 16 heads per program (the MMA's
+    """FP8 pools (the model's): ORIENT 2 (`_mla_rowsm_kernel`: BLOCK_N 64 rows as the wgmma M, KB 128, 3 stages) once
+    the tokens alone fill the GPU (T x head blocks >= 32, not batch-invariant mode), else ORIENT 1
+    (`_mla_heads_kernel`); BLOCK_H 16 heads per program (ORIENT 1: the MMA's
     minimum M; the fp32 accumulator is BLOCK_H x kv), rows resolved a step ahead (PREFETCH 1: positions are two dependent
     reads, index then block id, before the gather). CHUNK (rows per program) sizes the split of a token's
     rows, which is what fills the GPU at small batches: a batch of T tokens gets about 4 programs per SM
@@ -122,6 +126,14 @@ def heuristic(key: dict, target: str) -> dict:
     arrives at a counter, spins until all have, then merges a column slice; no `_combine_kernel` launch; exact,
     graph == eager) measured 12.87 us at 64 pieces, 14.99 at 32, 15.92 at 128, and 28.4 vs 25.4 us in the indexer +
     MLA chain. Not kept. Batch 64 77.7 us this run (23.4% of 4.36 TB/s; L2-resident rows 71.3, contiguous 75.5).
+    Session 13 (benches/bench_mla_b64.py, one call, 4.37 TB/s streaming read; every config checked against float64
+    and graph replay == eager): batch 64 ORIENT 1 (this heuristic's session-10 config) 76.96 us (23.6%; L2-resident
+    rows 71.3), ORIENT 2 67.49 (26.9%; L2-resident rows 62.3): now the default there; its other configs and removed
+    variants are in _mla_rowsm.py's docstring. Batch 1: ORIENT 1 11.61 us, ORIENT 2 (CHUNK 64, 2 stages) 11.60:
+    ORIENT 1 kept. Batch 32 (also "many") was not measured with ORIENT 2. In the rank decode graph at batch 64 (8K,
+    benches/results/h200-2026-11-30-s13/runtime_mla_orient.json, two rounds) the step took 2433.7 / 2456.8 us with
+    ORIENT 2 vs 2458.1 / 2440.5 with the ORIENT 1 config (the node is ~10 us of a 2.4 ms step: within the noise).
+    Numerics: o~ vs float64 2.42e-3 (ORIENT 1: 2.25e-3), lse 1.52e-5 (1.23e-5): the fp8 logits' tensor-core sums.
     bf16 and NVFP4 pools keep the rows-major kernel's configs (measured 2026-11-29 s3: 0.087 / 0.185 ms at
     batch 64), with the same split rule."""
     H = max(1, key.get("H", 16))
@@ -139,9 +151,10 @@ def heuristic(key: dict, target: str) -> dict:
     if fmt != 1:   # bf16 / NVFP4 pools: the previous rows-major configs (ORIENT 1 not yet measured on them)
         cfg = dict(ORIENT=0, BLOCK_H=bh, BLOCK_N=32, num_warps=4, num_stages=2, SUB=1, PREFETCH=1) if fmt == 0 else \
             dict(ORIENT=0, BLOCK_H=bh, BLOCK_N=64, num_warps=4, num_stages=1, SUB=4, PREFETCH=1)
+    elif many:   # the tokens fill the GPU: rows as the dots' M (wgmma), fp8 logits (_mla_rowsm.py)
+        cfg = dict(ORIENT=2, BLOCK_H=bh, BLOCK_N=64, KB=128, num_warps=4, num_stages=3, PREFETCH=1)
     else:
-        cfg = dict(ORIENT=1, BLOCK_H=bh, BLOCK_N=32, num_warps=4, num_stages=3 if many else 1, PREFETCH=1, F16=1,
-                   **({"LSUM": 1} if many else {}))
+        cfg = dict(ORIENT=1, BLOCK_H=bh, BLOCK_N=32, num_warps=4, num_stages=1, PREFETCH=1, F16=1)
     cfg["CHUNK"] = min(16384, max(cfg["BLOCK_N"], _pow2(-(-L // pieces))))
     return cfg
 
@@ -182,10 +195,13 @@ def sparse_latent_attention(q_abs, q_pe, latent, token_pos, paging, scale: float
     bh, bn, chunk = int(cfg["BLOCK_H"]), int(cfg["BLOCK_N"]), int(cfg["CHUNK"])
     prefetch = int(cfg.get("PREFETCH", 0))
     lsum = int(cfg.get("LSUM", 0))
-    if prefetch not in (0, 1, 2) or orient not in (0, 1) or (orient == 1 and int(cfg.get("SUB", 1)) != 1) or \
-            (orient == 0 and (prefetch == 2 or lsum)) or lsum not in (0, 1):
-        raise ValueError(f"mla: config {cfg}: ORIENT must be 0 or 1, PREFETCH 0 or 1 (ORIENT 1 also 2), LSUM 0 or 1 "
-                         f"(ORIENT 1's), and ORIENT 1 takes whole rows (SUB 1)")
+    kb = min(KV, int(cfg.get("KB", 128)))
+    if prefetch not in (0, 1, 2) or orient not in (0, 1, 2) or (orient != 0 and int(cfg.get("SUB", 1)) != 1) or \
+            (orient != 1 and (prefetch == 2 or lsum)) or lsum not in (0, 1) or \
+            (orient == 2 and (fmt != 1 or KV % kb or kb & (kb - 1) or kb < 16)):
+        raise ValueError(f"mla: config {cfg}: ORIENT must be 0, 1 or 2 (2: FP8 pools only, KB a power of two "
+                         f"dividing kv), PREFETCH 0 or 1 (ORIENT 1 also 2), LSUM 0 or 1 (ORIENT 1's), and ORIENT 1 / 2 "
+                         f"take whole rows (SUB 1)")
     nsplit = max(1, -(-L // chunk))
     o = torch.empty(T, H, KV, dtype=out_dtype, device=dev)
     lse = torch.empty(T, H, dtype=torch.float32, device=dev)
@@ -206,6 +222,7 @@ def sparse_latent_attention(q_abs, q_pe, latent, token_pos, paging, scale: float
     if f16 not in (0, 1) or (f16 and (orient != 1 or fmt == 0)):
         raise ValueError(f"mla: config {cfg}: F16 1 (fp16 dots, scaled queries) needs ORIENT 1 and an FP8 or NVFP4 "
                          f"pool (latent_format {latent_format!r})")
+    f16 = f16 or int(orient == 2)   # ORIENT 2: fp16 value dots (its logits dots are fp8)
     dot_dt = tl.float32 if f32 else tl.float16 if f16 else tl.bfloat16
     if paging is None and selection is None:
         raise ValueError("mla: a dense context (no selection) needs the block table (paging)")
@@ -221,9 +238,11 @@ def sparse_latent_attention(q_abs, q_pe, latent, token_pos, paging, scale: float
                   **launch_kwargs())
     if orient == 0:
         common["SUB"] = int(cfg.get("SUB", 1))
-    else:
+    elif orient == 1:
         common.update(QSCALE=f16, CVT=int(f16 and fmt == 1 and not f32), LSUM=lsum)
-    kernel = _mla_heads_kernel if orient == 1 else _mla_sparse_kernel
+    else:
+        common.update(CVT=int(not f32), KB=kb)
+    kernel = (_mla_sparse_kernel, _mla_heads_kernel, _mla_rowsm_kernel)[orient]
     for t0 in range(0, T, tb):
         t1 = min(T, t0 + tb)
         po, plse = (o[t0:t1], lse[t0:t1]) if nsplit == 1 else (po_all[:t1 - t0], plse_all[:t1 - t0])
@@ -296,12 +315,17 @@ def _constraints(config: dict, key: dict, target: str) -> list[str]:
     out = []
     if config.get("ORIENT", 0) == 1 and config.get("SUB", 1) != 1:
         out.append("ORIENT=1 reads whole rows (SUB=1)")
-    if config.get("ORIENT", 0) == 0 and (config.get("PREFETCH", 0) == 2 or config.get("LSUM", 0)):
+    if config.get("ORIENT", 0) != 1 and (config.get("PREFETCH", 0) == 2 or config.get("LSUM", 0)):
         out.append("PREFETCH=2 and LSUM=1 are ORIENT=1's")
+    if config.get("ORIENT", 0) != 2 and config.get("KB", 128) != 128:
+        out.append("KB is ORIENT=2's")
     if config.get("ORIENT", 0) == 1 and config["BLOCK_H"] * key.get("KV", 512) > 32 * config["num_warps"] * 128:
         out.append("ORIENT=1 accumulator BLOCK_H*kv fp32 over num_warps*32 threads > 128 registers each")
     if config.get("F16", 0) and (config.get("ORIENT", 0) != 1 or key.get("fmt", 0) == 0):
         out.append("F16 (fp16 dots) is ORIENT=1's, for FP8 / NVFP4 pools")
+    if config.get("ORIENT", 0) == 2 and (key.get("fmt", 0) != 1 or config.get("SUB", 1) != 1 or config["BLOCK_N"] < 64
+                                         and target != "cpu"):
+        out.append("ORIENT=2 reads FP8 pools, whole rows (SUB=1), BLOCK_N >= 64 (wgmma M)")
     if config["CHUNK"] % config["BLOCK_N"]:
         out.append(f"CHUNK {config['CHUNK']} is not a multiple of BLOCK_N {config['BLOCK_N']}")
     if target != "cpu":
@@ -311,6 +335,9 @@ def _constraints(config: dict, key: dict, target: str) -> list[str]:
         elem = 1 if key.get("fmt", 0) else 2
         smem = config["BLOCK_N"] * width * 2 * max(1, config["num_stages"]) * (1 if config.get("SUB", 1) == 1 else 0.25) \
             + config["BLOCK_N"] * width * elem * (config["num_stages"] - 1) + config["BLOCK_H"] * width * 2
+        if config.get("ORIENT", 0) == 2:   # stages of e4m3 rows, the split query, one widened block
+            smem = config["BLOCK_N"] * width * max(1, config["num_stages"]) + config["BLOCK_H"] * width * 2 \
+                + config["BLOCK_N"] * config.get("KB", 128) * 2
         if smem > 227 * 1024:
             out.append(f"shared memory ~{int(smem)} B for BLOCK_N={config['BLOCK_N']}, num_stages={config['num_stages']}")
     return out
@@ -353,7 +380,8 @@ TUNABLES = (
     Tunable("SUB", (1, 4)),
     Tunable("PREFETCH", (0, 1, 2)),
     Tunable("LSUM", (0, 1)),
-    Tunable("ORIENT", (0, 1)),
+    Tunable("ORIENT", (0, 1, 2)),
+    Tunable("KB", (64, 128, 256)),
     Tunable("F16", (0, 1)),
 )
 

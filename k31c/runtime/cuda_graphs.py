@@ -28,6 +28,11 @@ launched late (`_moe_gemv_words` LATE) 555.9-564.2 / 1078.4-1080.5 vs LATE alone
 not kept. In that run's trace the MoE layer's middle (the experts beside the shared expert's GEMVs) moves its
 bytes at ~60% of the bandwidth: the experts' MXFP4 decode at one token needs ~11 µs of the whole GPU's issue
 slots a layer (~42 instructions per 8-value word, _moe_configs.py), which the concurrent GEMVs then lack.
+Session 13 (benches/results/h200-2026-11-30-s13/runtime_urgent.json) ran only the routed experts, or the experts
+and their input projection z, on a third stream at the highest priority (forked and joined around each node):
+batch 1 571.4-581.1 / 562.7-570.4 µs (z and experts with the gate-up late: 573.0-576.6) vs 557.2-563.6 off, batch 8
+1100.0-1100.6 / 1114.1-1120.2 vs 1077.6-1080.6; graph == eager bitwise. Slower: removed. Priorities order block
+placement only; what the experts lack beside the shared expert is issue slots, not SMs.
 
 Padding. Rows R..B-1 are padding requests: token 0 at position 0, block table [scratch block, -1, ...],
 state slot = the scratch slot. The scratch block and slot are reserved for this purpose when the runtime
@@ -43,6 +48,13 @@ each replay (`StepMetadataBuilder`, writing into the static inputs). In the H200
 starts ~7 µs after this kernel ends; launching it with a programmatic edge (session 12: the metadata kernel
 waiting and triggering at its start) did not move that start (batch 1 568.3-569.0 vs 568.6-570.2 µs,
 benches/results/h200-2026-11-30-s12/runtime_late_metapdl.json), so the gap is not the launch; not kept.
+Session 13 (runtime_trace_start.json, runtime_plain_first.json in benches/results/h200-2026-11-30-s13/): with
+PDL off the second kernel starts 0.4 µs after the first ends (and the step takes 594 vs ~555 µs); with the
+metadata expanded before the replay, the graph's first kernel runs at once and the stall moves to the next one
+(the first GEMV starts 5.8 µs after the first kernel ends); the first 1 / 2 / 3 launches captured without their
+programmatic edge change nothing (batch 1 551.4-553.6 vs 550.2-551.6 µs; the second kernel still starts at
+9.3 µs). So the ~7 µs sit before the graph's first programmatic launch, whatever precedes it: a cost of PDL in
+a graph, not of this kernel (the option was removed).
 Steps outside the buckets (more requests than the largest
 bucket, a table wider than `max_width` blocks) and every prefill/verify step run eagerly; fallbacks are
 counted by reason in `stats()`.

@@ -1,0 +1,119 @@
+"""BUCKET 1: the exact top-k of a materialised score row (SCORES 1, `_indexer_scores`) in three launches, no program
+carrying another's registers:
+ 1. `_bucket_kernel`, grid (rows, PARTS): part p owns the row's entries [p*per, (p+1)*per) (per: a multiple of
+    BLOCK_N, as `_place_kernel` splits them). From the score pass's first-digit histogram it derives the boundary
+    digit b0 (top 11 orderable bits of the topk-th largest score), counts its scores of digit > b0 (stored per part,
+    no atomic) and appends the keys of its scores of digit == b0 (the boundary bucket) to the row's bucket buffer
+    (one slot reservation per tile that has any). Nothing else: int32 loads and compares, few registers.
+ 2. `_threshold_kernel`, grid (rows): finishes the radix select over the boundary bucket only (8-bit digits of the
+    key below b0, in registers when the bucket fits RES, else passes over the buffer), so that (k & pmask) >= prefix
+    selects exactly the topk largest keys; counts the selected bucket keys by owning part and stores each part's
+    output offset (exclusive prefix of its count above b0 plus its selected bucket keys) and the threshold. A row
+    whose context holds <= topk positions is written whole here.
+ 3. `_topk_parallel._place_kernel` (SRC32): every part writes its selected positions from its offset.
+Exact by construction: keys are unique ((score desc, position asc) order), every key of digit > b0 is selected, the
+bucket's selected keys are the topk - (count above b0) largest of the bucket. Workspace per row: the bucket buffer
+(8 B x NT * BLOCK_N, touched only by the bucket's keys), PARTS counts and offsets, one zeroed counter.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._pdl import pdl_enter
+from ._topk_select import (INVALID, _finish_streamed, _hist_vals, _low32, _ord_keys, _part_range, _radix_step,
+                           _select_all)
+
+
+@triton.jit
+def _boundary_digit(hist, TOPK):
+    """The first digit (0..2047, unsigned order) of the TOPK-th largest key from the row's first-digit histogram."""
+    suffix = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist     # keys with digit >= bin
+    return tl.sum((suffix >= TOPK).to(tl.int32), 0) - 1
+
+
+@triton.jit
+def _bucket_kernel(sc_ptr, hist_ptr, gt_ptr, nb_ptr, bkt_ptr, pos_ptr, NT, TOPK, BLOCK_N: tl.constexpr,
+                   PARTS: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr):
+    """Step 1 of the module doc."""
+    pdl_enter(PDL)
+    row = tl.program_id(0)
+    part = tl.program_id(1)
+    ctx = tl.load(pos_ptr + row) + 1
+    if ctx > TOPK:
+        lo, n, _ = _part_range(tl.cdiv(ctx, BLOCK_N) * BLOCK_N, part, PARTS, BLOCK_N)
+        i11 = tl.arange(0, 2048)
+        b0 = _boundary_digit(tl.load(hist_ptr + row * 2048 + i11), TOPK)
+        srow = sc_ptr + row.to(tl.int64) * NT * BLOCK_N
+        brow = bkt_ptr + row.to(tl.int64) * NT * BLOCK_N
+        gt = tl.zeros([], tl.int32)
+        for c0 in range(0, n, TILE):
+            p = lo + c0 + tl.arange(0, TILE)
+            m = (p < lo + n) & (p < ctx)
+            v = tl.load(srow + p, mask=m, other=0)
+            d = ((v >> 21) & 2047) ^ 1024
+            gt += tl.sum((m & (d > b0)).to(tl.int32), 0)
+            eq = m & (d == b0)
+            c = tl.sum(eq.to(tl.int32), 0)
+            if c > 0:
+                at = tl.atomic_add(nb_ptr + row, c, sem="relaxed") + tl.cumsum(eq.to(tl.int32), 0) - 1
+                tl.store(brow + at, _ord_keys(v, p, eq), mask=eq)
+        tl.store(gt_ptr + row * PARTS + part, gt)
+
+
+@triton.jit
+def _threshold_kernel(hist_ptr, gt_ptr, nb_ptr, bkt_ptr, poff_ptr, th_ptr, out_ptr, tbl_ptr, req_ptr, MB, pos_ptr, NT,
+                      TOPK, BLOCK_N: tl.constexpr, PARTS: tl.constexpr, TILE: tl.constexpr, RES: tl.constexpr,
+                      ROWS_OUT: tl.constexpr, LOG_BS: tl.constexpr, PDL: tl.constexpr):
+    """Step 2 of the module doc."""
+    pdl_enter(PDL)
+    row = tl.program_id(0)
+    ctx = tl.load(pos_ptr + row) + 1
+    if ctx <= TOPK:
+        _select_all(out_ptr + row.to(tl.int64) * TOPK, tbl_ptr + tl.load(req_ptr + row) * MB, ctx, TOPK, TILE,
+                    ROWS_OUT, LOG_BS)
+    else:
+        _, _, per = _part_range(tl.cdiv(ctx, BLOCK_N) * BLOCK_N, 0, PARTS, BLOCK_N)
+        i11 = tl.arange(0, 2048)
+        zero = tl.zeros([], tl.int64)
+        need, prefix, pmask, done = _radix_step(tl.load(hist_ptr + row * 2048 + i11), i11,
+                                                TOPK + tl.zeros([], tl.int32), zero, zero, 53, 11, 1024)
+        n_b = tl.load(nb_ptr + row)
+        brow = bkt_ptr + row.to(tl.int64) * NT * BLOCK_N
+        idx = tl.arange(0, 256)
+        if n_b <= RES:   # the bucket in registers
+            o_r = tl.arange(0, RES)
+            m_r = o_r < n_b
+            k_r = tl.load(brow + o_r, mask=m_r, other=INVALID)
+            for s in tl.static_range(7):   # digits at bits 45, 37, 29, 21, 13, 5, then the last at 0
+                if done == 0:
+                    sh = 45 - 8 * s if s < 6 else 0
+                    need, prefix, pmask, done = _radix_step(_hist_vals(k_r, m_r, prefix, pmask, sh), idx, need,
+                                                            prefix, pmask, sh, 8, 0)
+            sel = m_r & ((k_r & pmask) >= prefix)
+            hsel = tl.histogram(((_low32() - (k_r & _low32())) // per).to(tl.int32), PARTS, mask=sel)
+        else:   # passes over the bucket buffer
+            prefix, pmask, hsel = _finish_streamed(brow, n_b, need, prefix, pmask, done, idx, per, 45, 7, BLOCK_N,
+                                                   BLOCK_N, PARTS, TILE)
+        pp = tl.arange(0, PARTS)
+        cnt = tl.load(gt_ptr + row * PARTS + pp) + hsel
+        tl.store(poff_ptr + row * PARTS + pp, tl.cumsum(cnt, 0) - cnt)
+        tl.store(th_ptr + row.to(tl.int64) * 2, prefix)
+        tl.store(th_ptr + row.to(tl.int64) * 2 + 1, pmask)
+
+
+def bucket_select(cand, hist, nb, bkt, poff, th, out, tbl, req, MB, pos, NT, topk, cfg, bn, parts, rows_out, log_bs,
+                  pdl):
+    """Steps 1-2 of the module doc over `cand` (int32 scores [n, NT * BLOCK_N]) with `hist` (their first-digit
+    histogram), `nb` (zeroed int32 [n]) and the bucket buffer `bkt` (int64 [n, NT * BLOCK_N]); `_place_kernel`
+    (step 3) follows in `indexer_topk`."""
+    n = cand.shape[0]
+    gt = torch.empty(n, parts, dtype=torch.int32, device=cand.device)
+    tile = int(cfg.get("MERGE_TILE", 2048))
+    _bucket_kernel[(n, parts)](cand, hist, gt, nb, bkt, pos, NT, topk, BLOCK_N=bn, PARTS=parts, TILE=tile,
+                               num_warps=4, **pdl)
+    _threshold_kernel[(n,)](hist, gt, nb, bkt, poff, th, out, tbl, req, MB, pos, NT, topk, BLOCK_N=bn, PARTS=parts,
+                            TILE=tile, RES=int(cfg.get("SELECT_RES", 8192)), ROWS_OUT=rows_out, LOG_BS=log_bs,
+                            num_warps=int(cfg.get("MERGE_WARPS", 8)), **pdl)

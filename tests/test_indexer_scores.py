@@ -1,0 +1,131 @@
+"""The indexer's materialised-scores path (SCORES 1: `codegen/triton/_indexer_scores.py`, then SELECT 1 over the
+int32 score rows, `_topk_parallel` with SRC32, or BUCKET 1, `_topk_bucket`) vs `ir/ref/indexer.py` (exact, ties to
+the lower position) and a float64 formula (CPU: Triton interpreter, fp32). Batch builders and checks come from
+test_indexer_kernels.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+try:
+    from tests.helpers import paged_row
+    from tests.test_indexer_kernels import DI, HI, _batch, _check, _reference, _run
+except ImportError:  # bare `pytest` without the repo root on sys.path
+    from helpers import paged_row
+    from test_indexer_kernels import DI, HI, _batch, _check, _reference, _run
+
+from codegen.triton.indexer_topk import TEMPLATES, heuristic
+
+# a last arriver holding its survivors in registers (SELECT_RES 256) or streaming them (16: more survivors than
+# that); one part per row
+SCORES = dict(BLOCK_N=64, KT=64, SPLITS=4, num_warps=4, num_stages=1, MERGE_TILE=256, CAND=0, DOT=0, SCORES=1,
+              SELECT=1, SELECT_PARTS=4, SELECT_RES=256)
+# BUCKET 1 (`_topk_bucket`): the boundary bucket in registers (SELECT_RES 256) or streamed (16), one part per row
+BUCKET = dict(SCORES, BUCKET=1)
+VARIANTS = [SCORES, dict(SCORES, SELECT_RES=16, SELECT_PARTS=8, MERGE_TILE=64),
+            dict(SCORES, BLOCK_N=32, KT=32, SPLITS=3, SELECT_PARTS=1),
+            BUCKET, dict(BUCKET, SELECT_RES=16, SELECT_PARTS=8, MERGE_TILE=64),
+            dict(BUCKET, BLOCK_N=32, KT=32, SPLITS=3, SELECT_PARTS=1)]
+IDS = ["resident", "streamed", "bn32_one_part", "bucket_resident", "bucket_streamed", "bucket_bn32_one_part"]
+
+
+def _rows_of(b, sel):
+    return [[paged_row(b["tbl"], b["bs"], int(r), s) if s >= 0 else -1 for s in row.tolist()]
+            for r, row in zip(b["tr"], sel)]
+
+
+@pytest.mark.parametrize("cfg", VARIANTS, ids=IDS)
+def test_decode_ragged_contexts(cfg):
+    """One token per request, contexts below, at and just above topk and far above (several tiles and parts, a
+    partial last tile): exactly the reference's selection, as positions and as pool rows."""
+    topk = 48
+    b = _batch(40 + len(str(cfg)), [(9, 1), (48, 1), (49, 1), (300, 1), (1000, 1), (1777, 1)])
+    want = _reference(b, topk)
+    got = _run(b, topk, config=cfg)
+    _check(got, b, topk)
+    assert torch.equal(got, want)
+    assert _run(b, topk, config=cfg, output="rows").tolist() == _rows_of(b, want)
+
+
+def test_prefill_rows_and_mxfp4_keys():
+    """Several tokens of one request (each row its own causal context) and MXFP4 keys."""
+    for fmt in ("fp8", "mxfp4"):
+        b = _batch(50, [(400, 5), (130, 2)], key_format=fmt)
+        got = _run(b, 32, config=SCORES)
+        _check(got, b, 32)
+        assert torch.equal(got, _reference(b, 32)), fmt
+
+
+def test_ties_go_to_the_lower_position():
+    """Integer-valued data from six distinct key rows: scores tie exactly in fp32 and float64, and the tied group
+    straddling the boundary is taken from its lowest positions."""
+    g = torch.Generator().manual_seed(51)
+    distinct = torch.randint(-4, 5, (6, DI), generator=g).float()
+    keys = distinct[torch.randint(0, 6, (3 + 700 + 5,), generator=g)]
+    b = _batch(52, [(700, 3)], keys=keys, q=torch.randint(-4, 5, (3, HI, DI), generator=g).float())
+    for cfg in VARIANTS[:2] + VARIANTS[3:5]:
+        got = _run(b, 40, config=cfg)
+        _check(got, b, 40, tol=0.0)
+        assert torch.equal(got, _reference(b, 40)), cfg
+
+
+def test_every_score_equal_selects_the_first_positions():
+    """One key row everywhere: every score ties, the first-digit bucket holds the whole row (every position a
+    survivor), and the selection is the first topk positions."""
+    g = torch.Generator().manual_seed(53)
+    keys = torch.randn(1, DI, generator=g).expand(3 + 605 + 355, DI).clone()
+    b = _batch(54, [(600, 1), (350, 1)], keys=keys)
+    want = torch.arange(32).expand(2, 32)
+    for cfg in VARIANTS[:2] + VARIANTS[3:5]:
+        got = _run(b, 32, config=cfg)
+        assert torch.equal(got, want), cfg
+        assert torch.equal(got, _reference(b, 32))
+
+
+def test_rows_split_into_workspace_chunks(monkeypatch):
+    """A workspace too small for every row: the rows run in chunks, same selection."""
+    from codegen.triton import indexer_topk as mod
+    b = _batch(55, [(500, 1), (260, 1), (90, 1), (700, 1)])
+    want = _reference(b, 32)
+    monkeypatch.setattr(mod, "WORKSPACE_BYTES", 30_000)
+    for cfg in (SCORES, BUCKET):
+        assert torch.equal(_run(b, 32, config=cfg), want), cfg
+
+
+def test_select_alone_over_stored_scores():
+    """The bench hooks: a score pass's stored rows (stop_after="score", stats) fed back through `scores_in` give
+    the full launcher's selection, for SELECT 1 and BUCKET 1."""
+    from codegen.triton.indexer_topk import indexer_topk
+    b = _batch(57, [(700, 1), (40, 1), (333, 1)])
+    want = _reference(b, 32)
+    args = (b["q8"], b["qs"], b["w"], b["k"], b["ks"], b["tp"], b["tr"], b["tbl"], b["bs"], 32)
+    for cfg in (SCORES, BUCKET):
+        st = {}
+        indexer_topk(*args, config=cfg, stop_after="score", stats=st)
+        assert torch.equal(indexer_topk(*args, config=cfg, scores_in=st["scores"]), want), cfg
+        sc, hist = st["scores"]   # every stored score equal (zero): the first positions, the score kernel skipped
+        flat = torch.zeros_like(hist)
+        flat[:, 1024] = b["tp"].to(torch.int32) + 1
+        got = indexer_topk(*args, config=cfg, scores_in=(torch.zeros_like(sc), flat))
+        assert torch.equal(got[[0, 2]], torch.arange(32).expand(2, 32)), cfg
+
+
+def test_heuristic_materialises_decode_scores_only():
+    """GPU heuristic: decode at long contexts (T x L x 4 B within SCORES_WORKSPACE) takes SCORES 1; prefill at long
+    contexts keeps per-tile candidates; short contexts keep their paths; batch-invariant keys choose by L only."""
+    from codegen.triton.indexer_topk import SCORES_WORKSPACE
+    key = {"L": 1 << 17, "K": 2048, "HI": 32, "DI": 128}
+    dec = heuristic(dict(key, T=32), "h200")
+    assert dec["SCORES"] == 1 and dec["KT"] == dec["BLOCK_N"] and dec.get("SELECT") == 1 and dec.get("BUCKET") == 1
+    big = SCORES_WORKSPACE // (4 * (1 << 17)) + 1
+    pre = heuristic(dict(key, T=big), "h200")
+    assert not pre.get("SCORES") and pre["CAND"] == 1
+    assert heuristic(dict(key, T=big, bi=1), "h200")["SCORES"] == 1
+    for T, L in ((1, 8192), (8, 8192), (1, 32768)):
+        assert not heuristic(dict(key, T=T, L=L), "h200").get("SCORES")
+    for bad in (dict(SCORES, KT=16), dict(SCORES, SELECT=2)):
+        assert TEMPLATES[0].constraints(bad, {"DI": DI}, "h200"), bad
+        with pytest.raises(ValueError, match="SCORES 1"):
+            _run(_batch(56, [(300, 1)]), 32, config=bad)
+    assert not TEMPLATES[0].constraints(dec, {"DI": 128}, "h200")

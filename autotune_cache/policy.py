@@ -75,6 +75,10 @@ class MissPolicy:
         (self.hits if from_record else self.misses)[bid] += 1
         return dict(config)
 
+    def forget(self) -> None:
+        """Resolve every bucket again at its next launch (after a template's heuristic or the store changed)."""
+        self._resolved.clear()
+
     def _resolve(self, template, key: dict, bucket: dict, bid: str) -> tuple[dict, bool]:
         config, status = self.store.lookup(template, bucket, self.env)
         if config is not None:

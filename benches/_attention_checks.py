@@ -1,5 +1,6 @@
-"""Helpers of benches/bench_attention_decode.py: graph replay vs eager (the PDL-contract check), the
-registers / spills of every compiled indexer and MLA kernel, and the indexer configs it compares."""
+"""Helpers of benches/bench_attention_decode.py and bench_mla_b64.py: graph replay vs eager (the PDL-contract check),
+the registers / spills of every compiled indexer and MLA kernel, the indexer configs compared, and the sparse MLA
+decode's inputs, launcher and float64 check."""
 
 from __future__ import annotations
 
@@ -143,3 +144,38 @@ def mla_previous_config(T):
     """The session-10 heuristic's config for 12 heads, top-2048 FP8 rows (still the heuristic's after session 11)."""
     return dict(ORIENT=1, BLOCK_H=16, BLOCK_N=32, num_warps=4, PREFETCH=1, F16=1,
                 **(dict(num_stages=3, CHUNK=512, LSUM=1) if T >= 32 else dict(num_stages=1, CHUNK=32)))
+
+
+def mla_set(T, ctx, K, seed):
+    """Sparse MLA decode inputs (bench_attention's: 12 heads, FP8 latents) with the selected rows the fused indexer
+    hands attention."""
+    import bench_attention as ba
+    d = ba._mla_inputs(T, 12, K, ctx, "fp8", seed=seed)
+    d["rows"] = ba._all_rows(d["tbl"], ctx).gather(1, d["sels"][0])
+    return d
+
+
+def mla_call(d, cfg):
+    """The whole sparse MLA decode launcher (absorption, attention, combine) on `mla_set`'s inputs."""
+    import bench_attention as ba
+    from codegen.triton.mla_sparse import mla_sparse_decode
+    return lambda: mla_sparse_decode(d["qn"], d["qp"], d["pool"], d["kvb"], d["pos"], d["req"], d["tbl"],
+                                     ba.BLOCK_SIZE, ba.SCALE, d["rows"], latent_format="fp8", latent_scale=d["ls"],
+                                     selection_rows=True, latent_out=True, return_lse=True, config=cfg)
+
+
+def mla_check(d, cfg):
+    """o~ / lse vs float64 on the dequantised rows, every output finite."""
+    import bench_attention as ba
+    from codegen.triton.mla_prefill import dequantize_latent
+    o, lse = mla_call(d, cfg)()
+    c = dequantize_latent(d["pool"], "fp8", 512, d["ls"], 1.0)[d["rows"]].double()
+    W = d["kvb"].double().view(12, 256, 512)
+    qa = torch.einsum("thn,hnk->thk", d["qn"].double(), W[:, :128])
+    z = ba.SCALE * (torch.einsum("thk,tlk->thl", qa, c[..., :512]) +
+                    torch.einsum("thr,tlr->thl", d["qp"].double(), c[..., 512:]))
+    lse64, o64 = torch.logsumexp(z, -1), torch.einsum("thl,tlk->thk", torch.softmax(z, -1), c[..., :512])
+    e_o = float((o.double() - o64).norm() / o64.norm())
+    e_l = float((lse.double() - lse64).norm() / lse64.norm())
+    fin = bool(torch.isfinite(o).all()) and bool(torch.isfinite(lse).all())
+    return {"ok": fin and e_o < 2e-2 and e_l < 2e-3, "config": cfg, "rel_err_o": e_o, "rel_err_lse": e_l}

@@ -56,6 +56,7 @@ from codegen.triton import _pdl  # noqa: E402
 from _attention_checks import graph_vs_eager, kernel_inventory, mla_variants as _mla_variants  # noqa: E402
 from _attention_checks import idx_previous_config as _idx_prev, idx_variants as _idx_variants  # noqa: E402
 from _attention_checks import mla_previous_config as _mla_prev  # noqa: E402
+from _attention_checks import mla_call as _mla_call, mla_check as _mla_check, mla_set as _mla_set  # noqa: E402
 
 BS, SCALE = ba.BLOCK_SIZE, ba.SCALE
 T0 = time.time()
@@ -311,33 +312,6 @@ def sec_idx(tag, warm=None):
 
 # --------------------------------------------------------------------------------------------- mla
 MLA_PREV = dict(ORIENT=0, BLOCK_H=16, BLOCK_N=64, CHUNK=512, num_warps=4, num_stages=1, SUB=4, PREFETCH=1)
-
-
-def _mla_set(T, ctx, K, seed):
-    d = ba._mla_inputs(T, 12, K, ctx, "fp8", seed=seed)
-    d["rows"] = ba._all_rows(d["tbl"], ctx).gather(1, d["sels"][0])   # what the fused indexer hands attention
-    return d
-
-
-def _mla_call(d, cfg):
-    from codegen.triton.mla_sparse import mla_sparse_decode
-    return lambda: mla_sparse_decode(d["qn"], d["qp"], d["pool"], d["kvb"], d["pos"], d["req"], d["tbl"], BS, SCALE,
-                                     d["rows"], latent_format="fp8", latent_scale=d["ls"], selection_rows=True,
-                                     latent_out=True, return_lse=True, config=cfg)
-
-
-def _mla_check(d, cfg):
-    from codegen.triton.mla_prefill import dequantize_latent
-    o, lse = _mla_call(d, cfg)()
-    c = dequantize_latent(d["pool"], "fp8", 512, d["ls"], 1.0)[d["rows"]].double()
-    W = d["kvb"].double().view(12, 256, 512)
-    qa = torch.einsum("thn,hnk->thk", d["qn"].double(), W[:, :128])
-    z = SCALE * (torch.einsum("thk,tlk->thl", qa, c[..., :512]) + torch.einsum("thr,tlr->thl", d["qp"].double(), c[..., 512:]))
-    lse64, o64 = torch.logsumexp(z, -1), torch.einsum("thl,tlk->thk", torch.softmax(z, -1), c[..., :512])
-    e_o = float((o.double() - o64).norm() / o64.norm())
-    e_l = float((lse.double() - lse64).norm() / lse64.norm())
-    fin = bool(torch.isfinite(o).all()) and bool(torch.isfinite(lse).all())
-    return {"ok": fin and e_o < 2e-2 and e_l < 2e-3, "config": cfg, "rel_err_o": e_o, "rel_err_lse": e_l}
 
 
 def _mla_diagnostics(tag, d, cfgs, nbytes):

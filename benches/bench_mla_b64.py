@@ -24,9 +24,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-import bench_attention as ba  # noqa: E402  (inputs and paging)
 from benches._report import graph_ms  # noqa: E402
-from _attention_checks import graph_vs_eager  # noqa: E402
+from _attention_checks import graph_vs_eager, mla_call as _call, mla_check as _check, mla_set  # noqa: E402
 
 T0 = time.time()
 BUDGET = float(sys.argv[sys.argv.index("--budget-s") + 1]) if "--budget-s" in sys.argv else 200.0
@@ -57,32 +56,7 @@ def _save():
 
 
 def _set(T, seed):
-    d = ba._mla_inputs(T, 12, 2048, 8192, "fp8", seed=seed)
-    d["rows"] = ba._all_rows(d["tbl"], 8192).gather(1, d["sels"][0])
-    return d
-
-
-def _call(d, cfg):
-    from codegen.triton.mla_sparse import mla_sparse_decode
-    return lambda: mla_sparse_decode(d["qn"], d["qp"], d["pool"], d["kvb"], d["pos"], d["req"], d["tbl"],
-                                     ba.BLOCK_SIZE, ba.SCALE, d["rows"], latent_format="fp8", latent_scale=d["ls"],
-                                     selection_rows=True, latent_out=True, return_lse=True, config=cfg)
-
-
-def _check(d, cfg):
-    """o~ / lse vs float64 on the dequantised rows (fresh random inputs), every output finite."""
-    from codegen.triton.mla_prefill import dequantize_latent
-    o, lse = _call(d, cfg)()
-    c = dequantize_latent(d["pool"], "fp8", 512, d["ls"], 1.0)[d["rows"]].double()
-    W = d["kvb"].double().view(12, 256, 512)
-    qa = torch.einsum("thn,hnk->thk", d["qn"].double(), W[:, :128])
-    z = ba.SCALE * (torch.einsum("thk,tlk->thl", qa, c[..., :512]) +
-                    torch.einsum("thr,tlr->thl", d["qp"].double(), c[..., 512:]))
-    lse64, o64 = torch.logsumexp(z, -1), torch.einsum("thl,tlk->thk", torch.softmax(z, -1), c[..., :512])
-    e_o = float((o.double() - o64).norm() / o64.norm())
-    e_l = float((lse.double() - lse64).norm() / lse64.norm())
-    fin = bool(torch.isfinite(o).all()) and bool(torch.isfinite(lse).all())
-    return {"ok": fin and e_o < 2e-2 and e_l < 2e-3, "rel_err_o": e_o, "rel_err_lse": e_l}
+    return mla_set(T, 8192, 2048, seed)
 
 
 def measure(tag, name, cfg, sets, nbytes):

@@ -463,14 +463,14 @@ def main():
                 for label, h in (("orient2", base), ("orient1", orient1)):
                     object.__setattr__(t, "heuristic", h)
                     if "tuning" in st:
-                        st["tuning"]._resolved.clear()
+                        st["tuning"].forget()
                     for b in [x for x in batches if x >= 8]:
                         rt.drop_graphs()
                         record_replay(rt, ctx, b, f"graph_replay_mla_{label}", rnd)
         finally:
             object.__setattr__(t, "heuristic", base)
             if "tuning" in st:
-                st["tuning"]._resolved.clear()
+                st["tuning"].forget()
         del rt
         torch.cuda.empty_cache()
 

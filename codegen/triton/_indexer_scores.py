@@ -4,7 +4,7 @@
     (the same tile loads and fp32 score arithmetic as `_score_kernel`: `_tile_load`, `_tile_sums`) and stores one
     int32 per position, the score's orderable bits (`_score_ord`: signed int32 order == float order), to the row
     [rows, NT * BLOCK_N] of the workspace: no keys, no candidates, no int64. It also counts each score's first radix
-    digit (the top 11 orderable bits, sign flipped: `_digit0` of its key) into the row's 2048-bin histogram (one
+    digit (the top 11 orderable bits, sign flipped: `_ord_digit0`) into the row's 2048-bin histogram (one
     relaxed global atomic per position).
  2. The select over the row (keys formed on load: entry p gives (ord << 32) | (2^32 - 1 - p), exactly the key
     `_score_kernel` would have made). BUCKET 1 (the default, `_topk_bucket`): lean parts count the scores above the
@@ -38,7 +38,7 @@ import triton.language as tl
 
 from ._indexer_tiles import _row_query, _tile_load, _tile_sums
 from ._pdl import pdl_enter
-from ._topk_select import _score_ord
+from ._topk_select import _ord_digit0, _score_ord
 
 
 @triton.jit
@@ -58,7 +58,7 @@ def _scores_kernel(q_ptr, w_ptr, qs_ptr, k_ptr, ks_ptr, k_sb, k_sr, s_sb, s_sr, 
                                           BLOCK_N, KEY_FMT, LOG_BS)
             v = _score_ord(_tile_sums(qa, qb, wq, kt, ks, KEY_FMT, DOT_DT, IMPRECISE))
             tl.store(srow + p, v, mask=valid)
-            tl.atomic_add(hist_ptr + row * 2048 + (((v >> 21) & 2047) ^ 1024), 1, mask=valid, sem="relaxed")
+            tl.atomic_add(hist_ptr + row * 2048 + _ord_digit0(v), 1, mask=valid, sem="relaxed")
 
 
 def scores_launch(args, cand, hist, n, NT, topk, cfg, common):

@@ -9,17 +9,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._mla_tiles import (_LN2, _fp8_to, _k_pe, _k_pe_raw, _program_span, _rows_at, _sub_deq, _sub_raw,
+from ._mla_tiles import (_fp8_to, _k_pe, _k_pe_raw, _program_span, _rows_at, _softmax_tail, _sub_deq, _sub_raw,
                          _sub_tile)
 from ._pdl import pdl_enter
 
 
 @triton.jit
-def _pow2_scale(amax):
-    """(2^n, 2^-n) per element of amax >= 0, n = 13 - floor(log2 amax) clamped to [-126, 126] (so amax * 2^n lies
-    in [2^13, 2^14): below fp16's 65504), built from the exponent bits (exact; amax 0 or subnormal: n = 126)."""
+def _pow2_scale(amax, TOP: tl.constexpr = 13):
+    """(2^n, 2^-n) per element of amax >= 0, n = TOP - floor(log2 amax) clamped to [-126, 126] (so amax * 2^n lies
+    in [2^TOP, 2^(TOP+1)): 13 stays below fp16's 65504, 7 below e4m3's 448), built from the exponent bits (exact;
+    amax 0 or subnormal: n = 126)."""
     e = ((amax.to(tl.int32, bitcast=True) >> 23) & 255) - 127
-    n = tl.minimum(tl.maximum(13 - e, -126), 126)
+    n = tl.minimum(tl.maximum(TOP - e, -126), 126)
     return ((n + 127) << 23).to(tl.float32, bitcast=True), ((127 - n) << 23).to(tl.float32, bitcast=True)
 
 
@@ -135,8 +136,6 @@ def _mla_heads_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, po
         m_i = m_new
     if LSUM:
         l_i = tl.sum(l_i, 1)
-    has = l_i > 0.0
-    inv = tl.where(has, v_scale / tl.where(has, l_i, 1.0), 0.0)
-    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * _LN2, float("-inf"))
+    inv, lse = _softmax_tail(m_i, l_i, v_scale)
     tl.store(o_ptr + (th * NSPLIT + sp)[:, None] * KV + k[None, :], acc * inv[:, None], mask=hm[:, None])
     tl.store(lse_ptr + th * NSPLIT + sp, lse, mask=hm)

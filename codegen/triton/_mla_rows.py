@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._mla_tiles import _LN2, _k_pe, _program_span, _rows_at, _sub_tile
+from ._mla_tiles import _k_pe, _program_span, _rows_at, _softmax_tail, _sub_tile
 from ._pdl import pdl_enter
 
 
@@ -97,9 +97,7 @@ def _mla_sparse_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, p
             c = _sub_tile(lat_ptr, ro, valid, 3, KV, KB, FMT, DOT_DT, "evict_first")
             acc3 = acc3 * alpha[None, :] + tl.dot(tl.trans(c), pd, input_precision=PREC)
         m_i = m_new
-    has = l_i > 0.0
-    inv = tl.where(has, v_scale / tl.where(has, l_i, 1.0), 0.0)
-    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * _LN2, float("-inf"))
+    inv, lse = _softmax_tail(m_i, l_i, v_scale)
     ob = o_ptr + (th * NSPLIT + sp)[None, :] * KV
     kk = tl.arange(0, KB)[:, None]
     tl.store(ob + kk, acc0 * inv[None, :], mask=hm[None, :])

@@ -27,18 +27,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._mla_heads import _e4m3_to_f16
-from ._mla_tiles import _LN2, _fp8_to, _k_pe_raw, _program_span, _rows_at, _sub_raw
+from ._mla_heads import _e4m3_to_f16, _pow2_scale
+from ._mla_tiles import _fp8_to, _k_pe_raw, _program_span, _rows_at, _softmax_tail, _sub_raw
 from ._pdl import pdl_enter
-
-
-@triton.jit
-def _pow2_scale_e4m3(amax):
-    """(2^n, 2^-n) per element of amax >= 0 with amax * 2^n in [2^7, 2^8) (below e4m3's 448): n = 7 - floor(log2
-    amax) clamped to [-126, 126], built from the exponent bits (exact)."""
-    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 255) - 127
-    n = tl.minimum(tl.maximum(7 - e, -126), 126)
-    return ((n + 127) << 23).to(tl.float32, bitcast=True), ((127 - n) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -72,7 +63,7 @@ def _mla_rowsm_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, po
     (the stored e4m3 bytes, one gather each, software-pipelined by num_stages):
         S^T = sum_i x_i (qh_i + ql_i)^T + k_pe (qh_pe + ql_pe)^T   [BLOCK_N, BLOCK_H]   fp8 dots, A = the loaded bytes
         acc_i = alpha acc_i + widen(x_i)^T P^T                      [KB, BLOCK_H] each  fp16 dots (DOT_DT)
-    Each query value, scaled per head by a power of two (`_pow2_scale_e4m3`), is split into two e4m3 parts
+    Each query value, scaled per head by a power of two (`_mla_heads._pow2_scale` to [2^7, 2^8), below e4m3's 448), is split into two e4m3 parts
     (`_split8`, exact for bf16 queries) that are the fp8 dots' B operands (shared memory, loaded once); the logits
     are scaled back after the dots. The loaded bytes feed the fp8 dots as they are (no conversion) and are widened to
     fp16 once (`_e4m3_to_f16` when CVT, on the GPU) for the values. The accumulators are KV x BLOCK_H fp32 in all
@@ -86,7 +77,7 @@ def _mla_rowsm_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, po
                                                          SPARSE)
     k = tl.arange(0, KV)
     qa = tl.load(qa_ptr + th[None, :] * KV + k[:, None], mask=hm[None, :], other=0.0).to(tl.float32)  # [KV, BH]
-    up, down = _pow2_scale_e4m3(tl.max(tl.abs(qa), 0))
+    up, down = _pow2_scale(tl.max(tl.abs(qa), 0), 7)
     sa = v_scale * down[None, :]
     qhs = ()
     qls = ()
@@ -97,7 +88,7 @@ def _mla_rowsm_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, po
         qls = qls + (ql,)
         accs = accs + (tl.zeros([KB, BLOCK_H], dtype=tl.float32),)
     qp = tl.load(qp_ptr + th[None, :] * DR + tl.arange(0, DR)[:, None], mask=hm[None, :], other=0.0).to(tl.float32)
-    up, down = _pow2_scale_e4m3(tl.max(tl.abs(qp), 0))
+    up, down = _pow2_scale(tl.max(tl.abs(qp), 0), 7)
     spe = pe_scale * down[None, :]
     qph, qpl = _split8(qp * up[None, :], Q8)
     m_i = tl.full([BLOCK_H], -1e30, tl.float32)
@@ -133,9 +124,7 @@ def _mla_rowsm_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, po
             new = new + (tl.dot(tl.trans(c), pd, accs[i] * alpha[None, :], input_precision=PREC),)
         accs = new
         m_i = m_new
-    has = l_i > 0.0
-    inv = tl.where(has, v_scale / tl.where(has, l_i, 1.0), 0.0)
-    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * _LN2, float("-inf"))
+    inv, lse = _softmax_tail(m_i, l_i, v_scale)
     ob = o_ptr + (th * NSPLIT + sp)[None, :] * KV
     for i in tl.static_range(NKB):
         tl.store(ob + i * KB + tl.arange(0, KB)[:, None], accs[i] * inv[None, :], mask=hm[None, :])

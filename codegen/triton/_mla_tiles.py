@@ -29,6 +29,15 @@ _LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
+def _softmax_tail(m_i, l_i, v_scale):
+    """(1 / denominator x v_scale, natural-log lse) of an online softmax kept in base 2 (running max m_i, sum l_i);
+    a head that saw no row gets 0 and -inf."""
+    has = l_i > 0.0
+    inv = tl.where(has, v_scale / tl.where(has, l_i, 1.0), 0.0)
+    return inv, tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * _LN2, float("-inf"))
+
+
+@triton.jit
 def e2m1_to_f32(code):
     """E2M1 codes (low 4 bits) -> fp32: 0, .5, 1, 1.5, 2, 3, 4, 6, bit 3 = sign. Built from bits: a
     magnitude code m >= 2 is the float with bits (m + 252) << 22 (exponent m>>1 + 126, mantissa bit m&1),

@@ -23,15 +23,8 @@ import triton
 import triton.language as tl
 
 from ._pdl import pdl_enter
-from ._topk_select import (INVALID, _finish_streamed, _hist_vals, _low32, _ord_keys, _part_range, _radix_step,
-                           _select_all)
-
-
-@triton.jit
-def _boundary_digit(hist, TOPK):
-    """The first digit (0..2047, unsigned order) of the TOPK-th largest key from the row's first-digit histogram."""
-    suffix = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist     # keys with digit >= bin
-    return tl.sum((suffix >= TOPK).to(tl.int32), 0) - 1
+from ._topk_select import (INVALID, _digit0, _finish_streamed, _hist_vals, _low32, _ord_digit0, _ord_keys,
+                           _part_range, _radix_step, _select_all)
 
 
 @triton.jit
@@ -45,7 +38,9 @@ def _bucket_kernel(sc_ptr, hist_ptr, gt_ptr, nb_ptr, bkt_ptr, pos_ptr, NT, TOPK,
     if ctx > TOPK:
         lo, n, _ = _part_range(tl.cdiv(ctx, BLOCK_N) * BLOCK_N, part, PARTS, BLOCK_N)
         i11 = tl.arange(0, 2048)
-        b0 = _boundary_digit(tl.load(hist_ptr + row * 2048 + i11), TOPK)
+        zero = tl.zeros([], tl.int64)
+        b0 = _digit0(_radix_step(tl.load(hist_ptr + row * 2048 + i11), i11, TOPK + tl.zeros([], tl.int32), zero, zero,
+                                 53, 11, 1024)[1])   # the TOPK-th largest key's first digit
         srow = sc_ptr + row.to(tl.int64) * NT * BLOCK_N
         brow = bkt_ptr + row.to(tl.int64) * NT * BLOCK_N
         gt = tl.zeros([], tl.int32)
@@ -53,7 +48,7 @@ def _bucket_kernel(sc_ptr, hist_ptr, gt_ptr, nb_ptr, bkt_ptr, pos_ptr, NT, TOPK,
             p = lo + c0 + tl.arange(0, TILE)
             m = (p < lo + n) & (p < ctx)
             v = tl.load(srow + p, mask=m, other=0)
-            d = ((v >> 21) & 2047) ^ 1024
+            d = _ord_digit0(v)
             gt += tl.sum((m & (d > b0)).to(tl.int32), 0)
             eq = m & (d == b0)
             c = tl.sum(eq.to(tl.int32), 0)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ._pdl import pdl_enter
-from ._topk_select import (INVALID, _collect_vals, _finish_streamed, _flag_overflow_tiles, _gather_ge, _hist_vals,
+from ._topk_select import (INVALID, _collect, _finish_streamed, _flag_overflow_tiles, _gather_ge, _hist_vals,
                            _low32, _part_range, _radix_step, _row_keys, _select_all)
 
 
@@ -187,9 +187,5 @@ def _place_kernel(cand_ptr, novf_ptr, th_ptr, poff_ptr, out_ptr, tbl_ptr, req_pt
             prefix = tl.load(th_ptr + row.to(tl.int64) * 2)
             pmask = tl.load(th_ptr + row.to(tl.int64) * 2 + 1)
             tblrow = tbl_ptr + tl.load(req_ptr + row) * MB
-            crow = cand_ptr + row.to(tl.int64) * NT * KT
-            cnt = tl.load(poff_ptr + row * PARTS + part)
-            for off in range(0, n, TILE):
-                o = off + tl.arange(0, TILE)
-                cnt = _collect_vals(_row_keys(crow, lo, o, n, ctx, SRC32), o < n, prefix, pmask,
-                                    out_ptr + row.to(tl.int64) * TOPK, cnt, tblrow, TOPK, ROWS_OUT, LOG_BS)
+            _collect(cand_ptr + row.to(tl.int64) * NT * KT, n, prefix, pmask, out_ptr + row.to(tl.int64) * TOPK,
+                     tl.load(poff_ptr + row * PARTS + part), tblrow, TOPK, TILE, ROWS_OUT, LOG_BS, lo, ctx, SRC32)

@@ -70,6 +70,12 @@ def _digit0(k):
 
 
 @triton.jit
+def _ord_digit0(v):
+    """`_digit0` of the key an orderable int32 score (`_score_ord`) makes, from the score alone."""
+    return ((v >> 21) & 2047) ^ 1024
+
+
+@triton.jit
 def _select_all(orow, tblrow, ctx, TOPK, TILE: tl.constexpr, ROWS_OUT: tl.constexpr, LOG_BS: tl.constexpr):
     """A row whose context holds <= TOPK positions: every position 0..ctx-1 (as pool rows when ROWS_OUT), then -1,
     written TILE entries at a time."""
@@ -215,12 +221,12 @@ def _collect_vals(k, m, prefix, pmask, dst, cnt, tblrow, LIMIT, ROWS_OUT: tl.con
 
 @triton.jit
 def _collect(ptr, n, prefix, pmask, dst, cnt, tblrow, LIMIT, TILE: tl.constexpr, ROWS_OUT: tl.constexpr,
-             LOG_BS: tl.constexpr):
-    """`_collect_vals` over keys ptr[0:n] in stored order, TILE at a time; returns cnt."""
+             LOG_BS: tl.constexpr, lo=0, ctx=0, SRC32: tl.constexpr = False):
+    """`_collect_vals` over the keys of entries lo .. lo+n-1 of row ptr (`_row_keys`: stored keys, or SRC32 keys
+    formed from orderable scores, positions >= ctx invalid) in stored order, TILE at a time; returns cnt."""
     for off in range(0, n, TILE):
         o = off + tl.arange(0, TILE)
-        m = o < n
-        cnt = _collect_vals(tl.load(ptr + o, mask=m, other=INVALID), m, prefix, pmask, dst, cnt, tblrow, LIMIT,
+        cnt = _collect_vals(_row_keys(ptr, lo, o, n, ctx, SRC32), o < n, prefix, pmask, dst, cnt, tblrow, LIMIT,
                             ROWS_OUT, LOG_BS)
     return cnt
 

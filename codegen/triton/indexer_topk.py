@@ -299,10 +299,9 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_tab
                 stats["overflowed_rows"] = stats.get("overflowed_rows", 0)
                 stats["overflowed_tiles"] = stats.get("overflowed_tiles", 0)
             continue
-        cand, tmin, ext, work, th = (torch.empty(n, m, dtype=torch.int64, device=dev)
-                                     for m in (NT * kt * (not scores), NT, max_ovf * bn, KW, 2))
-        if scores:   # the materialised scores (`_indexer_scores`)
-            cand = torch.empty(n, NT * kt, dtype=torch.int32, device=dev)
+        tmin, ext, work, th = (torch.empty(n, m, dtype=torch.int64, device=dev) for m in (NT, max_ovf * bn, KW, 2))
+        # candidate keys, or (SCORES) the materialised orderable scores (`_indexer_scores`)
+        cand = torch.empty(n, NT * kt, dtype=torch.int32 if scores else torch.int64, device=dev)
         ovf = torch.empty(n, max_ovf, dtype=torch.int32, device=dev)
         # one memset: first-digit histograms (counted while scoring), overflow counts, second-digit histograms,
         # survivor counts and arrival counters (SELECT)

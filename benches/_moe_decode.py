@@ -16,6 +16,7 @@ from _moe_common import (ACT, B1, B2, DECODE_DEADLINE, DEV, DOC, E, ELL, INTER, 
                          triton, PackedMXFP4)
 
 from codegen.triton import _moe_configs as moe_configs, _moe_gemv as gv, _moe_gemv_words as gv2  # noqa: E402
+from codegen.triton import _moe_gemv_gluon as gvg  # noqa: E402
 
 
 def wide_check(z, w, ids, cfg, tag=""):
@@ -94,6 +95,22 @@ GEMV_SWEEP = {           # (T, k) -> name -> config overrides; the heuristic's o
              "s8_tiles_early1": {**_S8, "EARLY": 1},                    # 166.7 (GEMV_S8_EARLY)
              "early3": {**_T1, "EARLY": 3}},
 }
+# Session 14: the Gluon tensor-core kernels (_moe_gemv_gluon.py): GLUON 1 the gate-up (GV=2 down), 2 both; GKS K
+# slices (warps), GNW words a lane a step (GKS2 / GNW2: the down kernel's). Timed on the heuristic's config at T=1 and 8
+# (CUDA only), each with its graph replay checked bitwise against eager, the launches apart at T=1 (gemv_parts) and the
+# wide-scale check once per mode. H200 (benches/results/h200-2026-11-30-s14/moe_decode_gluon.json), us, T=1 / T=8,
+# heuristic (GV=2) 24.45 / 149.84: g1_ks8_nw2 23.77 (23.28 again) / 141.42, g1_ks4_nw4 25.90 / 136.18, g1_ks2_nw4
+# 30.63 / 131.74, g1_ks4_nw2 29.57 / 146.80, g1_ks4_nw4_early3 24.46 / 133.86; g2_ks4_nw4 29.08 / 110.82, g2_dn2x4
+# 24.52 / 105.79 (107.92 again), g2_dn8x4 25.97 / 123.20, g2_up8x2_dn8x4 25.96 / 134.53; two steps loaded ahead
+# (removed): g1 26.14 / 133.62, g2 29.19 / 109.76. g2_up8x2_dn2x4: not yet measured.
+_G = {"g1_ks8_nw2": {"GLUON": 1, "GKS": 8, "GNW": 2}, "g1_ks4_nw4": {"GLUON": 1},
+      "g2_dn2x4": {"GLUON": 2, "GKS2": 2}, "g2_ks4_nw4": {"GLUON": 2}, "g2_dn8x4": {"GLUON": 2, "GKS2": 8},
+      "g2_up8x2_dn2x4": {"GLUON": 2, "GKS": 8, "GNW": 2, "GKS2": 2}, "g1_ks2_nw4": {"GLUON": 1, "GKS": 2},
+      "g1_ks4_nw2": {"GLUON": 1, "GNW": 2}, "g1_ks4_nw4_early3": {"GLUON": 1, "EARLY": 3}}
+GLUON_WIDE_CHECKED: set = set()
+if DEV == "cuda":
+    for _sk in ((1, 2), (8, 2)):
+        DECODE_VARIANTS[_sk] = {**DECODE_VARIANTS.get(_sk, {}), **_G}
 if DEV != "cuda":
     PREVIOUS = {**PREVIOUS, "DEQ": "bytes16", "BK": 64, "BK2": 64}
     DECODE_VARIANTS = {(8, 2): {"split2_bytes16": {"SPLIT": 2, "DEQ": "bytes16", "PATH": "grouped"},
@@ -168,7 +185,7 @@ _SASS_OPS = ("FFMA", "FMUL", "FADD", "HADD2", "HFMA2", "F2F", "LOP3", "SHF", "IM
 def _compiled():
     """{(kernel, key): CompiledKernel} of the per-pair GV=2 kernels compiled so far (Triton's JIT caches)."""
     out = {}
-    for fn in (gv2._gate_up_v2_kernel, gv2._down_v2_kernel):
+    for fn in (gv2._gate_up_v2_kernel, gv2._down_v2_kernel, gvg._gate_up_gluon_kernel, gvg._down_gluon_kernel):
         try:
             for dev_cache in getattr(fn, "device_caches", {}).values():     # none in the interpreter
                 for key, kern in dev_cache[0].items():
@@ -252,6 +269,7 @@ def decode_variant(T, k, name, cfg, case, fused_max=None, pdl=True, bitwise=Fals
     if time.time() - REPORT.t0 > DECODE_DEADLINE:
         DOC["notes"].append(f"{tag} skipped: time budget")
         return None
+    bitwise = bitwise or bool(cfg.get("GLUON"))     # the Gluon kernels: graph replay vs eager, always
     keep, pdl_before = mr.FUSED_MAX_PAIRS, pdl_mod.set_enabled(pdl)
     same, compiled = None, _compiled()
     try:
@@ -276,6 +294,11 @@ def decode_variant(T, k, name, cfg, case, fused_max=None, pdl=True, bitwise=Fals
                speedup_vs_previous=round(prev / t, 2) if prev else None,
                timing="cuda graph, distinct routings", pdl=pdl, graph_equals_eager=same,
                sass=sass_stats(compiled) or None)
+    if cfg.get("GLUON") and T == 1 and pdl:     # the Gluon launches apart; the wide-scale decode once per mode
+        gemv_parts(T, k, name, cfg, case)
+        if cfg["GLUON"] not in GLUON_WIDE_CHECKED:
+            GLUON_WIDE_CHECKED.add(cfg["GLUON"])
+            wide_check(*calls[0], cfg, f"T1_{name}_")
     if name == "previous":
         DOC["decode_previous_ms"][f"T{T}_k{k}"] = t
     elif m["ok"] and pdl and same is not False:

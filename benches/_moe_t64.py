@@ -13,10 +13,12 @@ their numbers, are in the comments above them.
 
     MOE_BENCH_SECTIONS=t64 MOE_BENCH_DECODE_DEADLINE=140 python benches/bench_moe.py   # ~25-60 s on the H200
     MOE_BENCH_T64_DEADLINE=120: seconds into the run after which no further variant is started
+    MOE_BENCH_T64_PROBES=0: skip the read-pattern probe and the L2 fetch-granularity check (session 12's figures)
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 
@@ -28,6 +30,7 @@ from codegen.triton._moe_tiles import _swizzle
 
 T64, K64 = (8, 2) if TINY else (64, 16)
 DEADLINE = float(os.environ.get("MOE_BENCH_T64_DEADLINE", 120))
+PROBES = os.environ.get("MOE_BENCH_T64_PROBES", "1") == "1"     # 0: no read-pattern probe / L2 fetch check
 # the down kernel's own keys, so a gate-up variant's num_warps / num_stages / MAXNREG leave it as the heuristic's
 _DOWN_KEYS = {"num_warps2": "num_warps", "num_stages2": "num_stages", "MAXNREG2": "MAXNREG"}
 
@@ -46,6 +49,12 @@ _DOWN_KEYS = {"num_warps2": "num_warps", "num_stages2": "num_stages", "MAXNREG2"
 # on 4 warps, 474 a 64-wide step on 2), so they lose on latency: 8-12 warps an SM instead of 16, and on wgmma a
 # wait_group 0 after each of a step's 8 dots (the decoded operand comes from registers). The raster (both kernels):
 # GROUP_M 1 (a tile's row blocks back to back) 0.649 [0.995], GROUP_M 32 0.655 [1.011]: noise.
+# Session 14 (h200-2026-11-30-s14/moe_t64_tma.json; baseline gate-up 0.660 [1.0027, again 0.9963]): the packed
+# weights by TMA (TMA 1, its down kernel kept: SL2 3) with the scales read in the step (SL 1) 0.641 [0.9467], at a
+# 104 cap 0.632 [0.9770; as the best 0.9513, PDL off 0.9470: now DECODE_T64's], 4 stages 0.692 [0.9850], cap 104 /
+# 4 stages 0.664 [0.998], 6 stages 0.750 [1.095], SL 2 (scale words by cp.async) 0.643 [1.005], BK 128 / 4 stages /
+# cap 168 (156 regs) 0.741 [1.100], PF 0.791 [1.184]. With the best, the context's L2 fetch granularity at 128 bytes
+# 1.0255 (slower).
 UP_VARIANTS = {}
 # down variants. Session 10 (down alone, ms): session 8's BN2 128 / cap 168 (165 regs) 0.352; BN2 64 at a 96 cap
 # (the new heuristic: 10 programs an SM) 0.341; BN2 128 uncapped 0.354, cap 128 0.352, 6 stages 0.398, 4-warp
@@ -54,9 +63,12 @@ UP_VARIANTS = {}
 # 0.601 [1.260], cap 104 / 4 stages 0.640 [1.295], cap 96 (6 spills) 0.581 [1.238]; BN2 128 x BK2 256 on 4 warps
 # (173 regs) 0.591 [1.243]; BN2 32 x BK2 256 on 2 warps (168) 0.573 [1.226]; BK2 256 on 2 warps (232) 0.502 [1.160];
 # BK2 128 (140) 0.369 [1.016]
+# Session 14 (baseline down 0.330): the weights by TMA (SL2 1) 0.364 [0.9942], cap 80 (12 programs an SM) 0.353
+# [0.9884], SL2 2 0.367 [1.003], 6 stages 0.381 [1.026], cap 80 / 6 stages 0.383 [1.045], BK2 128 / 4 stages / cap 128
+# 0.374 [1.021]: slower, removed (the down kernel reads the pointer path's way)
 DOWN_VARIANTS = {}
 if TINY:     # the interpreter: the pure-Triton decode, a few variants (logic only)
-    UP_VARIANTS = {"up_bn32": {"BN": 32}, "up_ku2": {"KU": 2}}
+    UP_VARIANTS = {"up_bn32": {"BN": 32}, "up_tma": {"TMA": 1, "DEQ": "bytes16", "SL": 2, "SL2": 3}}
     DOWN_VARIANTS = {"dn_ku2": {"KU2": 2}}
 
 
@@ -265,14 +277,16 @@ def t64_sweep():
     seg = mr.permute_tokens(case[0][0][2], E)
     n_tiles = int(((seg.counts + base["BM"] - 1) // base["BM"]).sum())
     live = int((seg.counts > 0).sum())
-    pattern_probe(n_tiles, live)
-    l2_fetch_check({"heuristic": base}, case, n_tiles, live)
+    if PROBES:
+        pattern_probe(n_tiles, live)
+        l2_fetch_check({"heuristic": base}, case, n_tiles, live)
     ups = [f"t64_{n}_part_gate_up" for n in UP_VARIANTS]
     downs = [f"t64_{n}_part_down" for n in DOWN_VARIANTS]
-    for name, over in UP_VARIANTS.items():
-        run_variant(name, {**base, **over}, case, ("gate_up",))
-    for name, over in DOWN_VARIANTS.items():
-        run_variant(name, {**base, **over}, case, ("down",))
+    for up, dn in itertools.zip_longest(UP_VARIANTS.items(), DOWN_VARIANTS.items()):    # alternately: a deadline
+        if up:                                                                          # cuts both lists alike
+            run_variant(up[0], {**base, **up[1]}, case, ("gate_up",))
+        if dn:
+            run_variant(dn[0], {**base, **dn[1]}, case, ("down",))
     bu, bd = _best(ups + ["t64_heuristic_part_gate_up"]), _best(downs + ["t64_heuristic_part_down"])
     best = dict(base)
     for b, names in ((bu, UP_VARIANTS), (bd, DOWN_VARIANTS)):

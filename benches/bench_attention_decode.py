@@ -172,9 +172,8 @@ def _long_previous(T, L):
 
 
 def _scores_variants(tag, base):
-    """SCORES 1 (materialised scores, `_indexer_scores`) around the heuristic's config: with BUCKET 1, its select parts,
-    the threshold program's resident bucket and twice the score programs (smoke: SCORES / BUCKET configs built from the
-    CPU heuristic's). Session 13 (benches/results/h200-2026-11-30-s13/
+    """SCORES 1 (materialised scores, `_indexer_scores`) around the heuristic's config (smoke: SCORES / BUCKET / TMA
+    configs built from the CPU heuristic's). Session 13 (benches/results/h200-2026-11-30-s13/
     attention_decode_indexer_scores.json), batch 32 at 128K, all with SELECT_RES 8192 on 8 warps unless named: that
     config 361.0 us, SELECT_RES 2048 on 4 warps 342.4 (the new default), SPLITS 66 357.4, 32 select parts 364.5,
     8-warp scoring 394.7, BLOCK_N 64 367.0, BLOCK_N 256 on 8 warps 458.1, num_stages 2 365.6, the first digit
@@ -182,20 +181,29 @@ def _scores_variants(tag, base):
     bucket.json): BUCKET 1 with 16 parts, SELECT_RES 4096 on 8 warps 312.0 vs 346.6 for the SELECT 1 default (the
     select alone 68.3 vs 88.4); 32 parts 307.8 (the new default), 64 parts 308.9, SELECT_RES 2048 on 4 warps 310.7,
     8192 335.6, MERGE_TILE 4096 322.6, SPLITS 66 310.9; score-kernel prefetch 347.9, prefetch under 168 registers
-    322.2, TMA key tiles did not compile (see `_indexer_scores`)."""
+    322.2, TMA key tiles did not compile (see `_indexer_scores`). Session 14 (h200-2026-11-30-s14/
+    attention_decode_indexer_tma.json): that default 305.0; TMA key tiles (`_scores_tma_kernel`) at 3 stages and
+    SPLITS 20 242.7 (the new default; score pass 172.0 vs 247.5), 4 stages 249.7, 5 stages 254.4, SPLITS 33 / 40 (4
+    stages) 252.5 / 250.6, an 80-register cap at SPLITS 24 267.1; the gather tiles under a 128-register cap 262.7
+    (SPLITS 16: 266.6); BUCKET 2 (the bucket's next digit counted by the parts) 304.7 / 305.3, with TMA 259.9:
+    removed (`_topk_bucket`)."""
     if SMOKE and tag == "idx_b32":
         s = dict(base, KT=base["BLOCK_N"], SCORES=1, SELECT=1, SELECT_PARTS=4, SELECT_RES=64, SPLITS=4)
-        return [s, dict(s, SELECT_RES=16), dict(s, BUCKET=1), dict(s, BUCKET=1, SELECT_RES=16)]
+        return [s, dict(s, SELECT_RES=16), dict(s, BUCKET=1), dict(s, BUCKET=1, SELECT_RES=16),
+                dict(s, BUCKET=1, TMA=3)]
     if SMOKE or not base.get("SCORES"):
         return []
     if not base.get("BUCKET"):
         return [dict(base, SPLITS=2 * base["SPLITS"]), dict(base, SELECT_RES=8192, MERGE_WARPS=8)]
-    return [dict(base, SELECT_PARTS=16), dict(base, SELECT_PARTS=64), dict(base, SELECT_RES=2048, MERGE_WARPS=4),
-            dict(base, SPLITS=2 * base["SPLITS"])]
+    return [dict(base, TMA=4), dict(base, SPLITS=2 * base["SPLITS"]), dict(base, SELECT_PARTS=16)]
 
 
-def _scores_previous(base):
-    """The SCORES 1 default before BUCKET 1 (session 13, first change): SELECT 1's parts + last arriver."""
+def _scores_previous(base, T, L):
+    """The SCORES 1 default before TMA key tiles (session 13's second change: gather tiles, 8 x 132 / T programs a
+    row, BUCKET 1); before BUCKET 1 (base without TMA), SELECT 1's parts + last arriver."""
+    if base.get("TMA"):
+        return dict({k: v for k, v in base.items() if k != "TMA"},
+                    SPLITS=max(1, min(max(1, -(-L // 128) // 4), round(8 * 132 / T))))
     return dict({k: v for k, v in base.items() if k != "BUCKET"}, SELECT_PARTS=16, SELECT_RES=2048, MERGE_WARPS=4)
 
 
@@ -220,9 +228,10 @@ def _scores_checks(tag, sets, K, ms, first, checked):
             got = ba._indexer_call(sets[0], K, m["config"], output="rows")()
             m["same_rows_as_default"] = bool(torch.equal(got, want))
             DOC["checks"].append({"name": f"{m['name']}_same_rows_as_default", "ok": m["same_rows_as_default"]})
-    from codegen.triton._indexer_scores import _scores_kernel
+    from codegen.triton._indexer_scores import _scores_kernel, _scores_tma_kernel
+    from codegen.triton._topk_bucket import _bucket_kernel, _threshold_kernel
     DOC.setdefault("scores_kernels", [])
-    for fn in ((_scores_kernel,) if not SMOKE else ()):
+    for fn in ((_scores_kernel, _scores_tma_kernel, _bucket_kernel, _threshold_kernel) if not SMOKE else ()):
         for caches in getattr(fn, "device_caches", {}).values():
             for k in list(caches[0].values()):
                 k._init_handles()
@@ -240,8 +249,8 @@ def sec_idx(tag, warm=None):
         variants = [c for c in variants if c.get("SELECT") != 2]
     variants = variants + [c for c in _scores_variants(tag, base) if c not in variants]
     prev_cfg = _idx_prev(T, L) if not SMOKE else dict(base, SELECT=0, SCORES=0)
-    if prev_cfg.get("BUCKET"):   # session 13's second change: the SCORES 1 default before BUCKET 1
-        prev_cfg = _scores_previous(prev_cfg)
+    if prev_cfg.get("BUCKET"):   # the SCORES 1 default before TMA key tiles (session 14)
+        prev_cfg = _scores_previous(prev_cfg, T, L)
     elif prev_cfg.get("SCORES"):   # the heuristic's long-context default changed in session 13
         prev_cfg = _long_previous(T, L)
 
@@ -278,7 +287,8 @@ def sec_idx(tag, warm=None):
     for i, cfg in enumerate(variants[1:]):
         m = measure(f"{tag}_variant{i}", calls(cfg), nbytes, config=cfg)
         ms.append(m)
-        if base.get("SCORES") and cfg.get("SPLITS") != base.get("SPLITS"):   # a score pass of its own
+        if base.get("SCORES") and (cfg.get("SPLITS"), cfg.get("TMA"), cfg.get("num_stages")) != \
+                (base.get("SPLITS"), base.get("TMA"), base.get("num_stages")):   # a score pass of its own
             measure(f"{tag}_variant{i}_score_pass_only",
                     [ba._indexer_call(d, K, cfg, stop_after="score") for d in sets], nbytes, config=cfg)
     best = _summarize(tag, prev, new, [prev] + ms)
@@ -289,6 +299,9 @@ def sec_idx(tag, warm=None):
         _scores_checks(tag, sets, K, [m for m in ms if m], scores[0], scores[0] == base)
     if tag in DOC["summary"] and off:
         DOC["summary"][tag]["new_default_pdl_off_us"] = off["median_us"]
+    for i, cfg in enumerate(variants[1:]):   # TMA key tiles (session 14): graph replay == eager for each
+        if ms[i + 1] and cfg.get("TMA") and ms[i + 1] is not best:
+            check(f"{tag}_variant{i}_graph_vs_eager", lambda: graph_vs_eager(calls(cfg)[0]))
     for i, cfg in enumerate(variants[1:]):   # exactness of every variant that was timed
         if ms[i + 1] and (T == 1 or ms[i + 1] is best or cfg.get("SELECT") == 2):
             check(f"{tag}_variant{i}_vs_ir_reference", lambda: ba._indexer_check(sets[0], K, cfg))

@@ -19,6 +19,10 @@ Measured (one JSON document, stdout and $OUT/runtime_gpu.json, saved after every
 - pdl: the decode graph's device time with programmatic dependent launch on and off (alternated twice);
 - trace: the decode graph of batch 1 and 8 kernel by kernel under the profiler (benches/_graph_trace.py:
   durations, idle gaps, two-stream time), and batch 1's graph as a DOT dump ($OUT/graph_b1.dot);
+- where the decode graph's start stall comes from (cuda_graphs.py, "Metadata"): `ahead` (replays timed behind a ~1 ms
+  sleep, device time only), `carveout` (every kernel's shared-memory carveout at 100%), `pdl_window` (PDL kept for
+  every launch but chosen ones, `PdlWindow`), `head_sleep` (a spin kernel captured before / after the metadata
+  kernel), each with traces;
 - prefill throughput at 8K and 32K tokens (one request; median of --prefill-repeats);
 - peers on the same weights: the reference interpreter (torch eager) and torch.compile of it (strict
   compilation fails on the reference, DynamicOutputShapeException from the KDA reference's nonzero, so the
@@ -128,6 +132,49 @@ def step_bytes(rt, cfg, weights, batch: int, ctx: int) -> dict:
         else:  # index keys and their scales: the whole context
             cache += ctx * row * batch
     return {"weight_bytes": int(w), "cache_bytes": int(cache), "total_bytes": int(w + cache)}
+
+
+AHEAD_CYCLES = 2_000_000  # `torch.cuda._sleep` cycles before a replay timed as device time only: ~1 ms on the H200
+
+class PdlWindow:
+    """Stands in for `_pdl._enabled` (read once per `launch_kwargs` call): true for the calls whose index within a
+    step of `per` calls lies in [lo, hi) and not in `plain`; counts the calls (`n`) and the programmatic ones (`on`)."""
+
+    def __init__(self, lo: int, hi: int, per: int = 10 ** 9, plain=()):
+        self.window(lo, hi, per, plain)
+
+    def window(self, lo: int, hi: int, per: int, plain=()):
+        self.lo, self.hi, self.per, self.plain, self.n, self.on = lo, hi, max(1, per), set(plain), 0, 0
+
+    def __bool__(self) -> bool:
+        i = self.n % self.per
+        self.n += 1
+        hit = self.lo <= i < self.hi and i not in self.plain
+        self.on += hit
+        return hit
+
+
+def set_carveout(pct, originals: dict) -> int:
+    """Set CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT of every Triton kernel loaded in this process to pct
+    (percent of the SM's unified memory as shared memory), or (pct None) back to the values read before the first
+    change (kept in `originals`, by CUfunction); returns how many kernels were set."""
+    import ctypes
+    import gc
+
+    from triton.compiler.compiler import CompiledKernel
+
+    lib = ctypes.CDLL("libcuda.so.1")
+    attr, n = 9, 0  # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+    for k in [o for o in gc.get_objects() if isinstance(o, CompiledKernel) and getattr(o, "function", None)]:
+        f = ctypes.c_void_p(k.function)
+        if k.function not in originals:
+            v = ctypes.c_int()
+            if lib.cuFuncGetAttribute(ctypes.byref(v), attr, f) != 0:
+                continue
+            originals[k.function] = v.value
+        want = originals[k.function] if pct is None else pct
+        n += lib.cuFuncSetAttribute(f, attr, ctypes.c_int(want)) == 0
+    return n
 
 
 # decode section variants: name -> (CUDA graphs, metadata kernel inside the graph, programmatic dependent launch)
@@ -341,9 +388,11 @@ def main():
             if cuda:
                 torch.cuda.empty_cache()
 
-    def replay_us(rt, b, n=30):
+    def replay_us(rt, b, n=30, ahead_cycles=0):
         """(median device time (µs, CUDA events) of n replays of the captured decode graph of batch b, that
-        graph, its block-table width bucket)."""
+        graph, its block-table width bucket). ahead_cycles > 0: each replay behind a `torch.cuda._sleep` of that
+        many cycles, so the host has submitted the graph before the device reaches the first event (device time
+        only; without it the events also see the graph launch's submission)."""
         toks = {f"r{i}": (7 * i + 3) % cfg.vocab_size for i in range(b)}
         rt.replays.clear()
         rt.decode(toks)  # captures the bucket's graph and fills its static inputs
@@ -352,6 +401,8 @@ def main():
         out = []
         for _ in range(n):
             s_, e_ = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if ahead_cycles:
+                torch.cuda._sleep(ahead_cycles)
             s_.record()
             g.graph.replay()
             e_.record()
@@ -439,6 +490,144 @@ def main():
             rt.metadata_in_graph = False
             rt.drop_graphs()
         trace("_meta_outside", setup=outside)
+
+    @rep.section
+    def ahead():
+        """The decode graph's replay timed alone (event, replay, event: the device idles while the host submits the
+        graph) vs behind a ~1 ms sleep kernel (the host has submitted it before the device gets there: device time
+        only), batch 1 and 8, two rounds; then `trace` behind the sleep (suffix `_ahead`)."""
+        if not cuda:
+            return doc["notes"].append("ahead: needs a cuda device")
+        ctx = contexts[0]
+        rt = runtime(ctx, 8)
+        for rnd in range(2):
+            for label, cyc in (("isolated", 0), ("ahead", AHEAD_CYCLES)):
+                for b in [x for x in batches if x <= 8]:
+                    m = {"name": f"graph_replay_{label}", "context": ctx, "batch": b, "round": rnd,
+                         "replay_us": replay_us(rt, b, ahead_cycles=cyc)[0]}
+                    reset(rt, ctx)
+                    doc["measurements"].append(m)
+                    print(json.dumps(m), flush=True)
+        del rt
+        torch.cuda.empty_cache()
+        trace("_ahead", ahead_cycles=AHEAD_CYCLES)
+
+    @rep.section
+    def gluon():
+        """The routed experts' decode GEMVs on the tensor cores (GLUON, `codegen/triton/_moe_gemv_gluon.py`: the
+        heuristic's on sm_90+) vs the FFMA GV=2 kernels (GLUON removed from the heuristic's config), alternated."""
+        if not cuda:
+            return doc["notes"].append("gluon: needs a cuda device")
+        from codegen.registry import all_templates
+        t = next(t for t in all_templates() if t.family == "moe_grouped_gemm")
+        base = t.heuristic
+
+        def ffma(key, target):
+            return {k: v for k, v in base(key, target).items() if k not in ("GLUON", "GKS", "GNW", "GKS2", "GNW2")}
+
+        def switch(rt, h):
+            object.__setattr__(t, "heuristic", h)
+            if "tuning" in st:
+                st["tuning"].forget()
+        try:
+            alternate("gluon", switch, settings=(("on", base), ("off", ffma)))
+        finally:
+            switch(None, base)
+
+    @rep.section
+    def pdl_window():
+        """Which programmatic launches make the decode graph's second kernel start ~7 µs late: the graph captured
+        with PDL for every launch but those whose index in the step (counted over `_pdl.launch_kwargs` calls; the
+        metadata kernel makes none) is listed, then `trace`d (suffix `_plain_<indices>`), batch 1 in two rounds,
+        then batch 8 for none and (1,)."""
+        if not cuda:
+            return doc["notes"].append("pdl_window: needs a cuda device (PDL)")
+        ctx = contexts[0]
+        calls = PdlWindow(0, 10 ** 9)
+        before = _pdl._enabled
+        _pdl._enabled = calls
+
+        def per_step(rt, b):
+            calls.window(0, 10 ** 9, 10 ** 9)
+            rt.drop_graphs()
+            rt.replays.clear()
+            rt.decode({f"r{i}": 3 for i in range(b)})  # warm-up x2 + capture: 3 steps
+            reset(rt, ctx)
+            doc["notes"].append(f"pdl_window batch {b}: {calls.n} launch_kwargs calls in a capture (3 steps)")
+            return calls.n // 3
+
+        try:
+            for b, rounds, plains in ((1, 2, ((), (1,), (0, 1), (1, 2), (0,), (2,))), (8, 1, ((), (1,)))):
+                rt = runtime(ctx, b)
+                per = per_step(rt, b)
+                for rnd in range(rounds):
+                    for plain in plains:
+                        calls.window(0, per, per, plain)
+                        label = "_".join(map(str, plain)) or "none"
+                        trace(f"_plain_{label}_r{rnd}", setup=lambda r: r.drop_graphs(), batches_=(b,), rt_=rt)
+                        doc["notes"].append(f"pdl_window batch {b} plain {plain}: {calls.on} of {calls.n} on")
+                del rt
+                torch.cuda.empty_cache()
+        finally:
+            _pdl._enabled = before
+
+    @rep.section
+    def head_sleep():
+        """Where the ~7 µs stall at the decode graph's start comes from: a spin kernel (benches/bench_pdl_chain.py's
+        `_tick_kernel`, one program; `pdl`: compiled with the PDL instructions and launched programmatically, else
+        neither) captured into the batch-1 graph before or after the metadata kernel, for various lengths, each
+        traced (suffix `_sleep_<where>_<us>[_pdl]`). A fixed setup time from the graph's launch would hide behind a
+        long first node; a stall tied to a launch would not."""
+        if not cuda:
+            return doc["notes"].append("head_sleep: needs a cuda device")
+        from benches.bench_pdl_chain import _tick_kernel
+        from k31c.runtime.step_metadata import GraphMetadata
+
+        expand = GraphMetadata.expand
+        stamps = torch.zeros(3, dtype=torch.int64, device=dev)
+
+        def tick(us, pdl):
+            _tick_kernel[(1,)](stamps, 0, int(us * 1e3), PDL=pdl, launch_pdl=pdl)
+
+        def variant(where, us, pdl):
+            def fn(self, out):
+                if where == "before":
+                    tick(us, pdl)
+                r = expand(self, out)
+                if where == "after":
+                    tick(us, pdl)
+                return r
+            return fn
+        ctx = contexts[0]
+        rt = runtime(ctx, 1)
+        try:
+            for where, us, pdl in (("none", 0, False), ("before", 20, False), ("before", 10, False),
+                                   ("before", 5, False), ("after", 20, False), ("after", 2, False),
+                                   ("after", 2, True), ("before", 2, True)):
+                GraphMetadata.expand = variant(where, us, pdl) if where != "none" else expand
+                trace(f"_sleep_{where}_{us}{'_pdl' if pdl else ''}", setup=lambda r: r.drop_graphs(), batches_=(1,),
+                      rt_=rt)
+        finally:
+            GraphMetadata.expand = expand
+        del rt
+        torch.cuda.empty_cache()
+
+    @rep.section
+    def carveout():
+        """Every loaded Triton kernel's preferred shared-memory carveout (CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_
+        CARVEOUT) left as Triton set it (default: the driver's choice, max-shared for kernels above 48 KB) vs all at
+        100% shared, so consecutive kernels never need the SM's L1 / shared split changed; alternated, then `trace`
+        at 100% (suffix `_carveout`)."""
+        if not cuda:
+            return doc["notes"].append("carveout: needs a cuda device")
+        originals: dict = {}
+
+        def switch(rt, pct):
+            n = set_carveout(pct, originals)
+            doc["notes"].append(f"carveout {pct}: {n} kernels")
+        alternate("carveout", switch, settings=(("default", None), ("max_shared", 100)))
+        trace("_carveout", setup=lambda rt: switch(rt, 100))
+        switch(None, None)
 
     @rep.section
     def mla_orient():
@@ -536,7 +725,7 @@ def main():
         torch.cuda.empty_cache()
 
     @rep.section
-    def trace(suffix="", setup=None):
+    def trace(suffix="", setup=None, ahead_cycles=0, batches_=(1, 8), rt_=None):
         """The decode graph of batch 1 and 8 at the first context, kernel by kernel under the profiler
         (benches/_graph_trace.py): durations, the device's idle gaps between kernels, two-stream overlap."""
         if not cuda:
@@ -544,12 +733,12 @@ def main():
         from benches._graph_trace import graph_node_kinds, graph_trace
 
         ctx = contexts[0]
-        rt = runtime(ctx, 8)
+        rt = rt_ if rt_ is not None else runtime(ctx, 8)
         if setup is not None:
             setup(rt)
-        for b in (1, 8):
-            replay, g, _ = replay_us(rt, b)
-            t = graph_trace(g.graph)
+        for b in batches_:
+            replay, g, _ = replay_us(rt, b, ahead_cycles=ahead_cycles)
+            t = graph_trace(g.graph, ahead_cycles=ahead_cycles)
             if b == 1 and os.environ.get("OUT") and not suffix:  # the graph's nodes (kernels, memcpy/memset, events)
                 try:
                     t["graph_nodes"] = graph_node_kinds(rt, b, os.path.join(os.environ["OUT"], f"graph_b{b}.dot"))
@@ -558,8 +747,9 @@ def main():
             reset(rt, ctx)
             doc.setdefault("trace", {})[f"{ctx}_b{b}{suffix}"] = {"graph_replay_us": replay, **t}
             print(json.dumps({k: v for k, v in t.items() if k not in ("kernels", "by_name")}), flush=True)
-        del rt
-        torch.cuda.empty_cache()
+        if rt_ is None:
+            del rt
+            torch.cuda.empty_cache()
 
     @rep.section
     def trace_late():
@@ -784,7 +974,7 @@ def main():
     if "art" in st:
         sections = {"graph_check": graph_check, "decode": decode, "pdl": pdl, "late": late, "absorb": absorb, "attn_early": attn_early, "trace_late": trace_late, "overlap": overlap,
                     "priority": priority, "schedule": schedule, "nodes": nodes, "trace_start": trace_start,
-                    "mla_orient": mla_orient,
+                    "ahead": ahead, "carveout": carveout, "pdl_window": pdl_window, "gluon": gluon, "head_sleep": head_sleep, "mla_orient": mla_orient,
                     "trace": trace, "host": host,
                     "engine_decode": engine_decode,
                     "reference_peer": reference_peer,

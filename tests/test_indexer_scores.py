@@ -1,7 +1,7 @@
 """The indexer's materialised-scores path (SCORES 1: `codegen/triton/_indexer_scores.py`, then SELECT 1 over the
-int32 score rows, `_topk_parallel` with SRC32, or BUCKET 1, `_topk_bucket`) vs `ir/ref/indexer.py` (exact, ties to
-the lower position) and a float64 formula (CPU: Triton interpreter, fp32). Batch builders and checks come from
-test_indexer_kernels.py."""
+int32 score rows, `_topk_parallel` with SRC32, or BUCKET 1, `_topk_bucket`; TMA: FP8 key tiles through a tensor
+descriptor, `_scores_tma_kernel`) vs `ir/ref/indexer.py` (exact, ties to the lower position) and a float64 formula
+(CPU: Triton interpreter, fp32). Batch builders and checks come from test_indexer_kernels.py."""
 
 from __future__ import annotations
 
@@ -23,11 +23,16 @@ SCORES = dict(BLOCK_N=64, KT=64, SPLITS=4, num_warps=4, num_stages=1, MERGE_TILE
               SELECT=1, SELECT_PARTS=4, SELECT_RES=256)
 # BUCKET 1 (`_topk_bucket`): the boundary bucket in registers (SELECT_RES 256) or streamed (16), one part per row
 BUCKET = dict(SCORES, BUCKET=1)
+# TMA 3: key tiles through a tensor descriptor (boxes of one block, 8 rows here), 3 stages, block-table entries
+# TMA_J at a time (2: several vectors per program)
+TMA = dict(BUCKET, TMA=3, TMA_J=2, SPLITS=3)
 VARIANTS = [SCORES, dict(SCORES, SELECT_RES=16, SELECT_PARTS=8, MERGE_TILE=64),
             dict(SCORES, BLOCK_N=32, KT=32, SPLITS=3, SELECT_PARTS=1),
             BUCKET, dict(BUCKET, SELECT_RES=16, SELECT_PARTS=8, MERGE_TILE=64),
-            dict(BUCKET, BLOCK_N=32, KT=32, SPLITS=3, SELECT_PARTS=1)]
-IDS = ["resident", "streamed", "bn32_one_part", "bucket_resident", "bucket_streamed", "bucket_bn32_one_part"]
+            dict(BUCKET, BLOCK_N=32, KT=32, SPLITS=3, SELECT_PARTS=1), TMA, dict(TMA, TMA_J=128, SPLITS=2)]
+IDS = ["resident", "streamed", "bn32_one_part", "bucket_resident", "bucket_streamed", "bucket_bn32_one_part", "tma",
+       "tma_one_vector"]
+TIES = VARIANTS[:2] + VARIANTS[3:5] + [TMA]
 
 
 def _rows_of(b, sel):
@@ -50,11 +55,12 @@ def test_decode_ragged_contexts(cfg):
 
 def test_prefill_rows_and_mxfp4_keys():
     """Several tokens of one request (each row its own causal context) and MXFP4 keys."""
-    for fmt in ("fp8", "mxfp4"):
+    for fmt in ("fp8", "mxfp4"):   # (TMA with MXFP4 keys: the gathered tiles)
         b = _batch(50, [(400, 5), (130, 2)], key_format=fmt)
-        got = _run(b, 32, config=SCORES)
-        _check(got, b, 32)
-        assert torch.equal(got, _reference(b, 32)), fmt
+        for cfg in (SCORES, TMA):
+            got = _run(b, 32, config=cfg)
+            _check(got, b, 32)
+            assert torch.equal(got, _reference(b, 32)), (fmt, cfg)
 
 
 def test_ties_go_to_the_lower_position():
@@ -64,7 +70,7 @@ def test_ties_go_to_the_lower_position():
     distinct = torch.randint(-4, 5, (6, DI), generator=g).float()
     keys = distinct[torch.randint(0, 6, (3 + 700 + 5,), generator=g)]
     b = _batch(52, [(700, 3)], keys=keys, q=torch.randint(-4, 5, (3, HI, DI), generator=g).float())
-    for cfg in VARIANTS[:2] + VARIANTS[3:5]:
+    for cfg in TIES:
         got = _run(b, 40, config=cfg)
         _check(got, b, 40, tol=0.0)
         assert torch.equal(got, _reference(b, 40)), cfg
@@ -77,7 +83,7 @@ def test_every_score_equal_selects_the_first_positions():
     keys = torch.randn(1, DI, generator=g).expand(3 + 605 + 355, DI).clone()
     b = _batch(54, [(600, 1), (350, 1)], keys=keys)
     want = torch.arange(32).expand(2, 32)
-    for cfg in VARIANTS[:2] + VARIANTS[3:5]:
+    for cfg in TIES:
         got = _run(b, 32, config=cfg)
         assert torch.equal(got, want), cfg
         assert torch.equal(got, _reference(b, 32))
@@ -89,7 +95,7 @@ def test_rows_split_into_workspace_chunks(monkeypatch):
     b = _batch(55, [(500, 1), (260, 1), (90, 1), (700, 1)])
     want = _reference(b, 32)
     monkeypatch.setattr(mod, "WORKSPACE_BYTES", 30_000)
-    for cfg in (SCORES, BUCKET):
+    for cfg in (SCORES, BUCKET, TMA):
         assert torch.equal(_run(b, 32, config=cfg), want), cfg
 
 
@@ -100,7 +106,7 @@ def test_select_alone_over_stored_scores():
     b = _batch(57, [(700, 1), (40, 1), (333, 1)])
     want = _reference(b, 32)
     args = (b["q8"], b["qs"], b["w"], b["k"], b["ks"], b["tp"], b["tr"], b["tbl"], b["bs"], 32)
-    for cfg in (SCORES, BUCKET):
+    for cfg in (SCORES, BUCKET, TMA):
         st = {}
         indexer_topk(*args, config=cfg, stop_after="score", stats=st)
         assert torch.equal(indexer_topk(*args, config=cfg, scores_in=st["scores"]), want), cfg
@@ -118,6 +124,7 @@ def test_heuristic_materialises_decode_scores_only():
     key = {"L": 1 << 17, "K": 2048, "HI": 32, "DI": 128}
     dec = heuristic(dict(key, T=32), "h200")
     assert dec["SCORES"] == 1 and dec["KT"] == dec["BLOCK_N"] and dec.get("SELECT") == 1 and dec.get("BUCKET") == 1
+    assert dec["TMA"] == 3 and dec["SPLITS"] == 20   # one wave of 5 TMA score programs per SM
     big = SCORES_WORKSPACE // (4 * (1 << 17)) + 1
     pre = heuristic(dict(key, T=big), "h200")
     assert not pre.get("SCORES") and pre["CAND"] == 1
@@ -129,3 +136,30 @@ def test_heuristic_materialises_decode_scores_only():
         with pytest.raises(ValueError, match="SCORES 1"):
             _run(_batch(56, [(300, 1)]), 32, config=bad)
     assert not TEMPLATES[0].constraints(dec, {"DI": 128}, "h200")
+
+
+def test_tma_key_tiles_taken_where_the_pool_allows(monkeypatch):
+    """TMA reads the keys through a descriptor for flat pools and for block views whose block stride is a whole
+    number of 16-byte-aligned rows, and falls back to the gathered tiles otherwise (a page starting off a 16-byte
+    boundary): the same selection every way."""
+    from codegen.triton import _indexer_scores as mod
+    try:
+        from tests.test_indexer_kernels import _packed_block_view
+    except ImportError:
+        from test_indexer_kernels import _packed_block_view
+    launched = []
+    real = mod._scores_tma_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real[grid]
+    monkeypatch.setattr(mod, "_scores_tma_kernel", Spy())
+    b = _batch(58, [(300, 1), (97, 1), (20, 1)])
+    want = _reference(b, 32)
+    views = [(b, 1), (dict(b, k=_packed_block_view(b["k"], b["bs"], 16, 48, 3)), 1),
+             (dict(b, k=_packed_block_view(b["k"], b["bs"], 8, 40, 4)), 0)]
+    for v, taken in views:
+        launched.clear()
+        assert torch.equal(_run(v, 32, config=TMA), want)
+        assert len(launched) == taken

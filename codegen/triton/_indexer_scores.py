@@ -5,7 +5,8 @@
     int32 per position, the score's orderable bits (`_score_ord`: signed int32 order == float order), to the row
     [rows, NT * BLOCK_N] of the workspace: no keys, no candidates, no int64. It also counts each score's first radix
     digit (the top 11 orderable bits, sign flipped: `_ord_digit0`) into the row's 2048-bin histogram (one
-    relaxed global atomic per position).
+    relaxed global atomic per position). TMA s (FP8 keys, the default): `_scores_tma_kernel`, the same per position,
+    its key tiles bulk tensor copies (TMA) pipelined s - 1 deep; `_scores_kernel` where no descriptor fits the pool.
  2. The select over the row (keys formed on load: entry p gives (ord << 32) | (2^32 - 1 - p), exactly the key
     `_score_kernel` would have made). BUCKET 1 (the default, `_topk_bucket`): lean parts count the scores above the
     boundary digit and append the boundary bucket, one program per row finishes the threshold over the bucket,
@@ -29,15 +30,29 @@ tiles in flight; 180 registers, 2 programs per SM) 347.9 (score pass 277.3); the
 descriptor of the pool as blocks [NB, 64, DI] (BLOCK_N 64, num_stages 2-3, the loop's copies pipelined) did not
 compile there (the tile index derives from the int64 context, and descriptor coordinates must be int32): not timed,
 removed; to try again with the coordinates cast to int32.
+Session 14 (benches/results/h200-2026-11-30-s14/attention_decode_indexer_tma.json; read bandwidth 4.33 TB/s, byte floor
+128.1 us; every config the default's rows, the best exact vs the IR reference, graph == eager over 50 replays for each
+TMA config): `_scores_tma_kernel` (int32 coordinates, 2-D descriptor over the pool's rows, 64-row boxes, 93-94 registers
+and 25-41 KB of shared memory: 5 programs per SM) with num_stages 3 (two copies in flight), SPLITS 20 (640 programs: one
+wave) measured 242.7 us for the whole launcher (52.8%) vs 305.0 for `_scores_kernel` (the previous default) in the same
+run; the score pass alone 172.0 (74.5%) vs 247.5. num_stages 4 / 5: 249.7 / 254.4 (score pass 176.4 / 220.4; the same
+4-stage score pass measured 184.6 in a BUCKET 2 config of this run: ~5 us spread); SPLITS 33 (num_stages 4) 252.5
+(191.3); SPLITS 40 250.6 (179.9); an 80-register cap with SPLITS 24 (6 programs per SM, 2 spills) 267.1 (206.9).
+`_scores_kernel` under a 128-register cap (4 programs per SM instead of 3, no spills) 262.7, SPLITS 16 266.6 (203.8):
+not kept (the TMA kernel is faster; the cap is untried for MXFP4 keys). Without the vector of table entries the
+pipeliner chained each box's copy behind its table load and gave the copies one buffer per two stages; scales loaded
+inside the loop are not copied ahead (the pipeliner only copies loads that reach a dot), hence their load one box ahead.
 """
 
 from __future__ import annotations
+
+import os
 
 import triton
 import triton.language as tl
 
 from ._indexer_tiles import _row_query, _tile_load, _tile_sums
-from ._pdl import pdl_enter
+from ._pdl import _target_supports, pdl_enter
 from ._topk_select import _ord_digit0, _score_ord
 
 
@@ -61,10 +76,86 @@ def _scores_kernel(q_ptr, w_ptr, qs_ptr, k_ptr, ks_ptr, k_sb, k_sr, s_sb, s_sr, 
             tl.atomic_add(hist_ptr + row * 2048 + _ord_digit0(v), 1, mask=valid, sem="relaxed")
 
 
+@triton.jit
+def _scores_tma_kernel(q_ptr, w_ptr, qs_ptr, k_desc, RPB, ks_ptr, s_sb, s_sr, tbl_ptr, req_ptr, MB, pos_ptr, sc_ptr,
+                       hist_ptr, NT, TOPK, SPLITS, HI: tl.constexpr, DI: tl.constexpr, HP: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BOX: tl.constexpr, J: tl.constexpr, KEY_FMT: tl.constexpr,
+                       DOT_DT: tl.constexpr, LOG_BS: tl.constexpr, IMPRECISE: tl.constexpr, PDL: tl.constexpr):
+    """`_scores_kernel` with FP8 key tiles as bulk tensor copies (TMA): program (row, split) scores boxes split,
+    split + SPLITS, ... of BOX positions (BOX <= block size: one page each) from `k_desc`, a 2-D descriptor over the
+    pool's rows (row blk * RPB + offset, int32 coordinates). The block-table entries of J boxes at a time are loaded
+    as one vector, so no load sits between a box index and its copy: the software pipeliner keeps num_stages - 1
+    copies in flight. Each box's scales are loaded one box ahead (the pipeliner copies ahead only loads that reach a
+    dot)."""
+    pdl_enter(PDL)
+    row = tl.program_id(0)
+    ctx = (tl.load(pos_ptr + row) + 1).to(tl.int32)
+    if ctx > TOPK:
+        tblrow, qa, qb, wq = _row_query(q_ptr, w_ptr, qs_ptr, tbl_ptr, req_ptr, MB, row, HI, DI, HP, KEY_FMT, DOT_DT)
+        srow = sc_ptr + row.to(tl.int64) * NT * BLOCK_N
+        nbox = tl.cdiv(ctx, BOX)
+        jj = tl.arange(0, J)
+        for c in range(tl.program_id(1), nbox, SPLITS * J):
+            bx = c + jj * SPLITS
+            blks = tl.load(tblrow + ((bx * BOX) >> LOG_BS), mask=bx < nbox, other=0)
+            cnt = tl.minimum(J, tl.cdiv(nbox - c, SPLITS))
+            ks = _box_scales(ks_ptr, s_sb, s_sr, blks, jj, 0, c * BOX, ctx, BOX, LOG_BS)
+            for j in range(0, cnt):
+                start = (c + j * SPLITS) * BOX
+                blk = tl.sum(tl.where(jj == j, blks, 0), 0)
+                kt = k_desc.load([blk * RPB + (start & ((1 << LOG_BS) - 1)), 0])
+                nxt = tl.where(j + 1 < cnt, start + SPLITS * BOX, ctx)   # (none: every lane masked)
+                ks_next = _box_scales(ks_ptr, s_sb, s_sr, blks, jj, j + 1, nxt, ctx, BOX, LOG_BS)
+                p = start + tl.arange(0, BOX)
+                valid = p < ctx
+                v = _score_ord(_tile_sums(qa, qb, wq, kt, ks, KEY_FMT, DOT_DT, IMPRECISE))
+                tl.store(srow + p, v, mask=valid)
+                tl.atomic_add(hist_ptr + row * 2048 + _ord_digit0(v), 1, mask=valid, sem="relaxed")
+                ks = ks_next
+
+
+@triton.jit
+def _box_scales(ks_ptr, s_sb, s_sr, blks, jj, j, start, ctx, BOX: tl.constexpr, LOG_BS: tl.constexpr):
+    """fp32 scales of positions start .. start + BOX - 1 (>= ctx: 0), the box's block `j` of the vector `blks`."""
+    blk = tl.sum(tl.where(jj == j, blks, 0), 0)
+    o = (start & ((1 << LOG_BS) - 1)) + tl.arange(0, BOX)
+    return tl.load(ks_ptr + blk.to(tl.int64) * s_sb + o * s_sr, mask=start + tl.arange(0, BOX) < ctx, other=0.0)
+
+
+def _key_descriptor(k8, k_sb, k_sr, block_size, box):
+    """2-D TMA descriptor [R, DI] over the FP8 pool's rows (row blk * RPB + offset, RPB = k_sb / k_sr), and RPB; None
+    where the target or the pool's layout does not allow one (CUDA sm_90+ or the interpreter; 16-byte aligned base
+    and row stride, block stride a whole number of rows, rows addressable by int32, boxes of >= 16 rows on a GPU)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    di = k8.shape[-1]
+    nb = k8.shape[0] if k8.dim() == 3 else -(-k8.shape[0] // block_size)
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    if not (interp or _target_supports()) or k_sb % k_sr or k_sr % 16 or k8.data_ptr() % 16 or box > block_size or \
+            di > 256 or (box < 16 and not interp):
+        return None, 0
+    rpb = k_sb // k_sr
+    rows = (nb - 1) * rpb + block_size if k8.dim() == 3 else k8.shape[0]
+    if rows >= 2 ** 31:
+        return None, 0
+    return TensorDescriptor(k8, [rows, di], [k_sr, 1], [box, di]), rpb
+
+
 def scores_launch(args, cand, hist, n, NT, topk, cfg, common):
     """Step 1 of the module doc into `cand` (int32 [n, NT * BLOCK_N]) and `hist` (zeroed int32 [n, 2048]); `args`
     are `_score_kernel`'s leading operands (q, w, q_scale, pools, table, req, MB, pos). `indexer_topk` then runs
-    the select (step 2) over `cand`."""
+    the select (step 2) over `cand`. Config TMA s > 0 (FP8 keys): `_scores_tma_kernel` at num_stages s, boxes of
+    min(BLOCK_N, block size) positions, SPLITS programs per row, TMA_J table entries a vector (default 128), where
+    the pool allows a descriptor (`_key_descriptor`); otherwise `_scores_kernel` at the config's num_stages."""
     splits = max(1, min(int(cfg["SPLITS"]), NT))
-    _scores_kernel[(n, splits)](*args, cand, hist, NT, topk, splits, num_warps=int(cfg["num_warps"]),
-                                num_stages=int(cfg["num_stages"]), **common)
+    kw = dict(num_warps=int(cfg["num_warps"]), **common)
+    if int(cfg.get("TMA", 0)) and common["KEY_FMT"] == 0:
+        q, w, qs, k8, ks, k_sb, k_sr, s_sb, s_sr, tbl, req, MB, pos = args
+        box = min(common["BLOCK_N"], 1 << common["LOG_BS"])
+        desc, rpb = _key_descriptor(k8, k_sb, k_sr, 1 << common["LOG_BS"], box)
+        if desc is not None:
+            splits = max(1, min(int(cfg["SPLITS"]), NT * common["BLOCK_N"] // box))
+            _scores_tma_kernel[(n, splits)](q, w, qs, desc, rpb, ks, s_sb, s_sr, tbl, req, MB, pos, cand, hist, NT,
+                                            topk, splits, BOX=box, J=int(cfg.get("TMA_J", 128)),
+                                            num_stages=int(cfg["TMA"]), **kw)
+            return
+    _scores_kernel[(n, splits)](*args, cand, hist, NT, topk, splits, num_stages=int(cfg["num_stages"]), **kw)

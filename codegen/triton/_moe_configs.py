@@ -75,7 +75,16 @@ DECODE_MAXNREG = 168        # the cap that fits 6 when the programs fill several
 # same ~3.7 instructions per weight element on fewer warps an SM (latency). With the context's L2 fetch
 # granularity at 128 bytes (default 64) the 32-byte-a-row read pattern alone went 2.52 -> 3.53 TB/s but the op only
 # 0.989 ms: at this instruction count the HBM pattern is not the binding limit; issue and latency are.
-DECODE_T64 = {"DEQ": "asm16i", "SL": 3, "BK": 64, "BK2": 64, "num_stages": 3, "MAXNREG": 128,
+# Session 14 (benches/results/h200-2026-11-30-s14/moe_t64_tma.json; the config before: 1.0027 / 0.9963 ms, PDL off
+# 0.9943, gate-up alone 0.660, down 0.330): the gate-up's packed weights by TMA (TMA 1: bulk tensor copies of
+# [64, 2, 8] int16 blocks, mbarrier-pipelined, 116 registers instead of 128) with its scale bytes read at the top
+# of the step (SL 1; the down kernel keeps SL 3: SL2). As below (cap 104: 9 programs an SM) 0.9513 ms (42.5% of read
+# bandwidth) and 0.9770, PDL off 0.9470, graph replay bitwise equal to eager, wide-scale check ok, gate-up alone
+# 0.632; at the 128 cap 0.9467, gate-up alone 0.641. Slower (gate-up alone): 4 stages 0.692, cap 104 / 4 stages
+# 0.664, 6 stages 0.750, SL 2 (scale words by cp.async) 0.643, BK 128 / 4 stages 0.741, PF 0.791. The down kernel by
+# TMA (SL 1) 0.364, cap 80 0.353, SL 2 0.367, 6 stages 0.381, cap 80 / 6 stages 0.383, BK2 128 0.374: all above its
+# 0.330 (removed).
+DECODE_T64 = {"DEQ": "asm16i", "SL": 1, "TMA": 1, "SL2": 3, "BK": 64, "BK2": 64, "num_stages": 3, "MAXNREG": 104,
               "BN2": 64, "num_warps2": 2, "num_stages2": 4, "MAXNREG2": 96}
 
 
@@ -116,6 +125,8 @@ def constraints(config: dict, key: dict, target=None) -> list[str]:
     for name, allowed in (("GV", (1, 2)), ("PREF", (0, 1)), ("XV", (0, 1)), ("HX", (0, 1))):
         if config.get(name, allowed[-1]) not in allowed:
             out.append(f"{name}={config[name]} must be one of {allowed} (per-pair path, _moe_gemv.py)")
+    if config.get("GLUON") and (target_cc(target) or 0) < 90:
+        out.append("GLUON=1 (the Gluon tensor-core gate-up, _moe_gemv_gluon.py) needs a CUDA target of cc >= 9.0")
     if config.get("LATE", 0) not in (0, 1):
         out.append(f"LATE={config['LATE']} must be 0 or 1 (the gate-up launched without its programmatic edge)")
     if config.get("EARLY", 0) not in (0, 1, 2, 3):
@@ -125,6 +136,18 @@ def constraints(config: dict, key: dict, target=None) -> list[str]:
             out.append(f"{ku}={config[ku]} must be 1, 2 or 4 (K steps an iteration)")
         elif config.get(ku, 1) > 1 and config.get(split, config.get("SPLIT", 1)) > 1:
             out.append(f"{ku}={config[ku]} needs an unsplit K ({split}=1)")
+    if config.get("TMA", 0) not in (0, 1):      # the gate-up's weights by TMA (moe_grouped_gemm._tma_desc)
+        out.append(f"TMA={config['TMA']} must be 0 or 1 (the gate-up's packed weights read by TMA)")
+    elif config.get("TMA"):
+        cc = target_cc(target)
+        if cc is None or cc < 90 or key.get("BI") or not mx or config["DEQ"] not in ("asm16", "asm16i", "bytes16"):
+            out.append(f"TMA=1 needs a CUDA target >= 9.0 (found {cc}), MXFP4 weights with a 16-bit-word decode "
+                       f"(DEQ {config['DEQ']}) and no batch-invariant mode")
+        if config.get("SL", 0) not in (1, 2):
+            out.append("TMA=1 needs SL 1 or 2 (with SL 3's carried scale bytes Triton 3.6 sends the decoded tile "
+                       "through shared memory)")
+    if config.get("SL2", 0) not in (0, 1, 2, 3):
+        out.append(f"SL2={config['SL2']} must be 0..3 (the down kernel's SL)")
     for cap in ("MAXNREG", "MAXNREG2"):
         if config.get(cap) and not 32 <= config[cap] <= 255:
             out.append(f"{cap}={config[cap]} must be 0 (no cap) or 32..255 registers")

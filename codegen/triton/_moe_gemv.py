@@ -16,6 +16,10 @@ sums times 2^(s-127) (fp32 bits s << 23: exact for s in 1..254; s = 0 gives 0); 
 GV=2 (the heuristic's, MXFP4 only; `_moe_gemv_words`): tiles (pair, row block of GN rows), pair fastest, both
 launches, K steps of 4-word groups (one scale block each), the next step's words loaded ahead, the down
 kernel's K slots combined in launch by the last to arrive (see that module's doc).
+GLUON (session 14; bf16 activations on CUDA sm_90+, else the GV=2 kernels run): the inner products on the tensor
+cores, weights decoded straight into mma.sync's A registers (`_moe_gemv_gluon`: 1 the gate-up with GV=2's down, 2 both).
+H200, T=1 / T=8 top-2: GV=2 24.45 / 149.84 us, GLUON_T1 (gate-up, 8 K slices) 23.28-23.77 / 141.4, GLUON_T8 (both,
+down on 2 K slices) 24.52 / 105.8-107.9 (that module's doc has the sweep).
 GV=1 (session 6, kept callable; dense weights always): gate-up grid (T·K, ceil(I/GN)) as GV=2 without the
 groups, prefetch or word-major h; down grid (T, ceil(l/GN2)) looping over the K slots. Inner product GMMA=0:
 FFMA on [GN, GK/8] words; GMMA=1: the grouped kernels' MMA step (_moe_tiles._mma_step_t, weights decoded as
@@ -31,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from codegen.triton import _moe_gemv_gluon as _gluon, _moe_gemv_words as _gv2
 from codegen.triton._moe_gemv_words import _cols8, _gemv_v2
 from codegen.triton._moe_host import _TL, _gemv_weight, _int32_view, _step, gemv_supported  # noqa: F401
 from codegen.triton._moe_tiles import (CODE_PAIR_PTX, UNBIAS, _code_pair, _codes, _glu, _load_bt,  # noqa: F401
@@ -195,8 +200,8 @@ def gemv_experts(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1, 
     """y f32 [T, l] of `ir.ref.moe.moe_experts` by the per-pair path (module doc); cfg: GN, GK (gate-up rows
     and K columns per program step), GN2, GK2 (down), GMMA (inner products on the tensor cores), GASM (the
     FFMA path's PTX decode, CUDA), GPROG (programs striding over the tiles; 0: one a tile), num_warps (GW2:
-    the down kernel's, default the same), num_stages; GV=2 options: _moe_gemv_words._gemv_v2. `kernels`: which
-    GV=2 launches run (timing them apart, bench_moe.py)."""
+    the down kernel's, default the same), num_stages; GV=2 options: _moe_gemv_words._gemv_v2; GLUON (GKS, GNW,
+    GKS2, GNW2): _moe_gemv_gluon. `kernels`: which GV=2 launches run (timing them apart, bench_moe.py)."""
     T, ell = z.shape
     K = ids.shape[1]
     E, inter = int(w1.shape[0]), int(w1.shape[1])
@@ -217,7 +222,20 @@ def gemv_experts(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1, 
     glu = dict(ACT=0 if act == "situ" else 1, HAS_BETA2=act == "situ" and beta2 is not None)
     betas = (1.0 if beta1 is None else float(beta1), 1.0 if beta2 is None else float(beta2))
     if int(cfg.get("GV", 1)) == 2 and g1[0] and g2[0] and mma is None:      # MXFP4 words: the GV=2 kernels
-        _gemv_v2(z, weights, ids, g1, g3, g2, y, dict(betas=betas, **glu), cfg, kernels)
+        act_kw = dict(betas=betas, **glu)
+        mode = _gluon.usable(z, g1, g3, cfg, g2)
+        if mode:        # GLUON: the gate-up (1) or both kernels (2) on the tensor cores (_moe_gemv_gluon)
+            h = torch.empty(P, inter, dtype=torch.float32 if mode == 1 else z.dtype, device=z.device)
+            if "gate_up" in kernels:
+                late = cfg.get("LATE", 0) if _gv2._late_override is None else _gv2._late_override
+                _gluon.gate_up(z, ids, g1, g3, h, act_kw, cfg, late=bool(late))
+            if mode == 2 and "down" in kernels:
+                _gluon.down(h, weights, ids, g2, y, cfg)
+            elif mode == 1:
+                _gemv_v2(z, weights, ids, g1, g3, g2, y, act_kw, {**cfg, "HX": 1},
+                         tuple(k for k in kernels if k == "down"), h=h)
+        else:
+            _gemv_v2(z, weights, ids, g1, g3, g2, y, act_kw, cfg, kernels)
         return y
     h = torch.empty(P, inter, dtype=z.dtype, device=z.device)
     launch = dict(num_warps=int(cfg.get("num_warps", 4)), num_stages=int(cfg.get("num_stages", 1)),

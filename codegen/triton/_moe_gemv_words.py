@@ -235,13 +235,14 @@ def _down_v2_kernel(h_ptr, wt_ptr, ids_ptr, w2_ptr, s2_ptr, o_ptr, cnt_ptr, y_pt
             tl.atomic_xchg(cnt_ptr + rb * (NP // TOPK) + t, 0, sem="relaxed", scope="gpu")
 
 
-def _gemv_v2(z, weights, ids, g1, g3, g2, y, act_kw: dict, cfg: dict, kernels=("gate_up", "down")) -> None:
+def _gemv_v2(z, weights, ids, g1, g3, g2, y, act_kw: dict, cfg: dict, kernels=("gate_up", "down"), h=None) -> None:
     """The GV=2 launches (module doc) for MXFP4 int32-word operands g1, g3, g2 (_gemv_weight); cfg: GN, GK,
     num_warps (gate-up), GN2, GK2, GW2 (down), PREF, XV (gate-up's activation loads), HX (h as fp32 words),
     EARLY (with PREF: bit 0, the down kernel reads ids and its first weight step before the PDL wait, always
     legal; bit 1, the gate-up kernel too, legal only where the router ran at least two launches before it;
     passed to the kernel as PREF=2), GREG (a register cap, CUDA; 0: none). `kernels`: which launches run
-    (timing them apart; either alone leaves y meaningless)."""
+    (timing them apart; either alone leaves y meaningless). h: the gate-up output written by another kernel
+    (fp32 [T·K, I] in HX=1 order: _moe_gemv_gluon's), None: allocated here."""
     T, ell = z.shape
     K = ids.shape[1]
     P, inter = T * K, int(g1[1].shape[1])
@@ -250,7 +251,8 @@ def _gemv_v2(z, weights, ids, g1, g3, g2, y, act_kw: dict, cfg: dict, kernels=("
     nq1, nq2 = ell // 8, inter // 8
     hx, xv, early = int(cfg.get("HX", 1)), int(cfg.get("XV", 0)), int(cfg.get("EARLY", 0))
     late = int(cfg.get("LATE", 0) if _late_override is None else _late_override)
-    h = torch.empty(P, inter, dtype=torch.float32 if hx else z.dtype, device=z.device)
+    if h is None:
+        h = torch.empty(P, inter, dtype=torch.float32 if hx else z.dtype, device=z.device)
     opt = dict(ASM=bool(cfg.get("GASM", 0)) and z.is_cuda, PREF=int(cfg.get("PREF", 1)), num_stages=1,
                **launch_kwargs())
     if cfg.get("GREG") and z.is_cuda:       # a register cap: more programs resident per SM

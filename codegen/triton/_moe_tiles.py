@@ -194,8 +194,16 @@ def _mxfp4_quarters(q_ptr, s_ptr, qbase, sbase, rn, n_ok, k0, K, stride_qn, stri
     q = tl.load(q_ptr + qbase + rn[:, None, None].to(tl.int64) * stride_qn + gi[None, :, None] * 8
                 + tl.arange(0, 8)[None, None, :], mask=g_ok[:, :, None], other=0)              # [BN, G, 8] i16
     s = s_pre if SL else _step_scales(s_ptr, sbase, rn, n_ok, k0, K, stride_sn, BN, BK, _MX_BYTES, PF)
+    return _quarters(q, s, BN, BK, DT, WIDE, ASM)
+
+
+@triton.jit
+def _quarters(q, s, BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, WIDE: tl.constexpr, ASM: tl.constexpr):
+    """Packed words q [BN, BK/32, 8] (int16) under E8M0 bytes s [BN, BK/32] (int32) -> the four [BN, BK/4] tiles of
+    K columns 4j + c (DT). ASM: 1 E2M1_ASM16, 2 asm16i (the shifts as multiplies, E2M1_ASM16I), 0 Triton ops."""
+    G: tl.constexpr = BK // 32
     f = _scale_factor(s, DT, WIDE)[:, :, None]
-    if ASM:             # ASM 2: asm16i, the shifts as multiplies (E2M1_ASM16I)
+    if ASM:
         f = tl.broadcast_to(f, (BN, G, 8))
         w0 = _asm16(q, f, 0, WIDE, ASM == 2)
         w1 = _asm16(q, f, 1, WIDE, ASM == 2)
@@ -268,6 +276,19 @@ def _mma_step_t(acc, b, b1, b2, b3, w_ptr, s_ptr, wbase, sbase, rn, n_ok, k0, K,
         w_even, w_odd = _mxfp4_halves(w_ptr, s_ptr, wbase, sbase, rn, n_ok, k0, K, stride_wn, stride_sn, s_pre,
                                       BN, BK, DT, WIDE, W_FMT == _MX_ASM, SL, PF)
         return _dot(w_odd, b1, _dot(w_even, b, acc, IEEE), IEEE)
+
+
+@triton.jit
+def _mma_step_tma(acc, b0, b1, b2, b3, w_desc, row, k0, s, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+                  DT: tl.constexpr, WIDE: tl.constexpr, ASM: tl.constexpr):
+    """_mma_step_t for MXFP4 read as 16-bit words through a TMA descriptor (config TMA, sm_90): w_desc views the
+    packed bytes as int16 [E·N, K/32, 8] with blocks [BN, BK/32, 8]; the tile at (row, k0/32, 0) lands in shared
+    memory by a bulk tensor copy (Triton pipelines it over num_stages with mbarriers), then decodes as
+    _mxfp4_quarters with the E8M0 bytes s [BN, BK/32] (int32) loaded by the caller (SL 1 / 2: loaded in the step;
+    a carried tile, SL 3, stops Triton 3.6 from moving the dot operand's layout onto the packed tile, and the
+    decoded tile then passes through shared memory). ASM: 1 asm16, 2 asm16i, 0 the Triton ops."""
+    w0, w1, w2, w3 = _quarters(w_desc.load([row, k0 // 32, 0]), s, BN, BK, DT, WIDE, ASM)       # [BN, G, 8] i16
+    return _dot(w3, b3, _dot(w2, b2, _dot(w1, b1, _dot(w0, b0, acc, IEEE), IEEE), IEEE), IEEE)
 
 
 @triton.jit

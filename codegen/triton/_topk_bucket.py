@@ -14,6 +14,16 @@ carrying another's registers:
 Exact by construction: keys are unique ((score desc, position asc) order), every key of digit > b0 is selected, the
 bucket's selected keys are the topk - (count above b0) largest of the bucket. Workspace per row: the bucket buffer
 (8 B x NT * BLOCK_N, touched only by the bucket's keys), PARTS counts and offsets, one zeroed counter.
+
+Session 14 (benches/results/h200-2026-11-30-s14/attention_decode_indexer_tma.json, batch 32 at 128K, FP8 keys, rows
+out, graph replay; every config the default's rows, graph == eager over 50 replays): BUCKET 2, the parts also counting
+the bucket's next 11 key bits into a second histogram so that the threshold program takes that digit off it, then one
+pass over the bucket counting the keys above the fixed 22 bits by part and compacting the sub-bucket in place, then
+the 8-bit digits over the sub-bucket only (in registers up to RES): whole launcher 304.7 us (RES 2048, 8 warps) /
+305.3 (RES 512, 4 warps) vs 305.0 for this path; the select alone 66.2 / 63.6 vs 64.0 (`_bucket_kernel` 96 -> 128
+registers with the second atomic); with TMA key tiles (num_stages 4) 259.9 vs 249.7, their identical score passes
+184.6 / 176.4 (run-to-run spread of ~5 us). No gain: removed. The threshold program's radix steps over a resident
+bucket are not where the select's ~70 us go.
 """
 
 from __future__ import annotations

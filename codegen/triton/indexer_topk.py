@@ -63,7 +63,8 @@ in place through `row_offsets`.
 API: `indexer_topk(...)` (positions: the IR op), `output="rows"` (the positions' pool rows, -1
 padded: what attention kernels read), `key_format="mxfp4"`. Tunables: BLOCK_N, KT, SPLITS (programs
 per row), CAND, DOT, PREFETCH (score kernel: next tile in flight), num_warps / num_stages (score kernel),
-MERGE_TILE, MERGE_WARPS, FILTER / FILTER_PARTS, SCORES, BUCKET, SELECT / SELECT_PARTS / SELECT_RES (SELECT 2:
+MERGE_TILE, MERGE_WARPS, FILTER / FILTER_PARTS, SCORES, BUCKET, TMA / TMA_J (SCORES 1 with FP8 keys: key tiles as
+pipelined bulk tensor copies, `_indexer_scores.scores_launch`), SELECT / SELECT_PARTS / SELECT_RES (SELECT 2:
 SELECT_PARTS, SELECT_TILE, SELECT_WB, SELECT_WARPS: `_topk_fused.fused_launch`), HIST (score kernel: per-program first-digit histogram).
 Every kernel keeps the PDL contract (`_pdl`: `pdl_enter` first, the caches they read are written earlier in the
 step). Batch invariant (each row on its own).
@@ -171,7 +172,14 @@ def heuristic(key: dict, target: str) -> dict:
     stored scores) 68.3 vs 88.4, the score pass alone 246.9. 32 parts 307.8 (41.6%: the new default), 64 parts 308.9,
     SELECT_RES 2048 on 4 warps 310.7, SELECT_RES 8192 335.6 (the threshold program's pass over the resident bucket
     costs with its size), MERGE_TILE 4096 322.6 (`_place_kernel` then 249 registers), SPLITS 66 310.9 (score pass
-    241.7). Batch 1 at 8K unchanged (SELECT 2, 13.66 us)."""
+    241.7). Batch 1 at 8K unchanged (SELECT 2, 13.66 us).
+    Session 14 (one H200 call, benches/results/h200-2026-11-30-s14/attention_decode_indexer_tma.json; read bandwidth
+    4.33 TB/s, byte floor 128.1 us; the new default exact vs the IR reference, every config the old default's rows,
+    graph == eager over 50 replays): the score pass's key tiles as pipelined bulk tensor copies (TMA 3:
+    `_indexer_scores._scores_tma_kernel`, 3 stages, SPLITS 20 = one wave of 5 programs per SM) 242.7 us (52.8%) vs
+    305.0 (42.0%) for the gather tiles at SPLITS 33 in the same run; score pass alone 172.0 (74.5%) vs 247.5, the select
+    (memset + parts + threshold + placement) the other ~70. Other figures in `_indexer_scores` (TMA stages / programs,
+    register caps) and `_topk_bucket` (BUCKET 2, removed). Batch 1 at 8K unchanged (SELECT 2, 13.67 us)."""
     L, K, T = max(1, key["L"]), key["K"], max(1, key["T"])
     if target == "cpu":
         bn = 32 if L <= 256 else 128
@@ -189,8 +197,10 @@ def heuristic(key: dict, target: str) -> dict:
                     SELECT=1, SELECT_PARTS=16, SELECT_RES=2048)
     splits = max(1, min(max(1, nt // 4), round(8 * 132 / T)))
     if key.get("bi") or T * L * 4 <= SCORES_WORKSPACE:   # decode: materialised scores (batch invariant: any T)
-        return dict(BLOCK_N=bn, KT=bn, SPLITS=splits, num_warps=4, num_stages=1, CAND=0, DOT=3, MERGE_TILE=2048,
-                    SCORES=1, SELECT=1, BUCKET=1, SELECT_PARTS=32, SELECT_RES=4096, MERGE_WARPS=8)
+        # TMA key tiles, 3 stages: 5 programs per SM (94 registers, 25 KB), one wave of them (>= 4 boxes each)
+        return dict(BLOCK_N=bn, KT=bn, SPLITS=max(1, min(nt // 2, 5 * 132 // T)), num_warps=4, num_stages=1, TMA=3,
+                    CAND=0, DOT=3, MERGE_TILE=2048, SCORES=1, SELECT=1, BUCKET=1, SELECT_PARTS=32, SELECT_RES=4096,
+                    MERGE_WARPS=8)
     return dict(BLOCK_N=bn, KT=default_kt_pairs(bn, K, L), SPLITS=splits, num_warps=4, num_stages=1, CAND=1, DOT=3,
                 MERGE_TILE=2048, FILTER=1, FILTER_PARTS=16)
 
@@ -430,7 +440,8 @@ TUNABLES = (Tunable("BLOCK_N", (64, 128, 256)), Tunable("KT", (4, 8, 16, 32, 64)
             Tunable("CAND", (0, 1)), Tunable("PREFETCH", (0, 1)), Tunable("FILTER", (0, 1)),
             Tunable("FILTER_PARTS", (16, 32)), Tunable("SELECT", (0, 1, 2)))
 # DOT fixes the numerics (never searched); MERGE_WARPS, SELECT_PARTS / SELECT_RES / SELECT_TILE / SELECT_WB /
-# SELECT_WARPS (the space stays under the tuner's enumeration limit), HIST, SCORES and BUCKET only by an explicit config
+# SELECT_WARPS (the space stays under the tuner's enumeration limit), HIST, SCORES, BUCKET and TMA / TMA_J only by an
+# explicit config
 
 TEMPLATES = [
     KernelTemplate(family="indexer_topk", backend="triton", ops=("indexer_topk",), launch=_launch, key_dims=_key,

@@ -45,10 +45,21 @@ prefetch of the next step's (CUDA only); SL=2 reads them as int32 words through 
 SL=3 loads the next step's bytes a step ahead (_moe_tiles._top_scales). H200, T=64 top-16 (graph replay):
 session 8 SL=1 1.111 ms, SL=3 with BK 64 1.048; SL=2 passes the decoded tile through shared memory (1.8x).
 SCALE_NO_SPEC below keeps SL=3's decode on the packed tile in Triton 3.6 and 3.7.
+TMA (config TMA, the gate-up kernel, sm_90+; _tma_desc): w1 / w3 are host TensorDescriptors of the packed words as
+int16 [E·I, l/32, 8] and a K step's [BN, BK/32, 8] block arrives by a bulk tensor copy (cp.async.bulk.tensor, one
+issuing thread, mbarrier waits, num_stages deep), no address registers; the decode and the fp32 accumulation are
+the pointer path's (bitwise equal in the interpreter). The kernel sees it as SL 5 / 6 (SL 1 / 2 + 4): no new
+argument. SL 3 cannot go with it: Triton 3.6 moves the MMA operand's layout onto a TMA tile only when the decode's
+inputs come from loads (not loop-carried values), else the decoded tile passes through shared memory (sm_90 TTGIR;
+with SL 2, Triton 3.7 does so too). sm_90 SASS of the T=64 gate-up: a K step of 503 instructions vs 474 (the scale
+bytes go through shared memory to the decode's layout, two more barriers), 104-116 registers vs 128, 2 TMA issues
+instead of 6 LDGSTS; measured 0.632-0.641 ms alone vs 0.660. The down kernel by TMA measured slower (0.353-0.383 ms
+vs 0.330 alone, _moe_configs.DECODE_T64): removed.
 Host-side operand, storage and target helpers: _moe_host.py;
 the heuristic's named configs, the split-K rule and the config constraints: _moe_configs.py.
-Decode T=64 (E=112, top-16, l=3584, I=3072, bf16; 1.82 GB of MXFP4 weights): 0.997 ms, 40.5% of the read
-ceiling (session 10; session 12 1.000 / 1.009, 39.6%; measured, _moe_configs.py at DECODE_T64): each K step asks L2
+Decode T=64 (E=112, top-16, l=3584, I=3072, bf16; 1.82 GB of MXFP4 weights): 0.951 ms, 42.5% of the read
+ceiling with the gate-up's weights by TMA (session 14; the pointer path 0.996-1.003 in the same run, 40.3-40.7%;
+session 10 0.997, session 12 1.000 / 1.009; measured, _moe_configs.py at DECODE_T64). Before TMA: each K step asks L2
 for 32 bytes of each of 64-128 weight rows, a pattern that alone reads 2.52 TB/s (4.28 with whole lines); but whole
 lines a step (BK 256) measured 1.16-1.82 ms (fewer warps an SM at the same instructions per element), and whole-line
 fetches from HBM (L2 fetch granularity 128 B: that pattern at 3.53 TB/s) only 0.989 ms: issue and latency bind.
@@ -56,9 +67,12 @@ fetches from HBM (L2 fetch granularity 128 B: that pattern at 3.53 TB/s) only 0.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from codegen.kernel import KernelTemplate, Tunable, pow2_bucket
 from codegen.triton._moe_configs import (BATCH_INVARIANT_CONFIG, DECODE_MAXNREG, DECODE_T64,  # noqa: F401
@@ -67,9 +81,10 @@ from codegen.triton._moe_configs import (BATCH_INVARIANT_CONFIG, DECODE_MAXNREG,
 from codegen.triton._moe_host import (DEQ_MODES, _BYTE_DECODE, _TL, _fit_bk, _int16_view,  # noqa: F401
                                       _kernel_weight, _weight, max_tiles, scale_words, storage, target_cc)
 from codegen.triton._moe_gemv import gemv_experts, gemv_supported
+from codegen.triton._moe_gemv_gluon import GLUON_T1, GLUON_T8
 from codegen.triton._moe_splits import _combine_splits_kernel, _glu_splits_kernel, combine_pairs  # noqa: F401
-from codegen.triton._moe_tiles import (_glu, _k_range, _load_bt, _locate_tile, _mma_step_t, _top_scales,
-                                      _swizzle)
+from codegen.triton._moe_tiles import (MX_ASM16, MX_ASM16I, MX_BYTES16, _glu, _k_range, _load_bt, _locate_tile,
+                                      _mma_step_t, _mma_step_tma, _top_scales, _swizzle)
 from codegen.triton._pdl import launch_kwargs, pdl_enter
 from codegen.triton.moe_router import ExpertSegments, permute_tokens
 
@@ -78,6 +93,7 @@ from codegen.triton.moe_router import ExpertSegments, permute_tokens
 # passes the decoded tile through shared memory (2x slower on the H200, session 8) turns on the scale rows'
 # vectorisation: Triton 3.6 keeps it when the stride is not specialised (divisibility unknown), 3.7 when it is
 # (sm_90 TTGIR of both, the decode tiles): so 3.6 does not specialise it. SL != 3 never reads it.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"     # TMA descriptors of CPU tensors: tests only
 SCALE_NO_SPEC = ["scale_row_stride"] if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7) else []
 
 
@@ -90,6 +106,8 @@ def _moe_gate_up_kernel(z_ptr, pair_ptr, counts_ptr, offsets_ptr, w1_ptr, w3_ptr
                         BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr,
                         KU: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)      # the tile's expert comes from the permutation's counts: nothing to load before
+    TMA: tl.constexpr = SL >= 4     # SL 5 / 6: SL 1 / 2 with the weights read by TMA (w1_ptr, w3_ptr: descriptors)
+    SC: tl.constexpr = SL % 4       # how the scale bytes are read (module doc)
     pid = tl.program_id(0)
     sk = pid % SPLIT
     tid, nb = _swizzle(pid // SPLIT, N_TILES, tl.cdiv(INTER, BN), GROUP_M)
@@ -108,30 +126,36 @@ def _moe_gate_up_kernel(z_ptr, pair_ptr, counts_ptr, offsets_ptr, w1_ptr, w3_ptr
     acc1 = tl.zeros([BN, BM], dtype=tl.float32)
     acc3 = tl.zeros([BN, BM], dtype=tl.float32)
     k_lo, k_hi = _k_range(sk, ELL, BK, SPLIT)
-    if SL == 3:     # the first step's scale bytes; every step then loads the next step's
-        n1 = _top_scales(s1_ptr, sbase, rn, n_ok, k_lo, ELL, scale_row_stride, BN, BK, W_FMT, SL, PF)
-        n3 = _top_scales(s3_ptr, sbase, rn, n_ok, k_lo, ELL, scale_row_stride, BN, BK, W_FMT, SL, PF)
+    if SC == 3:     # the first step's scale bytes; every step then loads the next step's
+        n1 = _top_scales(s1_ptr, sbase, rn, n_ok, k_lo, ELL, scale_row_stride, BN, BK, W_FMT, SC, PF)
+        n3 = _top_scales(s3_ptr, sbase, rn, n_ok, k_lo, ELL, scale_row_stride, BN, BK, W_FMT, SC, PF)
     else:
         n1 = tl.zeros([BN, BK // 32], dtype=tl.int32)
         n3 = n1
     for k00 in range(k_lo, k_hi, BK * KU):     # KU steps an iteration: their loads issued together
         for u in tl.static_range(KU):
             k0 = k00 + u * BK
-            if SL == 3:     # this step's scale bytes were loaded a step ago; the next step's now (carried)
+            if SC == 3:     # this step's scale bytes were loaded a step ago; the next step's now (carried)
                 s1, s3 = n1, n3
-                n1 = _top_scales(s1_ptr, sbase, rn, n_ok, k0 + BK, ELL, scale_row_stride, BN, BK, W_FMT, SL, PF)
-                n3 = _top_scales(s3_ptr, sbase, rn, n_ok, k0 + BK, ELL, scale_row_stride, BN, BK, W_FMT, SL, PF)
-            elif SL:    # both weights' scale bytes first: their load latencies overlap (SL=2: int32 words)
-                s1 = _top_scales(s1_ptr, sbase, rn, n_ok, k0, ELL, stride_sn, BN, BK, W_FMT, SL, PF)
-                s3 = _top_scales(s3_ptr, sbase, rn, n_ok, k0, ELL, stride_sn, BN, BK, W_FMT, SL, PF)
+                n1 = _top_scales(s1_ptr, sbase, rn, n_ok, k0 + BK, ELL, scale_row_stride, BN, BK, W_FMT, SC, PF)
+                n3 = _top_scales(s3_ptr, sbase, rn, n_ok, k0 + BK, ELL, scale_row_stride, BN, BK, W_FMT, SC, PF)
+            elif SC:    # both weights' scale bytes first: their load latencies overlap (SC=2: int32 words)
+                s1 = _top_scales(s1_ptr, sbase, rn, n_ok, k0, ELL, stride_sn, BN, BK, W_FMT, SC, PF)
+                s3 = _top_scales(s3_ptr, sbase, rn, n_ok, k0, ELL, stride_sn, BN, BK, W_FMT, SC, PF)
             else:       # each read in its step, after its weight tile
                 s1 = tl.zeros([BN, BK // 32], dtype=tl.int32)
                 s3 = s1
             b0, b1, b2, b3 = _load_bt(rows_ptr, row_ok, k0, ELL, W_FMT, DT, BK)
-            acc1 = _mma_step_t(acc1, b0, b1, b2, b3, w1_ptr, s1_ptr, wbase, sbase, rn, n_ok, k0, ELL, stride_wn,
-                               stride_sn, s1, BN, BK, W_FMT, IEEE, DT, WIDE, SL, PF)
-            acc3 = _mma_step_t(acc3, b0, b1, b2, b3, w3_ptr, s3_ptr, wbase, sbase, rn, n_ok, k0, ELL, stride_wn,
-                               stride_sn, s3, BN, BK, W_FMT, IEEE, DT, WIDE, SL, PF)
+            if TMA:     # w1_ptr, w3_ptr: TMA descriptors of int16 [E·I, l/32, 8], row e·I + n
+                acc1 = _mma_step_tma(acc1, b0, b1, b2, b3, w1_ptr, e * INTER + nb * BN, k0, s1, BN, BK, IEEE, DT, WIDE,
+                                     (W_FMT == 5) + 2 * (W_FMT == 6))
+                acc3 = _mma_step_tma(acc3, b0, b1, b2, b3, w3_ptr, e * INTER + nb * BN, k0, s3, BN, BK, IEEE, DT, WIDE,
+                                     (W_FMT == 5) + 2 * (W_FMT == 6))
+            else:
+                acc1 = _mma_step_t(acc1, b0, b1, b2, b3, w1_ptr, s1_ptr, wbase, sbase, rn, n_ok, k0, ELL, stride_wn,
+                                   stride_sn, s1, BN, BK, W_FMT, IEEE, DT, WIDE, SC, PF)
+                acc3 = _mma_step_t(acc3, b0, b1, b2, b3, w3_ptr, s3_ptr, wbase, sbase, rn, n_ok, k0, ELL, stride_wn,
+                                   stride_sn, s3, BN, BK, W_FMT, IEEE, DT, WIDE, SC, PF)
     out = h_ptr + pos.to(tl.int64)[None, :] * stride_h + rn[:, None]
     ok = n_ok[:, None] & row_ok[None, :]
     if SPLIT == 1:
@@ -257,6 +281,9 @@ def expert_pair_outputs(z: torch.Tensor, ids: torch.Tensor, w1, w2, w3, act: str
     if sl == 2:
         b3 = scale_words(2, c3, b3, st3)[1]
     up = "gate_up" in kernels
+    d1, d3 = (_tma_desc(a, c1, sl, cfg["BN"], cfg["BK"], z) if cfg.get("TMA") else None for a in (a1, a3))
+    if d1 is not None and d3 is not None:   # the kernel's SL 5 / 6: SL 1 / 2 with the weights by TMA descriptors
+        a1, a3, sl = d1, d3, sl + 4
     _moe_gate_up_kernel[(n_tiles * triton.cdiv(inter, cfg["BN"]) * split * up,)](
         z, seg.pair_ids, seg.counts, seg.offsets, a1, a3, b1, b3, part, E, ell, inter, z.stride(0), *st1, *h_st,
         *betas, n_tiles, st1[3], TOPK=K, E_PAD=e_pad, W_FMT=c1, IEEE=ieee, DT=dt, WIDE=wide1 or wide3, BM=bm,
@@ -269,13 +296,26 @@ def expert_pair_outputs(z: torch.Tensor, ids: torch.Tensor, w1, w2, w3, act: str
             part, h, P, inter, *h_st[1:], h_st[0], h.stride(0), *betas, SPLIT=split, BR=br, BI=bi, num_warps=4, **glu,
             **launch_kwargs())
     c2, a2, b2, st2, wide2 = _kernel_weight(f2, q2, s2, cfg["DEQ"], z.dtype)
-    sl2, b2, st2 = scale_words(launch["SL"], c2, b2, st2)
+    sl2, b2, st2 = scale_words(int(cfg.get("SL2", launch["SL"])), c2, b2, st2)    # SL2: the down kernel's own SL
     _moe_down_kernel[(n_tiles * triton.cdiv(ell, cfg["BN2"]) * split2 * ("down" in kernels),)](
         h, seg.pair_ids, seg.counts, seg.offsets, a2, b2, o, E, ell, inter, h.stride(0), *st2, o.stride(-2),
         o.stride(0) if split2 > 1 else 0, n_tiles, st2[3], E_PAD=e_pad, W_FMT=c2, IEEE=ieee, DT=dt, WIDE=wide2,
         BM=bm, BN=cfg["BN2"], BK=cfg["BK2"], GROUP_M=cfg["GROUP_M"], SPLIT=split2, KU=int(cfg.get("KU2", 1)),
         **{**launch2, "SL": sl2})
     return o, seg
+
+
+def _tma_desc(q: torch.Tensor, code: int, sl: int, bn: int, bk: int, z: torch.Tensor):
+    """TMA descriptor of packed MXFP4 weights read as int16 words q [E, N, K/4] (config TMA, the gate-up kernel,
+    CUDA sm_90+): the 3-D view [E·N, K/32, 8] (rows, 32-column blocks, words), one block [BN, BK/32, 8] a K step
+    (the shape _mxfp4_quarters loads); None where it does not apply (not CUDA, a byte decode, SL 0 / 3, expert
+    rows not back to back, misaligned storage): the kernel then reads the weights through pointers."""
+    if not (z.is_cuda or INTERPRET) or code not in (MX_BYTES16, MX_ASM16, MX_ASM16I) or sl not in (1, 2):
+        return None
+    E, N, kq = q.shape
+    if q.stride(0) != N * q.stride(1) or q.stride(2) != 1 or kq % 8 or q.stride(1) % 8 or q.data_ptr() % 16:
+        return None
+    return TensorDescriptor(q, [E * N, kq // 8, 8], [q.stride(1), 8, 1], [bn, bk // 32, 8])
 
 
 def moe_experts(z, weights, ids, w1, w2, w3, act: str, beta1=None, beta2=None, config: dict | None = None):
@@ -321,13 +361,19 @@ def heuristic(key: dict, target=None) -> dict:
     GEMV_T1 tiles (T=1: 24.3 us, session 8's tiles 28.1 in the same run; T=8: 151.8 us, session 8's 169.0; see
     _moe_configs.py); from 2 tokens on the gate-up is launched without its programmatic edge (LATE: H200 rank decode
     step, batch 8, 1078.4-1080.5 vs 1096.6-1100.5 us; batch 1 no gain, 555.9-564.2 vs 557.0-564.0,
-    benches/results/h200-2026-11-30-s12/runtime_moe_sched.json). Dense expert weights run the GV=1 kernels with the
+    benches/results/h200-2026-11-30-s12/runtime_moe_sched.json). On CUDA sm_90+ with MXFP4 weights and bf16
+    activations the inner products run on the tensor cores (Gluon, _moe_gemv_gluon.py; session 14, H200, the op
+    alone): T=1 the gate-up (GLUON_T1: 23.28-23.77 vs 24.45 us), T >= 2 both kernels (GLUON_T8, measured at T=8:
+    105.8-107.9 vs 149.8 us; T=2..7 not measured); in the rank decode graph (runtime_gluon.json) batch 1
+    552.4-555.7 vs 552.8-554.6 us (the experts are not what bounds it), batch 8 1065.2-1066.9 vs 1068.0-1070.7.
+    Dense expert weights run the GV=1 kernels with the
     same tiles. Grouped decode (<= 16 tokens per
     expert): a 16-token tile x 64 weight rows on 2 warps (mma.sync, see the module doc), K steps of 128,
     asm16, scales first (SL); when the routed tiles fill the GPU (T=64, top-16) a register cap (DECODE_MAXNREG),
-    and with asm16 DECODE_T64 (_moe_configs.py: the asm16i decode, scales a K step ahead, K steps of 64, the two
-    kernels' stages and caps apart): 0.997 ms, 40.5% of read bandwidth (session 8's config 1.055); session 12:
-    BK 256 (whole weight lines a step) on 2-8 warps 1.16-1.82 ms, slower.
+    and with asm16 DECODE_T64 (_moe_configs.py: the asm16i decode, K steps of 64, the two kernels' stages and
+    caps apart, the gate-up's weights by TMA with its scales read in the step, the down kernel's a step ahead):
+    session 14 0.951 ms, 42.5% of read bandwidth (without TMA 0.996-1.003 in the same run; session 8's config
+    1.055); session 12: BK 256 (whole weight lines a step) on 2-8 warps 1.16-1.82 ms, slower.
     Split-K when the routed tiles leave the GPU idle (`decode_split`; grouped T=1 top-2: split 4, 69.6 ->
     44.7 us); T=64 top-16 fills the GPU, no split. Prefill: 128 tokens x 64 rows on wgmma, asm.
     Batch-invariant: one fixed grouped tiling, no split.
@@ -363,12 +409,14 @@ def heuristic(key: dict, target=None) -> dict:
             cfg.update(GN=32, GN2=32)
         elif key["T"] > 1:          # the gate-up not resident while it waits for z (LATE, _moe_gemv_words.py)
             cfg["LATE"] = 1
+        if cc is not None and cc >= 90 and key["MX"] and key["BF16"]:   # tensor-core GEMVs (_moe_gemv_gluon.py)
+            cfg.update(GLUON_T1 if key["T"] == 1 else GLUON_T8)
         return cfg
     tiles = max_tiles(key["T"] * key["K"], key["E"], cfg["BM"])
     full = tiles * -(-key["I"] // cfg["BN"]) >= 2 * GPU_SLOTS
     if decode and cc is not None and cc < 100 and full:
         cfg["MAXNREG"] = DECODE_MAXNREG
-        if cfg["DEQ"] == "asm16":  # session 10, T=64 top-16: 1.010 ms vs 1.055 for session 8's (_moe_configs.py)
+        if cfg["DEQ"] == "asm16":  # T=64 top-16: session 14 0.951 ms (TMA gate-up) vs 0.996-1.003 (_moe_configs.py)
             cfg.update(DECODE_T64, BK=_fit_bk(64, key["L"], True), BK2=_fit_bk(64, key["I"], True))
     if decode and cc is not None:  # a GPU: idle SMs take K slices (the interpreter gains nothing from it)
         cfg["SPLIT"] = min(decode_split(tiles * -(-key["I"] // cfg["BN"]), -(-key["L"] // cfg["BK"])),
@@ -407,9 +455,10 @@ TEMPLATES = [KernelTemplate(
               Tunable("num_stages", (2, 3, 4)), Tunable("PATH", ("gemv", "grouped")), Tunable("SL", (0, 1)),
               Tunable("DEQ", ("asm16", "asm", "bytes", "bytes16", "dot_scaled")), Tunable("SPLIT", (1, 2, 4, 8))),
     # 233,280 configs (the tuner enumerates up to 250,000; PATH took GROUP_M's place, now fixed at 8).
-    # Explicit-config options: SPLIT2, MAXNREG, PF, the down kernel's num_warps2 / num_stages2 / MAXNREG2 (grouped;
-    # default: the gate-up's), KU / KU2 (K steps an iteration, unsplit K only) and the per-pair path's GV, GN, GK,
-    # GN2, GK2, GW2,
+    # Explicit-config options: SPLIT2, MAXNREG, PF, the down kernel's num_warps2 / num_stages2 / MAXNREG2 / SL2
+    # (grouped; default: the gate-up's), KU / KU2 (K steps an iteration, unsplit K only), TMA (the gate-up's packed
+    # weights by TMA descriptors, sm_90+, SL 1 / 2; see the module doc) and the per-pair path's GV, GN, GK, GN2,
+    # GK2, GW2,
     # PREF, XV, HX, EARLY, GREG (GV=2), GMMA, GASM, GPROG (GV=1) (heuristic values measured on the H200, session 9)
     doc="routed experts: per-pair GEMVs (decode) or grouped GEMMs with permutation, fused SiTU-GLU/SwiGLU, "
         "fp32 slot-order combine; MXFP4 dequantised in registers (or tl.dot_scaled)")]

@@ -55,6 +55,19 @@ metadata expanded before the replay, the graph's first kernel runs at once and t
 programmatic edge change nothing (batch 1 551.4-553.6 vs 550.2-551.6 µs; the second kernel still starts at
 9.3 µs). So the ~7 µs sit before the graph's first programmatic launch, whatever precedes it: a cost of PDL in
 a graph, not of this kernel (the option was removed).
+Session 14 (benches/results/h200-2026-11-30-s14/, bench_runtime_gpu.py sections ahead, carveout, pdl_window,
+head_sleep): in the step as captured, the first node after the graph's first that takes part in PDL (compiled with
+the instructions, or either end of a programmatic edge) starts ~9 µs after the first node started, whichever node
+that is (the norm launched plainly still waits when the GEMM after it is programmatic). A spin kernel captured first hides it when it runs >= 10 µs (the metadata kernel then starts at 11.1 and the
+norm 2.0 µs later) but not at 5 µs (the second node at 9.4); one captured after the metadata kernel starts at 9.1-9.6
+itself. It is not the graph's submission (behind a 1 ms sleep the second kernel still starts at 9.2), not the SM's
+shared-memory carveout (every kernel at 100% shared: batch 1 558.1-559.8 vs 557.5-559.0 µs), and not PDL edges as
+such: graphs of 2-54 small PDL kernels (benches/bench_pdl_chain.py: forks onto 1-4 side streams, one-program first
+kernels, 20 distinct binaries of 27 parameters) start each kernel's wait-return 0.26-0.38 µs after its predecessor.
+The step's first two kernel nodes launched plainly (compiled without the instructions) take the stall out of the
+trace (span 548.7 / 547.8 vs 553.3 / 551.8 µs) but not out of the replay: batch 1 555.2 / 554.6 vs 550.9 / 550.4
+µs, batch 8 1079.1 / 1075.8 vs 1077.1 / 1074.4 (runtime_plain_head.json), so the wait moves before the graph's first
+kernel, where the trace cannot see it. Removed (it was `Executor.plain_head`).
 Steps outside the buckets (more requests than the largest
 bucket, a table wider than `max_width` blocks) and every prefill/verify step run eagerly; fallbacks are
 counted by reason in `stats()`.

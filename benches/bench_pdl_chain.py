@@ -53,7 +53,8 @@ def _now():
 
 
 @triton.jit
-def _tick_kernel(stamps, i, spin_ns, PDL: tl.constexpr):
+def _tick(stamps, i, spin_ns, PDL: tl.constexpr):
+    """Stamp entry, wait-return and exit (program 0) around a spin of spin_ns on %globaltimer."""
     t0 = _now()
     pdl_wait(PDL)
     t1 = _now()
@@ -68,21 +69,16 @@ def _tick_kernel(stamps, i, spin_ns, PDL: tl.constexpr):
 
 
 @triton.jit
+def _tick_kernel(stamps, i, spin_ns, PDL: tl.constexpr):
+    _tick(stamps, i, spin_ns, PDL)
+
+
+@triton.jit
 def _tick_wide_kernel(stamps, i, spin_ns, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15, d16,
                       d17, d18, d19, d20, d21, d22, d23, V: tl.constexpr, PDL: tl.constexpr):
     """`_tick_kernel` with 24 more pointer parameters (the step's kernels take ~30-45) and a constexpr V that
     makes each value a binary of its own (the step launches ~20 distinct kernels)."""
-    t0 = _now()
-    pdl_wait(PDL)
-    t1 = _now()
-    pdl_launch_dependents(PDL)
-    t = t1
-    while t - t1 < spin_ns + V:
-        t = _now()
-    if tl.program_id(0) == 0:
-        tl.store(stamps + 3 * i, t0)
-        tl.store(stamps + 3 * i + 1, t1)
-        tl.store(stamps + 3 * i + 2, _now())
+    _tick(stamps, i, spin_ns + V, PDL)
 
 
 MODES = ("pdl", "plain", "pdl_first_plain")

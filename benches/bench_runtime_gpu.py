@@ -417,6 +417,18 @@ def main():
         doc["measurements"].append(m)
         print(json.dumps(m), flush=True)
 
+    def set_heuristic(family: str, h=None):
+        """Replace kernel family `family`'s declared heuristic by h (None: leave it) and make the tuning policy resolve
+        every bucket again; returns the heuristic it had."""
+        from codegen.registry import all_templates
+        t = next(t for t in all_templates() if t.family == family)
+        before = t.heuristic
+        if h is not None:
+            object.__setattr__(t, "heuristic", h)
+            if "tuning" in st:
+                st["tuning"].forget()
+        return before
+
     def alternate(name: str, switch, settings=(("on", True), ("off", False))):
         """The device time of the same decode graph captured under each of `settings` (label, value: `switch(rt,
         value)` before the capture; default on / off), alternated twice per batch <= 8 at the first context
@@ -518,21 +530,15 @@ def main():
         heuristic's on sm_90+) vs the FFMA GV=2 kernels (GLUON removed from the heuristic's config), alternated."""
         if not cuda:
             return doc["notes"].append("gluon: needs a cuda device")
-        from codegen.registry import all_templates
-        t = next(t for t in all_templates() if t.family == "moe_grouped_gemm")
-        base = t.heuristic
+        base = set_heuristic("moe_grouped_gemm")
 
         def ffma(key, target):
             return {k: v for k, v in base(key, target).items() if k not in ("GLUON", "GKS", "GNW", "GKS2", "GNW2")}
-
-        def switch(rt, h):
-            object.__setattr__(t, "heuristic", h)
-            if "tuning" in st:
-                st["tuning"].forget()
         try:
-            alternate("gluon", switch, settings=(("on", base), ("off", ffma)))
+            alternate("gluon", lambda rt, h: set_heuristic("moe_grouped_gemm", h),
+                      settings=(("on", base), ("off", ffma)))
         finally:
-            switch(None, base)
+            set_heuristic("moe_grouped_gemm", base)
 
     @rep.section
     def pdl_window():
@@ -635,9 +641,7 @@ def main():
         `_mla_rowsm.py`) vs session 12's ORIENT 1 config for the same shapes, graph replay device time, two rounds."""
         if not cuda:
             return doc["notes"].append("mla_orient: needs a cuda device")
-        from codegen.registry import all_templates
-        t = next(t for t in all_templates() if t.family == "mla_sparse")
-        base = t.heuristic
+        base = set_heuristic("mla_sparse")
 
         def orient1(key, target):
             cfg = base(key, target)
@@ -650,16 +654,12 @@ def main():
         try:
             for rnd in range(2):
                 for label, h in (("orient2", base), ("orient1", orient1)):
-                    object.__setattr__(t, "heuristic", h)
-                    if "tuning" in st:
-                        st["tuning"].forget()
+                    set_heuristic("mla_sparse", h)
                     for b in [x for x in batches if x >= 8]:
                         rt.drop_graphs()
                         record_replay(rt, ctx, b, f"graph_replay_mla_{label}", rnd)
         finally:
-            object.__setattr__(t, "heuristic", base)
-            if "tuning" in st:
-                st["tuning"].forget()
+            set_heuristic("mla_sparse", base)
         del rt
         torch.cuda.empty_cache()
 

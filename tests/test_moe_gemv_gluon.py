@@ -163,7 +163,8 @@ def test_gate_up_compiles_for_sm90_to_register_fed_mma():
         assert r["wait"] == 1 and r["launch"] == 1, res
 
 
-@pytest.mark.skipif(not os.path.isdir(TR36), reason="K31C_TRITON36_SITE (Triton 3.6, the H200's) not set")
+@pytest.mark.skipif(not os.path.isdir(TR36), reason="needs Triton 3.6 (the H200's compiler) in the folder "
+                    "K31C_TRITON36_SITE names; the same build under this machine's Triton is checked above")
 def test_gate_up_compiles_with_triton_36():
     res = _aot(extra_path=f"{TR36}:{ROOT}")
     assert all(r["triton"].startswith("3.6") for r in res.values()), res
@@ -226,7 +227,8 @@ def test_host_launches_bind_and_compile_for_sm90(tr36):
     driver that reports sm_90 and compiled (never launched): w1 and w3 on the tensor cores, LATE drops the
     programmatic edge, the down kernel's slot combine uses the counter atomics; Triton 3.7 and 3.6."""
     if tr36 and not os.path.isdir(TR36):
-        pytest.skip("K31C_TRITON36_SITE (Triton 3.6, the H200's) not set")
+        pytest.skip("needs Triton 3.6 (the H200's compiler) in the folder K31C_TRITON36_SITE names; the tr36=False "
+                    "case binds the same launches under this machine's Triton")
     seen = _aot(f"{TR36}:{ROOT}" if tr36 else None, _FAKE_LAUNCH)
     assert [r["name"] for r in seen] == ["_gate_up_gluon_kernel"] * 2 + ["_down_gluon_kernel"] + (
         ["_gate_up_gluon_kernel"] * 2 + ["_down_gluon_kernel"]), seen

@@ -14,6 +14,8 @@ their numbers, are in the comments above them.
     MOE_BENCH_SECTIONS=t64 MOE_BENCH_DECODE_DEADLINE=140 python benches/bench_moe.py   # ~25-60 s on the H200
     MOE_BENCH_T64_DEADLINE=120: seconds into the run after which no further variant is started
     MOE_BENCH_T64_PROBES=0: skip the read-pattern probe and the L2 fetch-granularity check (session 12's figures)
+    MOE_BENCH_T64_GG=1: also the Gluon gate-up (_moe_configs.GLUON_T64), at 128-byte L2 fetches too
+Every config also runs a skewed routing (expert 0 in every token) against the float64 reference (`skew_check`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from _moe_common import ACT, B1, B2, DEV, DOC, E, ELL, INTER, REPORT, TINY, W, gg, graph_ms, mr, record, tl, triton
 from _moe_decode import _SASS_OPS, _sass_ops, decode_case, decode_variant
 
+from codegen.triton import _moe_configs as mc
 from codegen.triton._moe_tiles import _swizzle
 
 T64, K64 = (8, 2) if TINY else (64, 16)
@@ -56,6 +59,16 @@ _DOWN_KEYS = {"num_warps2": "num_warps", "num_stages2": "num_stages", "MAXNREG2"
 # cap 168 (156 regs) 0.741 [1.100], PF 0.791 [1.184]. With the best, the context's L2 fetch granularity at 128 bytes
 # 1.0255 (slower).
 UP_VARIANTS = {}
+# Session 15 (h200-2026-11-30-s15/moe_t64_gluon_tiles.json, moe_t64_gluon_tuned.json; baseline gate-up 0.608 [0.939] /
+# 0.616 [0.944]): the Gluon gate-up (GG 1, _moe_grouped_gluon.py; W warps x MT 16-row tiles a warp, NWT 4, 16 tokens a
+# tile): DEC 0 W4 x MT1 0.632 / 0.636 [0.971 / 0.978], W2 x MT1 0.637, W4 x MT2 0.646, W8 x MT1 0.657, NWT 2 0.707,
+# 8 tokens a tile 0.856; DEC 1 W4 x MT1 0.646 [0.996], at a 128 cap 0.613 [0.954] (GLUON_T64), W4 x MT2 0.617 [0.966],
+# W2 x MT2 0.621, W2 x MT1 0.652; scales and words two steps ahead 0.713; cp.async rings of 3-6 stages 0.619-0.754.
+# GLUON_T64 with the L2 fetch granularity at 128 bytes: whole op 0.906. MOE_BENCH_T64_GG=1: GLUON_T64 again, beside the
+# baseline, both also at 128 bytes (with the probes on).
+GG = os.environ.get("MOE_BENCH_T64_GG", "0") == "1"
+if GG:
+    UP_VARIANTS["gluon_t64"] = dict(mc.GLUON_T64)
 # down variants. Session 10 (down alone, ms): session 8's BN2 128 / cap 168 (165 regs) 0.352; BN2 64 at a 96 cap
 # (the new heuristic: 10 programs an SM) 0.341; BN2 128 uncapped 0.354, cap 128 0.352, 6 stages 0.398, 4-warp
 # wgmma 0.396; KU2 4 / 2 stages 0.346, KU2 2 / 3 stages 0.347. Session 12 (baseline 0.3435, its down kernel at the
@@ -75,7 +88,7 @@ if TINY:     # the interpreter: the pure-Triton decode, a few variants (logic on
 def _grouped_compiled() -> dict:
     """{(kernel, key): CompiledKernel} of the grouped gate-up / down kernels compiled so far (CUDA)."""
     out = {}
-    for fn in (gg._moe_gate_up_kernel, gg._moe_down_kernel):
+    for fn in (gg._moe_gate_up_kernel, gg._moe_down_kernel, gg.gg_gluon._grouped_gate_up_kernel):
         try:
             for dev_cache in getattr(fn, "device_caches", {}).values():
                 for key, kern in dev_cache[0].items():
@@ -254,6 +267,24 @@ def wide_scales_check(case, cfg, tag):
         DOC["errors"].append({"section": f"t64_wide_{tag}", "error": f"{type(e).__name__}: {str(e)[:300]}"})
 
 
+def skew_check(case, cfg, tag):
+    """Skewed routing: expert 0 in slot 0 of every token (T64 tokens: several N tiles of one expert), the rest as
+    routed; the op (bf16) vs the float64 reference (ir.ref.moe in float64 on the bf16-exact weights)."""
+    from ir.ref.moe import moe_experts as ref64
+    z, w, ids = case[0][0]
+    ids = ids.clone()
+    ids[:, 0] = torch.where((ids[:, 1:] == 0).any(1), ids[:, 0], 0)      # keep each token's experts distinct
+    try:
+        y = gg.moe_experts(z, w, ids, W["w1"], W["w2"], W["w3"], "situ", B1, B2, cfg)
+        ref = ref64(z.double(), w.double(), ids, W["w1_bf16"], W["w2_bf16"], W["w3_bf16"], "situ", B1, B2)
+        err = ((y.double() - ref).norm() / ref.norm()).item() if torch.isfinite(y).all() else float("inf")
+        DOC["measurements"].append({"name": f"t64_skew_check_{tag}", "rel_err_vs_f64": err, "ok": err < 2e-2,
+                                    "expert0_tokens": int((ids == 0).sum()), "config": cfg})
+        print(f"t64 skew check {tag}: {err}", flush=True)
+    except Exception as e:
+        DOC["errors"].append({"section": f"t64_skew_{tag}", "error": f"{type(e).__name__}: {str(e)[:300]}"})
+
+
 def _best(names):
     by = {m["name"]: m for m in DOC["measurements"] if "median_ms" in m}
     rows = [by[n] for n in names if n in by]
@@ -279,12 +310,13 @@ def t64_sweep():
     live = int((seg.counts > 0).sum())
     if PROBES:
         pattern_probe(n_tiles, live)
-        l2_fetch_check({"heuristic": base}, case, n_tiles, live)
+        l2_fetch_check({"heuristic": base, **({"gluon_t64": {**base, **mc.GLUON_T64}} if GG else {})}, case, n_tiles,
+                       live)
     ups = [f"t64_{n}_part_gate_up" for n in UP_VARIANTS]
     downs = [f"t64_{n}_part_down" for n in DOWN_VARIANTS]
     for up, dn in itertools.zip_longest(UP_VARIANTS.items(), DOWN_VARIANTS.items()):    # alternately: a deadline
         if up:                                                                          # cuts both lists alike
-            run_variant(up[0], {**base, **up[1]}, case, ("gate_up",))
+            run_variant(up[0], {**base, **up[1]}, case, ("gate_up",), bitwise=bool(up[1].get("GG")))
         if dn:
             run_variant(dn[0], {**base, **dn[1]}, case, ("down",))
     bu, bd = _best(ups + ["t64_heuristic_part_gate_up"]), _best(downs + ["t64_heuristic_part_down"])
@@ -299,6 +331,11 @@ def t64_sweep():
         l2_fetch_check({"best": best}, case, n_tiles, live)
     decode_variant(T64, K64, "t64_heuristic_again", base, case)     # the run's spread: the baseline timed twice
     wide_scales_check(case, best, "best")
+    gluon_ups = [n for n, c in UP_VARIANTS.items() if c.get("GG")]     # Gluon gate-ups: skewed routing, wide scales
+    for tag, cfg in [("heuristic", base), ("best", best)] + [(n, {**base, **UP_VARIANTS[n]}) for n in gluon_ups]:
+        skew_check(case, cfg, tag)
+        if tag in gluon_ups:
+            wide_scales_check(case, cfg, tag)
     if best.get("DEQ") != "asm16i" and DEV == "cuda":
         wide_scales_check(case, {**best, "DEQ": "asm16i"}, "asm16i")
     if heur_up is None:

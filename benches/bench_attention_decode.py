@@ -13,6 +13,7 @@ so caches come from HBM, not L2):
   idx_b1_32k  the same at context 32768
   idx_b8      8 tokens at context 8192 (the rank preset at batch 8)
   idx_b32     32 tokens at context 128K (issue 4)
+  idx_b1_64k  1 token at context 64K, idx_b1_1m at 1M (the materialised-scores path at batch 1)
   mla_b64     sparse MLA, 64 tokens, top-2048 rows of 8K contexts (issue 4)
   mla_b1      sparse MLA, 1 token (the rank step)
   chain       indexer select then sparse MLA, one graph (two families back to back: the PDL gain at a boundary)
@@ -29,7 +30,8 @@ rows, `scores_kernels` its score kernel's registers), MLA's best without the
 query absorption, and at batch 64 MLA's default and best with every token reading token 0's rows (L2 resident: the
 kernel's cost without HBM) and with contiguous 64-row blocks (`_mla_diagnostics`). `kernels`: registers, spills,
 shared memory of every compiled indexer / MLA specialisation (`_attention_checks.kernel_inventory`);
-`zeroed_workspace_after_all`: SELECT 2 left its histograms at zero.
+`zeroed_workspace_after_all`: SELECT 2 and BUCKET 3 + ZERO left their counts at zero. SCORES 1 with a bucket
+select: its launches timed as prefixes (`_select_breakdown`) and the boundary bucket's keys per row.
 """
 
 from __future__ import annotations
@@ -158,7 +160,8 @@ def sec_hbm():
 
 # ------------------------------------------------------------------------------------------ indexer
 def _idx_shapes(tag):
-    T, L = {"idx_b1": (1, 8192), "idx_b1_32k": (1, 32768), "idx_b8": (8, 8192), "idx_b32": (32, 128 * 1024)}[tag]
+    T, L = {"idx_b1": (1, 8192), "idx_b1_32k": (1, 32768), "idx_b8": (8, 8192), "idx_b32": (32, 128 * 1024),
+            "idx_b1_64k": (1, 65536), "idx_b1_1m": (1, 1 << 20)}[tag]
     return (min(T, 2), 1024 if T == 1 else 2048, 64) if SMOKE else (T, L, 2048)
 
 
@@ -186,35 +189,68 @@ def _scores_variants(tag, base):
     SPLITS 20 242.7 (the new default; score pass 172.0 vs 247.5), 4 stages 249.7, 5 stages 254.4, SPLITS 33 / 40 (4
     stages) 252.5 / 250.6, an 80-register cap at SPLITS 24 267.1; the gather tiles under a 128-register cap 262.7
     (SPLITS 16: 266.6); BUCKET 2 (the bucket's next digit counted by the parts) 304.7 / 305.3, with TMA 259.9:
-    removed (`_topk_bucket`)."""
+    removed (`_topk_bucket`). Session 15 (h200-2026-11-30-s15/attention_decode_indexer_select.json): BUCKET 3
+    (`_topk_bucket_place`) with / without ZERO, parts, streamed bucket, MERGE_TILE, and the gathered tiles at the TMA
+    programs: batch 32 237.1 (default) vs 253.5-303.0 (BUCKET 3), gathered 319.8; batch 1 (idx_b1_64k / idx_b1_1m)
+    BUCKET 3 + ZERO the new default there (64K 29.0 vs 38.3, 1M 237.1 vs 329.7); figures in `indexer_topk.heuristic`."""
     if SMOKE and tag == "idx_b32":
         s = dict(base, KT=base["BLOCK_N"], SCORES=1, SELECT=1, SELECT_PARTS=4, SELECT_RES=64, SPLITS=4)
         return [s, dict(s, SELECT_RES=16), dict(s, BUCKET=1), dict(s, BUCKET=1, SELECT_RES=16),
                 dict(s, BUCKET=1, TMA=3)]
+    if SMOKE and tag.startswith("idx_b1_"):
+        s = dict(base, KT=base["BLOCK_N"], SCORES=1, SELECT=1, BUCKET=1, SELECT_PARTS=4, SELECT_RES=64, SPLITS=4)
+        return [s, dict(s, BUCKET=3, ZERO=1)]
     if SMOKE or not base.get("SCORES"):
         return []
     if not base.get("BUCKET"):
         return [dict(base, SPLITS=2 * base["SPLITS"]), dict(base, SELECT_RES=8192, MERGE_WARPS=8)]
-    return [dict(base, TMA=4), dict(base, SPLITS=2 * base["SPLITS"]), dict(base, SELECT_PARTS=16)]
+    b3 = dict(base, BUCKET=3, SELECT_RES=2048, MERGE_WARPS=4)   # session 15: the two-launch select
+    z = dict(b3, ZERO=1)
+    lean = dict(z, SELECT_RES=16, MERGE_TILE=1024)   # the bucket always streamed: 96 registers, not 168
+    if tag == "idx_b32":
+        return [dict(base, TMA=0), b3, z, dict(z, SELECT_PARTS=16), dict(z, SELECT_PARTS=64), dict(z, MERGE_TILE=1024),
+                lean, dict(lean, SELECT_PARTS=64), dict(lean, SELECT_PARTS=16), dict(z, SELECT_RES=16)]
+    wide = 64 if base.get("SPLITS", 0) < 512 else 256   # batch 1: more select parts per row
+    return [dict(base, TMA=0), dict(base, SPLITS=base["SPLITS"] // 2), dict(base, SPLITS=2 * base["SPLITS"]),
+            dict(base, SELECT_PARTS=wide), z, dict(z, SELECT_PARTS=wide), dict(lean, SELECT_PARTS=wide)]
 
 
 def _scores_previous(base, T, L):
-    """The SCORES 1 default before TMA key tiles (session 13's second change: gather tiles, 8 x 132 / T programs a
-    row, BUCKET 1); before BUCKET 1 (base without TMA), SELECT 1's parts + last arriver."""
+    """The SCORES 1 default before BUCKET 3 for one row (session 15: BUCKET 1, 32 parts); before TMA key tiles
+    (session 13's second change: gather tiles, 8 x 132 / T programs a row, BUCKET 1); before BUCKET 1 (base without
+    TMA), SELECT 1's parts + last arriver."""
+    if base.get("BUCKET") == 3:
+        return dict({k: v for k, v in base.items() if k != "ZERO"}, BUCKET=1, SELECT_PARTS=32, SELECT_RES=4096,
+                    MERGE_WARPS=8)
     if base.get("TMA"):
         return dict({k: v for k, v in base.items() if k != "TMA"},
                     SPLITS=max(1, min(max(1, -(-L // 128) // 4), round(8 * 132 / T))))
     return dict({k: v for k, v in base.items() if k != "BUCKET"}, SELECT_PARTS=16, SELECT_RES=2048, MERGE_WARPS=4)
 
 
-def _select_only(d, K, cfg):
-    """The launcher over scores stored by one score pass (`indexer_topk`'s scores_in hook): memset, select, place."""
+def _select_only(d, K, cfg, stop=None):
+    """The launcher over scores stored by one score pass (`indexer_topk`'s scores_in hook): memset, select, place
+    (`stop`: "memset", "bucket" or "threshold": that prefix of the select's launches only)."""
     from codegen.triton.indexer_topk import indexer_topk
     st = {}
     ba._indexer_call(d, K, cfg, output="rows", stats=st, stop_after="score")()
     keep = st["scores"]
     return lambda: indexer_topk(d["q8"], d["qs"], d["w"], d["keys"], d["ks"], d["pos"], d["req"], d["tbl"], BS, K,
-                                key_format=d["fmt"], output="rows", config=cfg, max_context=d["L"], scores_in=keep)
+                                key_format=d["fmt"], output="rows", config=cfg, max_context=d["L"], scores_in=keep,
+                                stop_after=stop)
+
+
+def _select_breakdown(tag, sets, K, nbytes, named):
+    """Each launch of the select over stored scores, timed as prefixes (memset; + bucket parts; + threshold; the
+    whole select): differences are the launches' costs in the graph. Also the boundary bucket's keys per row."""
+    for name, cfg in named:
+        stops = ("memset", "bucket") + (("threshold",) if cfg.get("BUCKET") == 1 else ())
+        for stop in stops:
+            measure(f"{tag}_{name}_select_prefix_{stop}", [_select_only(d, K, cfg, stop) for d in sets], nbytes,
+                    config=cfg)
+        st = {}
+        ba._indexer_call(sets[0], K, cfg, output="rows", stats=st)()
+        DOC.setdefault("bucket_keys_per_row", {})[f"{tag}_{name}"] = st.get("filter_kept", 0) / sets[0]["pos"].numel()
 
 
 def _scores_checks(tag, sets, K, ms, first, checked):
@@ -230,8 +266,11 @@ def _scores_checks(tag, sets, K, ms, first, checked):
             DOC["checks"].append({"name": f"{m['name']}_same_rows_as_default", "ok": m["same_rows_as_default"]})
     from codegen.triton._indexer_scores import _scores_kernel, _scores_tma_kernel
     from codegen.triton._topk_bucket import _bucket_kernel, _threshold_kernel
+    from codegen.triton._topk_bucket_place import _bucket_place_kernel
+    from codegen.triton._topk_parallel import _place_kernel
     DOC.setdefault("scores_kernels", [])
-    for fn in ((_scores_kernel, _scores_tma_kernel, _bucket_kernel, _threshold_kernel) if not SMOKE else ()):
+    for fn in ((_scores_kernel, _scores_tma_kernel, _bucket_kernel, _threshold_kernel, _bucket_place_kernel,
+                _place_kernel) if not SMOKE else ()):
         for caches in getattr(fn, "device_caches", {}).values():
             for k in list(caches[0].values()):
                 k._init_handles()
@@ -282,6 +321,12 @@ def sec_idx(tag, warm=None):
         pairs = [(f"smoke{i}", c) for i, c in enumerate(_scores_variants(tag, base)[::2])]
     for name, cfg in pairs:   # the select alone (memset + select + placement) over stored scores, old and new
         measure(f"{tag}_{name}_select_only", [_select_only(d, K, cfg) for d in sets], nbytes, config=cfg)
+    if base.get("BUCKET") and not SMOKE:   # per-launch breakdown (prefixes) of the default and BUCKET 3
+        _select_breakdown(tag, sets, K, nbytes, [("new_default", base)] +
+                          [(f"bucket3_res{c['SELECT_RES']}", c) for c in variants if c.get("BUCKET") == 3 and
+                           c.get("SELECT_PARTS") == base.get("SELECT_PARTS") and not c.get("ZERO")] +
+                          [(f"bucket3_res{c['SELECT_RES']}", c) for c in variants if c.get("BUCKET") == 3 and
+                           c.get("SELECT_PARTS") == base.get("SELECT_PARTS") and c.get("SELECT_RES") == 16][:1])
     check(f"{tag}_new_default_graph_vs_eager", lambda: graph_vs_eager(calls(base)[0]))
     ms = [new]
     for i, cfg in enumerate(variants[1:]):
@@ -447,15 +492,17 @@ def sec_chain_idx():
 
 
 def _zeroed_check():
-    """SELECT 2 leaves its histograms and counters at zero (the next launch relies on it)."""
+    """SELECT 2 and BUCKET 3 + ZERO leave their histograms and counters at zero (the next launch relies on it)."""
     from codegen.triton import _topk_fused
     if not SMOKE:
         torch.cuda.synchronize()
-    bufs = list(_topk_fused._ZEROED.values()) + _topk_fused._RETIRED
+    from codegen.triton import _gemv   # (BUCKET 3 + ZERO: words of the stream's shared counter set)
+    bufs = list(_topk_fused._ZEROED.values()) + _topk_fused._RETIRED + list(_gemv._COUNTERS.values())
     return {"ok": all(int(b.abs().sum()) == 0 for b in bufs), "buffers": len(bufs)}
 
 
-SECTIONS = ("mla_b64", "idx_b32", "mla_b1", "idx_b1", "idx_b1_32k", "idx_b8", "chain", "chain_idx")
+SECTIONS = ("mla_b64", "idx_b32", "mla_b1", "idx_b1", "idx_b1_32k", "idx_b8", "idx_b1_64k", "idx_b1_1m", "chain",
+            "chain_idx")
 WARM_N = 4          # compile processes per section
 WARM_CAP_S = 50     # measuring starts by then (anything not compiled yet compiles on first use)
 

@@ -3,7 +3,9 @@
 launcher (absorption, attention, combine) under CUDA-graph replay; batch 1 rotates 16 input sets so rows come from
 HBM (batch 64 reads 75.5 MB, past the L2). Every config is checked against float64 (o~ and lse) and graph replay ==
 eager over 50 replays (PDL on); at batch 64 the first two configs also run with every token reading token 0's rows
-(L2 resident: the kernel's cost without HBM). Session 13's call: benches/results/h200-2026-11-30-s13/mla_b64_orient2*.
+(L2 resident: the kernel's cost without HBM); the ORIENT 3 (Gluon) configs also run `holes_check` (-1 entries, short
+contexts, an empty token, positions through the block table). Session 13's call: benches/results/h200-2026-11-30-s13/
+mla_b64_orient2*; session 15's: benches/results/h200-2026-11-30-s15/mla_b64_gluon*.
 One JSON document in $OUT/mla_b64.json (rewritten after every measurement); the summary on stdout.
 
     python benches/bench_mla_b64.py [--budget-s 200]
@@ -32,20 +34,63 @@ BUDGET = float(sys.argv[sys.argv.index("--budget-s") + 1]) if "--budget-s" in sy
 DOC = {"bench": "mla_b64", "command": " ".join([sys.executable] + sys.argv), "machine": {}, "hbm": {},
        "measurements": [], "checks": [], "errors": [], "skipped": [], "kernels": []}
 O2 = dict(ORIENT=2, BLOCK_H=16, BLOCK_N=64, num_warps=4, num_stages=3, PREFETCH=1, KB=128)
-S10 = dict(ORIENT=1, BLOCK_H=16, BLOCK_N=32, num_warps=4, PREFETCH=1, F16=1)   # ORIENT 1: session 10's configs
+O3 = dict(ORIENT=3, BLOCK_H=16, BLOCK_N=64, num_warps=4, num_stages=3, PREFETCH=1)   # Gluon (_mla_gluon.py)
 
 
 def configs(T):
     """(name, config): the heuristic's default first, then the previous default and variants. Session 13's call
-    (benches/results/h200-2026-11-30-s13/mla_b64_orient2.json) also timed ORIENT 2 forms since removed (fp16 logits,
-    shared-memory A operands, a second gather for the values, KB 64, 8 warps): _mla_rowsm.py's docstring."""
+    (benches/results/h200-2026-11-30-s13/mla_b64_orient2.json) timed ORIENT 2 forms since removed (_mla_rowsm.py's
+    docstring); session 15's two calls (benches/results/h200-2026-11-30-s15/mla_b64_gluon_call{1,2}.json) the ORIENT 3
+    (Gluon) forms, its removed ones in _mla_gluon.py's docstring."""
     from codegen.triton.mla_sparse import heuristic
     base = heuristic({"H": 12, "L": 2048, "KV": 512, "fmt": 1, "sparse": 1, "T": T, "bi": 0}, "h200")
     if T == 1:
-        return [("default", base), ("o2_c64_s2", dict(O2, CHUNK=64, num_stages=2))]
-    return [("default", base), ("previous_orient1", dict(S10, num_stages=3, CHUNK=512, LSUM=1)),
-            ("o2_c512_s2", dict(O2, CHUNK=512, num_stages=2)), ("o2_c256_s3", dict(O2, CHUNK=256)),
-            ("o2_c512_s3_kb64", dict(O2, CHUNK=512, KB=64))]
+        return [("default", base), ("o3_c64_s2", dict(O3, CHUNK=64, num_stages=2)),
+                ("o3w8_c64_s2", dict(O3, CHUNK=64, num_stages=2, num_warps=8))]
+    return [("default", base), ("previous_orient2", dict(O2, CHUNK=512)), ("o3_c1024_s3", dict(O3, CHUNK=1024)),
+            ("o3_c512_s2_xf2", dict(O3, CHUNK=512, num_stages=2, XF2=1)),
+            ("o3w8_c1024_s2_xf2", dict(O3, CHUNK=1024, num_stages=2, XF2=1, num_warps=8))]
+
+
+def holes_check(cfg, seed=901):
+    """-1 entries (a quarter of them), short contexts (token t < 8 keeps its first 37 t + 1 entries), a token with
+    none (o~ 0, lse -inf) and the positions path (selection through the block table) vs float64."""
+    import bench_attention as ba
+    from codegen.triton.mla_prefill import dequantize_latent
+    from codegen.triton.mla_sparse import mla_sparse_decode
+    d = _set(64, seed)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rows = d["rows"].clone()
+    rows[torch.rand(rows.shape, device="cuda", generator=g) < 0.25] = -1
+    for t in range(8):
+        rows[t, 37 * t + 1:] = -1
+    rows[8] = -1
+    c = dequantize_latent(d["pool"], "fp8", 512, d["ls"], 1.0).double()
+    W = d["kvb"].double().view(12, 256, 512)
+    qa = torch.einsum("thn,hnk->thk", d["qn"].double(), W[:, :128])
+
+    def ref(r):
+        cr = c[r.clamp(min=0)]
+        z = ba.SCALE * (torch.einsum("thk,tlk->thl", qa, cr[..., :512]) +
+                        torch.einsum("thr,tlr->thl", d["qp"].double(), cr[..., 512:]))
+        z = z.masked_fill((r < 0)[:, None, :], float("-inf"))
+        return torch.logsumexp(z, -1), torch.einsum("thl,tlk->thk", torch.softmax(z, -1).nan_to_num(), cr[..., :512])
+
+    out = {}
+    for name, sel, by_rows, want in (("holes", rows, True, ref(rows)), ("positions", d["sels"][0], False,
+                                                                         ref(d["rows"]))):
+        o, lse = mla_sparse_decode(d["qn"], d["qp"], d["pool"], d["kvb"], d["pos"], d["req"], d["tbl"], ba.BLOCK_SIZE,
+                                   ba.SCALE, sel, latent_format="fp8", latent_scale=d["ls"], selection_rows=by_rows,
+                                   latent_out=True, return_lse=True, config=cfg)
+        lse64, o64 = want
+        keep = torch.isfinite(lse64[:, 0])
+        e_o = float((o.double()[keep] - o64[keep]).norm() / o64[keep].norm())
+        e_l = float((lse.double()[keep] - lse64[keep]).norm() / lse64[keep].norm())
+        empty_ok = bool((o[~keep] == 0).all()) and bool((lse[~keep] == float("-inf")).all())
+        fin = bool(torch.isfinite(o).all()) and bool(torch.isfinite(lse[keep]).all())
+        out[name] = {"rel_err_o": e_o, "rel_err_lse": e_l, "empty_tokens": int((~keep).sum()), "empty_ok": empty_ok,
+                     "ok": fin and empty_ok and e_o < 2e-2 and e_l < 2e-3}
+    return {"ok": all(v["ok"] for v in out.values()), "config": cfg, **out}
 
 
 def _save():
@@ -119,6 +164,10 @@ def section(T):
         if name in res:
             g = check(f"{tag}_{name}_graph_vs_eager", lambda: graph_vs_eager(_call(sets[0], cfg)))
             res[name]["graph_eq_eager"] = bool(g and g["ok"])
+    if T > 1:
+        for name, cfg in configs(T):
+            if name in res and cfg.get("ORIENT") == 3:
+                check(f"{tag}_{name}_holes_positions", lambda: holes_check(cfg))
     for name, cfg in configs(T)[:2]:
         if T > 1:   # the kernel's cost without HBM: every token reads token 0's rows (L2 resident)
             l2 = dict(sets[0], rows=sets[0]["rows"][:1].expand(T, -1).contiguous())
@@ -130,8 +179,8 @@ def section(T):
 
 
 def kernels():
-    from codegen.triton import _mla_heads, _mla_rowsm
-    for fn in (_mla_heads._mla_heads_kernel, _mla_rowsm._mla_rowsm_kernel):
+    from codegen.triton import _mla_gluon, _mla_heads, _mla_rowsm
+    for fn in (_mla_heads._mla_heads_kernel, _mla_rowsm._mla_rowsm_kernel, _mla_gluon._mla_gluon_kernel):
         for caches in getattr(fn, "device_caches", {}).values():
             for k in list(caches[0].values()):
                 try:

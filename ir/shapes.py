@@ -49,7 +49,10 @@ class _DimPrinter(StrPrinter):
         return f"({wrap(num)}//{wrap(den)})"
 
 
+@lru_cache(maxsize=65536)
 def dim_str(d: Dim) -> str:
+    """The dim's text (sympy expressions are immutable and hashable: printed once each; the printer dominated
+    dumping a full-size module's IR)."""
     return _DimPrinter().doprint(d).replace(" ", "")
 
 
@@ -77,9 +80,21 @@ def symbols_of(s: Shape) -> set[str]:
 
 
 def evaluate(d: Dim, env: dict[str, int]) -> int:
-    val = d.subs({sym(k): v for k, v in env.items()})
-    if not val.is_Integer:
+    if d.is_Integer:
+        return int(d)
+    free = sorted(str(x) for x in d.free_symbols)
+    if any(k not in env for k in free):
         raise ValueError(f"dimension {dim_str(d)} is not determined by {env}")
+    return _evaluate(d, tuple((k, int(env[k])) for k in free))
+
+
+@lru_cache(maxsize=65536)
+def _evaluate(d: Dim, bound: tuple) -> int:
+    """d at the values of its own symbols (`bound`, sorted by name): one sympy substitution per distinct pair (they
+    dominated planning a full-size module's kernel configs)."""
+    val = d.subs({sym(k): v for k, v in bound})
+    if not val.is_Integer:
+        raise ValueError(f"dimension {dim_str(d)} is not an integer at {dict(bound)}")
     return int(val)
 
 

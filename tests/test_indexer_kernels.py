@@ -345,9 +345,10 @@ def test_every_kernel_of_both_families_keeps_the_pdl_contract():
     import inspect
 
     from codegen.triton import (_indexer_scores, _indexer_tiles, _mla_combine, _mla_heads, _mla_rows, _mla_tiles,
-                                _topk_bucket, _topk_fused, _topk_parallel, _topk_select)
+                                _topk_bucket, _topk_bucket_place, _topk_fused, _topk_parallel, _topk_select)
     kernels = {getattr(m, n) for m in (_indexer_scores, _indexer_tiles, _topk_select, _topk_parallel, _topk_fused,
-                                       _topk_bucket, _mla_heads, _mla_rows, _mla_tiles, _mla_combine)
+                                       _topk_bucket, _topk_bucket_place, _mla_heads, _mla_rows, _mla_tiles,
+                                       _mla_combine)
                for n in dir(m) if n.endswith("_kernel") and n.startswith("_")}
     assert len(kernels) >= 16, [k for k in kernels]
     for k in kernels:

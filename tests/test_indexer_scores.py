@@ -1,7 +1,9 @@
 """The indexer's materialised-scores path (SCORES 1: `codegen/triton/_indexer_scores.py`, then SELECT 1 over the
-int32 score rows, `_topk_parallel` with SRC32, or BUCKET 1, `_topk_bucket`; TMA: FP8 key tiles through a tensor
-descriptor, `_scores_tma_kernel`) vs `ir/ref/indexer.py` (exact, ties to the lower position) and a float64 formula
-(CPU: Triton interpreter, fp32). Batch builders and checks come from test_indexer_kernels.py."""
+int32 score rows, `_topk_parallel` with SRC32, BUCKET 1, `_topk_bucket`, or BUCKET 3, `_topk_bucket_place`; TMA: FP8
+key tiles through a tensor descriptor, `_scores_tma_kernel`) vs `ir/ref/indexer.py` (exact, ties to the lower
+position) and a float64 formula (CPU: Triton interpreter, fp32). Batch builders and checks come from
+test_indexer_kernels.py. CI cost: the select paths on tied scores run over one stored score pass (`scores_in`), each
+path once at the smallest sizes that reach it."""
 
 from __future__ import annotations
 
@@ -24,15 +26,16 @@ SCORES = dict(BLOCK_N=64, KT=64, SPLITS=4, num_warps=4, num_stages=1, MERGE_TILE
 # BUCKET 1 (`_topk_bucket`): the boundary bucket in registers (SELECT_RES 256) or streamed (16), one part per row
 BUCKET = dict(SCORES, BUCKET=1)
 # TMA 3: key tiles through a tensor descriptor (boxes of one block, 8 rows here), 3 stages, block-table entries
-# TMA_J at a time (2: several vectors per program)
-TMA = dict(BUCKET, TMA=3, TMA_J=2, SPLITS=3)
-VARIANTS = [SCORES, dict(SCORES, SELECT_RES=16, SELECT_PARTS=8, MERGE_TILE=64),
-            dict(SCORES, BLOCK_N=32, KT=32, SPLITS=3, SELECT_PARTS=1),
-            BUCKET, dict(BUCKET, SELECT_RES=16, SELECT_PARTS=8, MERGE_TILE=64),
-            dict(BUCKET, BLOCK_N=32, KT=32, SPLITS=3, SELECT_PARTS=1), TMA, dict(TMA, TMA_J=128, SPLITS=2)]
-IDS = ["resident", "streamed", "bn32_one_part", "bucket_resident", "bucket_streamed", "bucket_bn32_one_part", "tma",
-       "tma_one_vector"]
-TIES = VARIANTS[:2] + VARIANTS[3:5] + [TMA]
+# TMA_J at a time (2: several vectors per program); GATHER_SPLITS: the gathered tiles' programs where no descriptor fits
+TMA = dict(BUCKET, TMA=3, TMA_J=2, SPLITS=3, GATHER_SPLITS=2)
+# BUCKET 3: the placement parts finish the threshold over the bucket in registers / streamed (ZERO: no memset)
+BUCKET3 = dict(BUCKET, BUCKET=3)
+STREAMED = dict(SELECT_RES=16, SELECT_PARTS=8, MERGE_TILE=64)
+VARIANTS = [SCORES, dict(SCORES, **STREAMED), BUCKET, dict(BUCKET, **STREAMED),
+            dict(BUCKET, BLOCK_N=32, KT=32, SPLITS=3, SELECT_PARTS=1), TMA, BUCKET3, dict(BUCKET3, ZERO=1, **STREAMED)]
+IDS = ["resident", "streamed", "bucket_resident", "bucket_streamed", "bucket_bn32_one_part", "tma", "bucket3_resident",
+       "bucket3_streamed_zero"]
+SELECTS = [c for c in VARIANTS if c["BLOCK_N"] == 64 and not c.get("TMA")]   # every select path, BLOCK_N 64
 
 
 def _rows_of(b, sel):
@@ -43,73 +46,96 @@ def _rows_of(b, sel):
 @pytest.mark.parametrize("cfg", VARIANTS, ids=IDS)
 def test_decode_ragged_contexts(cfg):
     """One token per request, contexts below, at and just above topk and far above (several tiles and parts, a
-    partial last tile): exactly the reference's selection, as positions and as pool rows."""
+    partial last tile): exactly the reference's selection, as positions and (one config per select kernel, ZERO's
+    second call over the counts its first left at zero) as pool rows."""
+    from codegen.triton import _gemv
     topk = 48
     b = _batch(40 + len(str(cfg)), [(9, 1), (48, 1), (49, 1), (300, 1), (1000, 1), (1777, 1)])
     want = _reference(b, topk)
     got = _run(b, topk, config=cfg)
     _check(got, b, topk)
     assert torch.equal(got, want)
-    assert _run(b, topk, config=cfg, output="rows").tolist() == _rows_of(b, want)
+    if cfg in (SCORES, BUCKET, VARIANTS[-1]):
+        assert _run(b, topk, config=cfg, output="rows").tolist() == _rows_of(b, want)
+    if cfg.get("ZERO"):
+        assert _gemv._COUNTERS and all(int(buf.abs().sum()) == 0 for buf in _gemv._COUNTERS.values())
 
 
 def test_prefill_rows_and_mxfp4_keys():
-    """Several tokens of one request (each row its own causal context) and MXFP4 keys."""
-    for fmt in ("fp8", "mxfp4"):   # (TMA with MXFP4 keys: the gathered tiles)
+    """Several tokens of one request (each row its own causal context) and MXFP4 keys (TMA configs: the gathered
+    tiles); TMA with one vector of block-table entries per program."""
+    for fmt in ("fp8", "mxfp4"):
         b = _batch(50, [(400, 5), (130, 2)], key_format=fmt)
-        for cfg in (SCORES, TMA):
+        for cfg in (SCORES, dict(TMA, TMA_J=128, SPLITS=2)):
             got = _run(b, 32, config=cfg)
             _check(got, b, 32)
             assert torch.equal(got, _reference(b, 32)), (fmt, cfg)
 
 
+def _args(b, topk):
+    return (b["q8"], b["qs"], b["w"], b["k"], b["ks"], b["tp"], b["tr"], b["tbl"], b["bs"], topk)
+
+
+def _every_select(b, topk):
+    """Each select path (`SELECTS`) over one stored score pass (the `scores_in` hook)."""
+    from codegen.triton.indexer_topk import indexer_topk
+    st = {}
+    indexer_topk(*_args(b, topk), config=SCORES, stop_after="score", stats=st)
+    return [indexer_topk(*_args(b, topk), config=cfg, scores_in=st["scores"]) for cfg in SELECTS]
+
+
 def test_ties_go_to_the_lower_position():
     """Integer-valued data from six distinct key rows: scores tie exactly in fp32 and float64, and the tied group
-    straddling the boundary is taken from its lowest positions."""
+    straddling the boundary (the boundary bucket: in registers or streamed) is taken from its lowest positions, by
+    every select path."""
     g = torch.Generator().manual_seed(51)
     distinct = torch.randint(-4, 5, (6, DI), generator=g).float()
-    keys = distinct[torch.randint(0, 6, (3 + 700 + 5,), generator=g)]
-    b = _batch(52, [(700, 3)], keys=keys, q=torch.randint(-4, 5, (3, HI, DI), generator=g).float())
-    for cfg in TIES:
-        got = _run(b, 40, config=cfg)
-        _check(got, b, 40, tol=0.0)
-        assert torch.equal(got, _reference(b, 40)), cfg
+    keys = distinct[torch.randint(0, 6, (3 + 300 + 5,), generator=g)]
+    b = _batch(52, [(300, 3)], keys=keys, q=torch.randint(-4, 5, (3, HI, DI), generator=g).float())
+    want = _reference(b, 40)
+    got = _run(b, 40, config=BUCKET)
+    _check(got, b, 40, tol=0.0)
+    assert torch.equal(got, want)
+    for cfg, got in zip(SELECTS, _every_select(b, 40)):
+        assert torch.equal(got, want), cfg
 
 
 def test_every_score_equal_selects_the_first_positions():
     """One key row everywhere: every score ties, the first-digit bucket holds the whole row (every position a
     survivor), and the selection is the first topk positions."""
     g = torch.Generator().manual_seed(53)
-    keys = torch.randn(1, DI, generator=g).expand(3 + 605 + 355, DI).clone()
-    b = _batch(54, [(600, 1), (350, 1)], keys=keys)
+    keys = torch.randn(1, DI, generator=g).expand(3 + 305 + 155, DI).clone()
+    b = _batch(54, [(300, 1), (150, 1)], keys=keys)
     want = torch.arange(32).expand(2, 32)
-    for cfg in TIES:
-        got = _run(b, 32, config=cfg)
+    assert torch.equal(_reference(b, 32), want)
+    for cfg, got in zip(SELECTS, _every_select(b, 32)):
         assert torch.equal(got, want), cfg
-        assert torch.equal(got, _reference(b, 32))
 
 
 def test_rows_split_into_workspace_chunks(monkeypatch):
-    """A workspace too small for every row: the rows run in chunks, same selection."""
+    """A workspace too small for every row: the rows run in chunks, same selection (BUCKET 3 + ZERO: the zeroed
+    counts reused chunk after chunk)."""
     from codegen.triton import indexer_topk as mod
     b = _batch(55, [(500, 1), (260, 1), (90, 1), (700, 1)])
     want = _reference(b, 32)
     monkeypatch.setattr(mod, "WORKSPACE_BYTES", 30_000)
-    for cfg in (SCORES, BUCKET, TMA):
+    for cfg in (SCORES, dict(TMA, BUCKET=3, ZERO=1)):
         assert torch.equal(_run(b, 32, config=cfg), want), cfg
 
 
 def test_select_alone_over_stored_scores():
     """The bench hooks: a score pass's stored rows (stop_after="score", stats) fed back through `scores_in` give
-    the full launcher's selection, for SELECT 1 and BUCKET 1."""
+    the full launcher's selection (BUCKET 1 / 3: also its launches' prefixes run), for every select kernel."""
     from codegen.triton.indexer_topk import indexer_topk
     b = _batch(57, [(700, 1), (40, 1), (333, 1)])
     want = _reference(b, 32)
-    args = (b["q8"], b["qs"], b["w"], b["k"], b["ks"], b["tp"], b["tr"], b["tbl"], b["bs"], 32)
-    for cfg in (SCORES, BUCKET, TMA):
+    args = _args(b, 32)
+    for cfg in (SCORES, BUCKET, BUCKET3):
         st = {}
         indexer_topk(*args, config=cfg, stop_after="score", stats=st)
         assert torch.equal(indexer_topk(*args, config=cfg, scores_in=st["scores"]), want), cfg
+        for stop in ("memset", "bucket", "threshold")[:3 if cfg is BUCKET else 2 if cfg is BUCKET3 else 0]:
+            indexer_topk(*args, config=cfg, scores_in=st["scores"], stop_after=stop)
         sc, hist = st["scores"]   # every stored score equal (zero): the first positions, the score kernel skipped
         flat = torch.zeros_like(hist)
         flat[:, 1024] = b["tp"].to(torch.int32) + 1
@@ -125,6 +151,11 @@ def test_heuristic_materialises_decode_scores_only():
     dec = heuristic(dict(key, T=32), "h200")
     assert dec["SCORES"] == 1 and dec["KT"] == dec["BLOCK_N"] and dec.get("SELECT") == 1 and dec.get("BUCKET") == 1
     assert dec["TMA"] == 3 and dec["SPLITS"] == 20   # one wave of 5 TMA score programs per SM
+    assert dec["GATHER_SPLITS"] == 33 and not dec.get("ZERO")   # (no descriptor: 8 gathered-tile programs per SM)
+    for L, parts in ((1 << 16, 64), (1 << 17, 128), (1 << 20, 256), (1 << 22, 256)):   # one row: BUCKET 3
+        one = heuristic(dict(key, T=1, L=L), "h200")
+        assert (one["BUCKET"], one["ZERO"], one["SELECT_PARTS"]) == (3, 1, parts), L
+        assert one["GATHER_SPLITS"] == min(L // 256, 1056) and not TEMPLATES[0].constraints(one, {"DI": 128}, "h200")
     big = SCORES_WORKSPACE // (4 * (1 << 17)) + 1
     pre = heuristic(dict(key, T=big), "h200")
     assert not pre.get("SCORES") and pre["CAND"] == 1
@@ -141,25 +172,29 @@ def test_heuristic_materialises_decode_scores_only():
 def test_tma_key_tiles_taken_where_the_pool_allows(monkeypatch):
     """TMA reads the keys through a descriptor for flat pools and for block views whose block stride is a whole
     number of 16-byte-aligned rows, and falls back to the gathered tiles otherwise (a page starting off a 16-byte
-    boundary): the same selection every way."""
+    boundary, with GATHER_SPLITS programs per row): the same selection every way."""
     from codegen.triton import _indexer_scores as mod
     try:
         from tests.test_indexer_kernels import _packed_block_view
     except ImportError:
         from test_indexer_kernels import _packed_block_view
-    launched = []
-    real = mod._scores_tma_kernel
+    launched, gathered = [], []
 
     class Spy:
+        def __init__(self, real, log):
+            self.real, self.log = real, log
+
         def __getitem__(self, grid):
-            launched.append(grid)
-            return real[grid]
-    monkeypatch.setattr(mod, "_scores_tma_kernel", Spy())
+            self.log.append(grid)
+            return self.real[grid]
+    monkeypatch.setattr(mod, "_scores_tma_kernel", Spy(mod._scores_tma_kernel, launched))
+    monkeypatch.setattr(mod, "_scores_kernel", Spy(mod._scores_kernel, gathered))
     b = _batch(58, [(300, 1), (97, 1), (20, 1)])
     want = _reference(b, 32)
     views = [(b, 1), (dict(b, k=_packed_block_view(b["k"], b["bs"], 16, 48, 3)), 1),
              (dict(b, k=_packed_block_view(b["k"], b["bs"], 8, 40, 4)), 0)]
     for v, taken in views:
         launched.clear()
+        gathered.clear()
         assert torch.equal(_run(v, 32, config=TMA), want)
-        assert len(launched) == taken
+        assert len(launched) == taken and gathered == ([] if taken else [(3, TMA["GATHER_SPLITS"])])

@@ -42,6 +42,12 @@ run; the score pass alone 172.0 (74.5%) vs 247.5. num_stages 4 / 5: 249.7 / 254.
 not kept (the TMA kernel is faster; the cap is untried for MXFP4 keys). Without the vector of table entries the
 pipeliner chained each box's copy behind its table load and gave the copies one buffer per two stages; scales loaded
 inside the loop are not copied ahead (the pipeliner only copies loads that reach a dot), hence their load one box ahead.
+Session 15 (benches/results/h200-2026-11-30-s15/attention_decode_indexer_select.json): the gathered tiles (the fallback
+where no descriptor fits) at the TMA config's 20 programs per row measured 319.8 us whole / 258.4 score pass at batch
+32 x 128K vs 312.8 / 250.0 at 33 (8 x 132 / T): hence GATHER_SPLITS. Batch 1: at 64K TMA 38.3 / 16.2 vs gathered 38.6 /
+16.4 (256 programs; 128: 39.5 / 17.2), at 1M 329.7 / 196.3 vs 326.6 / 199.9 (660 programs; 1056: 324.7 / 196.5): equal
+within the spread. TMA programs per row at batch 1: 64K 128 / 256 / 512 -> score pass 17.1 / 16.2 / 16.5; 1M 330 /
+660 / 1320 -> 200.9 / 196.3 / 196.3.
 """
 
 from __future__ import annotations
@@ -145,7 +151,8 @@ def scores_launch(args, cand, hist, n, NT, topk, cfg, common):
     are `_score_kernel`'s leading operands (q, w, q_scale, pools, table, req, MB, pos). `indexer_topk` then runs
     the select (step 2) over `cand`. Config TMA s > 0 (FP8 keys): `_scores_tma_kernel` at num_stages s, boxes of
     min(BLOCK_N, block size) positions, SPLITS programs per row, TMA_J table entries a vector (default 128), where
-    the pool allows a descriptor (`_key_descriptor`); otherwise `_scores_kernel` at the config's num_stages."""
+    the pool allows a descriptor (`_key_descriptor`); otherwise `_scores_kernel` at the config's num_stages (under
+    TMA s: GATHER_SPLITS programs per row, default SPLITS)."""
     splits = max(1, min(int(cfg["SPLITS"]), NT))
     kw = dict(num_warps=int(cfg["num_warps"]), **common)
     if int(cfg.get("TMA", 0)) and common["KEY_FMT"] == 0:
@@ -158,4 +165,6 @@ def scores_launch(args, cand, hist, n, NT, topk, cfg, common):
                                             topk, splits, BOX=box, J=int(cfg.get("TMA_J", 128)),
                                             num_stages=int(cfg["TMA"]), **kw)
             return
+    if int(cfg.get("TMA", 0)):   # no descriptor (or MXFP4 keys): the gathered tiles, GATHER_SPLITS programs per row
+        splits = max(1, min(int(cfg.get("GATHER_SPLITS", splits)), NT))
     _scores_kernel[(n, splits)](*args, cand, hist, NT, topk, splits, num_stages=int(cfg["num_stages"]), **kw)

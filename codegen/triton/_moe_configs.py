@@ -86,6 +86,10 @@ DECODE_MAXNREG = 168        # the cap that fits 6 when the programs fill several
 # 0.330 (removed).
 DECODE_T64 = {"DEQ": "asm16i", "SL": 1, "TMA": 1, "SL2": 3, "BK": 64, "BK2": 64, "num_stages": 3, "MAXNREG": 104,
               "BN2": 64, "num_warps2": 2, "num_stages2": 4, "MAXNREG2": 96}
+# session 15: the Gluon grouped gate-up's best tiling (GG, _moe_grouped_gluon.py; explicit config, not the heuristic's):
+# gate-up alone 0.613 vs DECODE_T64's 0.616 in the same call, whole op 0.954-0.956 vs 0.944; 0.906 with the context's
+# L2 fetch granularity at 128 bytes (DECODE_T64 not timed so in that call)
+GLUON_T64 = {"GG": 1, "GGW": 4, "GGM": 1, "GGN": 4, "GGB": 16, "GGD": 1, "GGR": 128}
 
 
 def decode_split(programs: int, k_steps: int, most: int = 8) -> int:
@@ -127,6 +131,8 @@ def constraints(config: dict, key: dict, target=None) -> list[str]:
             out.append(f"{name}={config[name]} must be one of {allowed} (per-pair path, _moe_gemv.py)")
     if config.get("GLUON") and (target_cc(target) or 0) < 90:
         out.append("GLUON=1 (the Gluon tensor-core gate-up, _moe_gemv_gluon.py) needs a CUDA target of cc >= 9.0")
+    if config.get("GG") and (target_cc(target) or 0) < 90:     # the Gluon grouped gate-up, _moe_grouped_gluon.py
+        out.append("GG=1 (the Gluon grouped gate-up, _moe_grouped_gluon.py) needs a CUDA target of cc >= 9.0")
     if config.get("LATE", 0) not in (0, 1):
         out.append(f"LATE={config['LATE']} must be 0 or 1 (the gate-up launched without its programmatic edge)")
     if config.get("EARLY", 0) not in (0, 1, 2, 3):

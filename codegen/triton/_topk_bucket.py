@@ -24,6 +24,10 @@ the 8-bit digits over the sub-bucket only (in registers up to RES): whole launch
 registers with the second atomic); with TMA key tiles (num_stages 4) 259.9 vs 249.7, their identical score passes
 184.6 / 176.4 (run-to-run spread of ~5 us). No gain: removed. The threshold program's radix steps over a resident
 bucket are not where the select's ~70 us go.
+Session 15 (benches/results/h200-2026-11-30-s15/attention_decode_indexer_select.json, the same shape; the launches
+timed as prefixes over stored scores, `indexer_topk`'s stop_after "memset" / "bucket" / "threshold"): bucket parts ~14
+us (96 registers), the threshold program ~14 (232), `_place_kernel` ~25 (154); the boundary bucket holds ~1000 keys
+a row. HIST2 (the bucket's next 11 bits, for BUCKET 3's placement parts, `_topk_bucket_place`) makes the parts ~17.
 """
 
 from __future__ import annotations
@@ -38,9 +42,9 @@ from ._topk_select import (INVALID, _digit0, _finish_streamed, _hist_vals, _low3
 
 
 @triton.jit
-def _bucket_kernel(sc_ptr, hist_ptr, gt_ptr, nb_ptr, bkt_ptr, pos_ptr, NT, TOPK, BLOCK_N: tl.constexpr,
-                   PARTS: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr):
-    """Step 1 of the module doc."""
+def _bucket_kernel(sc_ptr, hist_ptr, hist2_ptr, gt_ptr, nb_ptr, bkt_ptr, pos_ptr, NT, TOPK, BLOCK_N: tl.constexpr,
+                   PARTS: tl.constexpr, TILE: tl.constexpr, HIST2: tl.constexpr, PDL: tl.constexpr):
+    """Step 1 of the module doc (HIST2, BUCKET 3: the bucket's next 11 bits also counted into hist2)."""
     pdl_enter(PDL)
     row = tl.program_id(0)
     part = tl.program_id(1)
@@ -65,6 +69,8 @@ def _bucket_kernel(sc_ptr, hist_ptr, gt_ptr, nb_ptr, bkt_ptr, pos_ptr, NT, TOPK,
             if c > 0:
                 at = tl.atomic_add(nb_ptr + row, c, sem="relaxed") + tl.cumsum(eq.to(tl.int32), 0) - 1
                 tl.store(brow + at, _ord_keys(v, p, eq), mask=eq)
+                if HIST2:   # key bits 42..52 = score bits 10..20
+                    tl.atomic_add(hist2_ptr + row * 2048 + ((v >> 10) & 2047), 1, mask=eq, sem="relaxed")
         tl.store(gt_ptr + row * PARTS + part, gt)
 
 
@@ -109,16 +115,25 @@ def _threshold_kernel(hist_ptr, gt_ptr, nb_ptr, bkt_ptr, poff_ptr, th_ptr, out_p
         tl.store(th_ptr + row.to(tl.int64) * 2 + 1, pmask)
 
 
-def bucket_select(cand, hist, nb, bkt, poff, th, out, tbl, req, MB, pos, NT, topk, cfg, bn, parts, rows_out, log_bs,
-                  pdl):
-    """Steps 1-2 of the module doc over `cand` (int32 scores [n, NT * BLOCK_N]) with `hist` (their first-digit
-    histogram), `nb` (zeroed int32 [n]) and the bucket buffer `bkt` (int64 [n, NT * BLOCK_N]); `_place_kernel`
-    (step 3) follows in `indexer_topk`."""
+def bucket_parts(cand, hist, hist2, nb, bkt, pos, NT, topk, tile, bn, parts, pdl):
+    """Step 1 (`_bucket_kernel`, grid rows x parts; `hist2` given: HIST2) into the bucket buffer `bkt`; returns the
+    parts' counts above the boundary digit (int32 [rows, parts])."""
     n = cand.shape[0]
     gt = torch.empty(n, parts, dtype=torch.int32, device=cand.device)
-    tile = int(cfg.get("MERGE_TILE", 2048))
-    _bucket_kernel[(n, parts)](cand, hist, gt, nb, bkt, pos, NT, topk, BLOCK_N=bn, PARTS=parts, TILE=tile,
-                               num_warps=4, **pdl)
+    _bucket_kernel[(n, parts)](cand, hist, hist if hist2 is None else hist2, gt, nb, bkt, pos, NT, topk, BLOCK_N=bn,
+                               PARTS=parts, TILE=tile, HIST2=hist2 is not None, num_warps=4, **pdl)
+    return gt
+
+
+def bucket_select(cand, hist, nb, bkt, poff, th, out, tbl, req, MB, pos, NT, topk, cfg, bn, parts, rows_out, log_bs,
+                  pdl, stop_after=None):
+    """Steps 1-2 of the module doc over `cand` (int32 scores [n, NT * BLOCK_N]) with `hist` (their first-digit
+    histogram), `nb` (zeroed int32 [n]) and the bucket buffer `bkt` (int64 [n, NT * BLOCK_N]); `_place_kernel`
+    (step 3) follows in `indexer_topk`. `stop_after` "bucket": step 1 only (bench breakdown)."""
+    n, tile = cand.shape[0], int(cfg.get("MERGE_TILE", 2048))
+    gt = bucket_parts(cand, hist, None, nb, bkt, pos, NT, topk, tile, bn, parts, pdl)
+    if stop_after == "bucket":
+        return
     _threshold_kernel[(n,)](hist, gt, nb, bkt, poff, th, out, tbl, req, MB, pos, NT, topk, BLOCK_N=bn, PARTS=parts,
                             TILE=tile, RES=int(cfg.get("SELECT_RES", 8192)), ROWS_OUT=rows_out, LOG_BS=log_bs,
-                            num_warps=int(cfg.get("MERGE_WARPS", 8)), **pdl)
+                            num_warps=int(cfg.get("MERGE_WARPS", 8)), **pdl)   # (then "threshold" stops)

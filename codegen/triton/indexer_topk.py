@@ -55,7 +55,9 @@ bits (int32) to a [rows, NT * BLOCK_N] workspace and counts their first digit, n
 that row (`_select_kernel` / `_place_kernel` with SRC32 form each key from its score and position on load), or with
 BUCKET 1 (`_topk_bucket`, the default) three launches none of which carries another's registers: lean parts count
 the scores above the boundary digit and append the boundary bucket's keys, one program per row finishes the exact
-threshold over that bucket and stores each part's offset, then `_place_kernel`.
+threshold over that bucket and stores each part's offset, then `_place_kernel`; or (one row, the default there) with
+BUCKET 3 (`_topk_bucket_place`) two: the same parts also count the bucket's next 11 bits, then every placement part
+finishes the threshold itself (ZERO 1: over counts the select leaves at zero, no memset).
 Workspace per row 8 B x (NT*(KT+1) + (topk/KT)*BLOCK_N + 2 pow2(topk) + 2); prefill runs in row chunks.
 Pools: flat [N, ...] or block views [NB, block_size, ...] of a packed pool (`_paging.pool_strides`), read
 in place through `row_offsets`.
@@ -64,7 +66,8 @@ API: `indexer_topk(...)` (positions: the IR op), `output="rows"` (the positions'
 padded: what attention kernels read), `key_format="mxfp4"`. Tunables: BLOCK_N, KT, SPLITS (programs
 per row), CAND, DOT, PREFETCH (score kernel: next tile in flight), num_warps / num_stages (score kernel),
 MERGE_TILE, MERGE_WARPS, FILTER / FILTER_PARTS, SCORES, BUCKET, TMA / TMA_J (SCORES 1 with FP8 keys: key tiles as
-pipelined bulk tensor copies, `_indexer_scores.scores_launch`), SELECT / SELECT_PARTS / SELECT_RES (SELECT 2:
+pipelined bulk tensor copies, `_indexer_scores.scores_launch`), GATHER_SPLITS (their fallback's programs), ZERO
+(BUCKET 3: no memset, `_topk_bucket_place`), SELECT / SELECT_PARTS / SELECT_RES (SELECT 2:
 SELECT_PARTS, SELECT_TILE, SELECT_WB, SELECT_WARPS: `_topk_fused.fused_launch`), HIST (score kernel: per-program first-digit histogram).
 Every kernel keeps the PDL contract (`_pdl`: `pdl_enter` first, the caches they read are written earlier in the
 step). Batch invariant (each row on its own).
@@ -85,6 +88,7 @@ from ._indexer_scores import scores_launch
 from ._indexer_tiles import _rescore_kernel, _score_kernel
 from ._pdl import launch_kwargs
 from ._topk_bucket import bucket_select
+from ._topk_bucket_place import bucket_place_select, bucket_workspace
 from ._topk_fused import fused_launch
 from ._topk_parallel import _filter_kernel, _place_kernel, _select_kernel
 from ._topk_select import _merge_kernel
@@ -179,7 +183,25 @@ def heuristic(key: dict, target: str) -> dict:
     `_indexer_scores._scores_tma_kernel`, 3 stages, SPLITS 20 = one wave of 5 programs per SM) 242.7 us (52.8%) vs
     305.0 (42.0%) for the gather tiles at SPLITS 33 in the same run; score pass alone 172.0 (74.5%) vs 247.5, the select
     (memset + parts + threshold + placement) the other ~70. Other figures in `_indexer_scores` (TMA stages / programs,
-    register caps) and `_topk_bucket` (BUCKET 2, removed). Batch 1 at 8K unchanged (SELECT 2, 13.67 us)."""
+    register caps) and `_topk_bucket` (BUCKET 2, removed). Batch 1 at 8K unchanged (SELECT 2, 13.67 us).
+    Session 15 (one H200 call, benches/results/h200-2026-11-30-s15/attention_decode_indexer_select.json; read bandwidth
+    4.36 TB/s; the default exact vs the IR reference, every other config the default's rows (batch 1: each also vs the
+    reference), graph == eager over 50 replays for every TMA config): batch 32 at 128K, the default 237.1 us (53.6%;
+    PDL off 235.6), its score pass alone (memset + scores) 182.4. The select's launches as prefixes over stored scores
+    (one call per graph replay: ~7 us of each figure is the replay's own cost): memset 8.7, + bucket parts 22.7, +
+    threshold program 36.4, + placement 61.5, so bucket parts ~14, threshold ~14, placement ~25. BUCKET 3
+    (`_topk_bucket_place`: every placement part finishes the threshold itself, two launches) 253.5 (bucket parts with
+    the second histogram ~17), with ZERO 274.2 (16 / 64 parts 259.6 / 303.0, the bucket streamed 277.6, MERGE_TILE
+    1024 265.6): slower at batch 32, where 1024 parts of 236-254 registers run the serial threshold in ~4 waves. The
+    gathered tiles (no descriptor) at the TMA config's 20 programs per row 319.8 (score pass 258.4) vs 312.8 (250.0) at
+    session 13's 8 x 132 / T = 33: GATHER_SPLITS. Batch 1, one wave of parts: at 64K the default was 38.3 us (select
+    23.1: memset 1.2, bucket parts 4.5, threshold program 12.3, placement 5.1), BUCKET 3 + ZERO 29.0 with 32 or 64
+    parts (64, bucket streamed: 27.9), BUCKET 1 with 64 parts 37.7, SPLITS 128 / 512 39.3 / 38.5, gathered tiles 38.6
+    (score pass 16.4 vs 16.2); at 1M 329.7 (PDL off 317.2; select 117.6 with 32 parts: bucket parts 53.1, threshold
+    12.9, placement 50.4), 256 parts 238.0 (BUCKET 1) / 237.1 (BUCKET 3 + ZERO) / 241.3 (bucket streamed), BUCKET 3
+    with 32 parts 336.4, SPLITS 330 / 1320 323.9 / 328.7, gathered tiles 326.6 (score pass 199.9 vs 196.3). New default
+    for one row (T <= 1): BUCKET 3 + ZERO with a part per 1024 positions, 32..256 (measured: 64K, 64 parts 29.0 us;
+    1M, 256 parts 237.1; between them interpolated, not timed). Batch 1 at 8K unchanged (SELECT 2, 13.47 us)."""
     L, K, T = max(1, key["L"]), key["K"], max(1, key["T"])
     if target == "cpu":
         bn = 32 if L <= 256 else 128
@@ -197,10 +219,15 @@ def heuristic(key: dict, target: str) -> dict:
                     SELECT=1, SELECT_PARTS=16, SELECT_RES=2048)
     splits = max(1, min(max(1, nt // 4), round(8 * 132 / T)))
     if key.get("bi") or T * L * 4 <= SCORES_WORKSPACE:   # decode: materialised scores (batch invariant: any T)
-        # TMA key tiles, 3 stages: 5 programs per SM (94 registers, 25 KB), one wave of them (>= 4 boxes each)
-        return dict(BLOCK_N=bn, KT=bn, SPLITS=max(1, min(nt // 2, 5 * 132 // T)), num_warps=4, num_stages=1, TMA=3,
-                    CAND=0, DOT=3, MERGE_TILE=2048, SCORES=1, SELECT=1, BUCKET=1, SELECT_PARTS=32, SELECT_RES=4096,
-                    MERGE_WARPS=8)
+        # TMA key tiles, 3 stages: 5 programs per SM (94 registers, 25 KB), one wave of them (>= 4 boxes each);
+        # gathered tiles where the pool allows no descriptor: 8 programs per SM
+        cfg = dict(BLOCK_N=bn, KT=bn, SPLITS=max(1, min(nt // 2, 5 * 132 // T)), num_warps=4, num_stages=1, TMA=3,
+                   GATHER_SPLITS=max(1, min(nt // 2, round(8 * 132 / T))), CAND=0, DOT=3, MERGE_TILE=2048, SCORES=1,
+                   SELECT=1, BUCKET=1, SELECT_PARTS=32, SELECT_RES=4096, MERGE_WARPS=8)
+        if T <= 1:   # one row: BUCKET 3 (no threshold program, no memset), a part per 1024 positions (32..256)
+            cfg.update(BUCKET=3, ZERO=1, SELECT_RES=2048, MERGE_WARPS=4,
+                       SELECT_PARTS=min(256, max(32, _pow2(L // 1024))))
+        return cfg
     return dict(BLOCK_N=bn, KT=default_kt_pairs(bn, K, L), SPLITS=splits, num_warps=4, num_stages=1, CAND=1, DOT=3,
                 MERGE_TILE=2048, FILTER=1, FILTER_PARTS=16)
 
@@ -224,7 +251,8 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_tab
     `stop_after="score"` runs the score kernel only, "merge1" also the first selection (filter + merge 1, or
     SELECT's two kernels) but no rescore / merge 2: profiling aids for benches (`out` is then unfinished). SCORES 1
     bench hooks: with `stop_after="score"` and `stats`, stats["scores"] = (score rows, first-digit histogram);
-    `scores_in` = that pair (same inputs and config, one workspace chunk) skips the score kernel: the select alone."""
+    `scores_in` = that pair (same inputs and config, one workspace chunk) skips the score kernel: the select alone;
+    with it, `stop_after` "memset" / "bucket" / "threshold" (BUCKET 1 / 3) stops after that launch of the select."""
     T, HI, DI = q.shape
     fmt = {"fp8": 0, "mxfp4": 1}.get(key_format)
     width = DI if fmt == 0 else DI // 2
@@ -288,7 +316,12 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_tab
     sel_mode = (bool(cfg.get("SELECT", 0)) or scores) and L > topk
     filt, parts = bool(cfg.get("FILTER", 0)) and L > topk and not sel_mode, int(cfg.get("FILTER_PARTS", 16))
     sparts, res = int(cfg.get("SELECT_PARTS", 16)), int(cfg.get("SELECT_RES", 4096))
-    bucket = scores and int(cfg.get("BUCKET", 0)) == 1   # the three-launch select (`_topk_bucket`)
+    bucket = int(cfg.get("BUCKET", 0)) if scores else 0   # 1: three-launch select (`_topk_bucket`), 3: two
+    if bucket not in (0, 1, 3):
+        raise ValueError(f"indexer_topk: config {cfg}: BUCKET must be 0, 1 or 3")
+    # BUCKET 3 with ZERO 1: counts in a buffer the select leaves at zero (not with the bench / test hooks)
+    zero_ws = bucket == 3 and int(cfg.get("ZERO", 0)) == 1 and stats is None and stop_after is None and \
+        scores_in is None
     if parts & (parts - 1) or not 1 <= parts <= 1024 or sparts & (sparts - 1) or not 1 <= sparts <= 1024 or \
             res & (res - 1) or res < 16:
         raise ValueError(f"indexer_topk: config {cfg}: FILTER_PARTS / SELECT_PARTS must be powers of two in 1..1024, "
@@ -315,9 +348,13 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_tab
         ovf = torch.empty(n, max_ovf, dtype=torch.int32, device=dev)
         # one memset: first-digit histograms (counted while scoring), overflow counts, second-digit histograms,
         # survivor counts and arrival counters (SELECT)
-        seg = [2048, 1] + [2048] * (filt or (sel_mode and not bucket)) + [1, 1] * sel_mode
-        zeroed = torch.zeros(n * sum(seg), dtype=torch.int32, device=dev)
-        views = [zeroed[n * sum(seg[:i]):n * sum(seg[:i + 1])].view(n, w_) for i, w_ in enumerate(seg)]
+        if bucket == 3:   # BUCKET 3: its own workspace (`_topk_bucket_place`)
+            ws = bucket_workspace(dev, n, zero_ws)
+            views = [ws[0], ws[3].view(n, 1), ws[2].view(n, 1), ws[3].view(n, 1)]   # (no overflow: novf stays 0)
+        else:
+            seg = [2048, 1] + [2048] * (filt or (sel_mode and not bucket)) + [1, 1] * sel_mode
+            zeroed = torch.zeros(n * sum(seg), dtype=torch.int32, device=dev)
+            views = [zeroed[n * sum(seg[:i]):n * sum(seg[:i + 1])].view(n, w_) for i, w_ in enumerate(seg)]
         hist, novf = views[0], views[1].view(n)
         hist2 = views[2] if len(views) > 2 and not bucket else hist
         cnt, ncomp = (torch.empty(n, parts, dtype=torch.int32, device=dev),
@@ -343,7 +380,7 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_tab
                                        HIST=int(cfg.get("HIST", 0)), **common)
         if scores and stats is not None and stop_after == "score":
             stats["scores"] = (cand, hist)
-        if stop_after == "score":
+        if stop_after in ("score", "memset"):
             continue
         merge = dict(BLOCK_N=bn, KT=kt, KP=KP, KW=KW, ROWS_OUT=output == "rows", TILE=mt, LOG_BS=log_bs,
                      COMPACT=filt or sel_mode, num_warps=int(cfg.get("MERGE_WARPS", 8 if mt >= 1024 else 4)), **pdl)
@@ -351,17 +388,21 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_tab
         if sel_mode:   # parallel threshold (last arriver) + parallel placement; PHASE 2 reads the survivors
             src = torch.empty(n, NT * kt, dtype=torch.int64, device=dev)
             poff = torch.empty(n, sparts, dtype=torch.int32, device=dev)
-            if bucket:
+            if bucket == 3:   # two launches, the placement parts finishing the threshold themselves
+                bucket_place_select(cand, (hist, *ws[1:]), src, oc, tbl, rc, MB, pc, NT, topk, cfg, bn, sparts,
+                                    output == "rows", log_bs, pdl, zero_ws, stop_after)
+            elif bucket:
                 bucket_select(cand, hist, ncomp, src, poff, th, oc, tbl, rc, MB, pc, NT, topk, cfg, bn, sparts,
-                              output == "rows", log_bs, pdl)
+                              output == "rows", log_bs, pdl, stop_after)
             else:
                 _select_kernel[(n, sparts)](cand, tmin, hist, hist2, ncomp, arrive, src, poff, ovf, novf, th, oc, tbl,
                                             rc, MB, pc, NT, topk, max_ovf, BLOCK_N=bn, KT=kt, PARTS=sparts, TILE=mt,
                                             RES=res, ROWS_OUT=output == "rows", LOG_BS=log_bs, SRC32=scores,
                                             num_warps=int(cfg.get("MERGE_WARPS", 8)), **pdl)
-            _place_kernel[(n, sparts)](cand, novf, th, poff, oc, tbl, rc, MB, pc, NT, topk, BLOCK_N=bn, KT=kt,
-                                       PARTS=sparts, TILE=mt, ROWS_OUT=output == "rows", LOG_BS=log_bs, SRC32=scores,
-                                       num_warps=4, **pdl)
+            if bucket != 3 and stop_after not in ("bucket", "threshold"):
+                _place_kernel[(n, sparts)](cand, novf, th, poff, oc, tbl, rc, MB, pc, NT, topk, BLOCK_N=bn, KT=kt,
+                                           PARTS=sparts, TILE=mt, ROWS_OUT=output == "rows", LOG_BS=log_bs,
+                                           SRC32=scores, num_warps=4, **pdl)
         else:
             if filt:   # parallel pre-selection: the merges then run over the survivors only
                 src = torch.empty_like(cand)
@@ -441,7 +482,7 @@ TUNABLES = (Tunable("BLOCK_N", (64, 128, 256)), Tunable("KT", (4, 8, 16, 32, 64)
             Tunable("FILTER_PARTS", (16, 32)), Tunable("SELECT", (0, 1, 2)))
 # DOT fixes the numerics (never searched); MERGE_WARPS, SELECT_PARTS / SELECT_RES / SELECT_TILE / SELECT_WB /
 # SELECT_WARPS (the space stays under the tuner's enumeration limit), HIST, SCORES, BUCKET and TMA / TMA_J only by an
-# explicit config
+# explicit config (also GATHER_SPLITS and ZERO)
 
 TEMPLATES = [
     KernelTemplate(family="indexer_topk", backend="triton", ops=("indexer_topk",), launch=_launch, key_dims=_key,

@@ -8,16 +8,18 @@ Math, per token t (request r, position p) and head h, over its context rows c(s)
 The kernel does the attention over latent rows: one program per (token, block of BLOCK_H heads,
 chunk of CHUNK context entries), all heads of the block sharing every latent row it loads (the
 row is read once per token, not once per head), online softmax in fp32 (exp2), tensor-core dots.
-Three orientations (ORIENT): 1 = `_mla_heads_kernel` in _mla_heads.py (heads are the dots' M, one pass per step over
-whole rows: FP8 pools at small batches), 2 = `_mla_rowsm_kernel` in _mla_rowsm.py (rows are the dots' M, wgmma on
-sm_90, fp8 logits dots against queries split into two e4m3 parts: FP8 pools once the tokens fill the GPU),
-0 = `_mla_sparse_kernel` in _mla_rows.py (rows are M, optional column blocks: the previous path, kept for bf16 /
-NVFP4 pools). All gather and dequantise rows through _mla_tiles.py. Chunks of the same token are merged by
-`_combine_kernel` (_mla_tiles.py, launched by _mla_combine.py's `combine_chunks`, which also holds the query
-absorption) with their log-sum-exps, in a fixed order (o~ i = sum_i e^(lse_i - lse) o~_i, lse = log sum_i e^lse_i).
-The number of chunks is L / CHUNK with L the number of selected rows (sparse) or the context bound (dense): never the
-context for a selection. Chunk boundaries depend only on CHUNK and the token's own rows; CHUNK follows the
-batch size (to fill the GPU) except in batch-invariant mode, where it depends on L only.
+Four orientations (ORIENT): 1 = `_mla_heads_kernel` in _mla_heads.py (heads are the dots' M, one pass per step over
+whole rows: FP8 pools at small batches), 2 = `_mla_rowsm_kernel` in _mla_rowsm.py (rows are the dots' M, wgmma on sm_90,
+fp8 logits dots against queries split into two e4m3 parts: FP8 pools of a dense context once the tokens fill the GPU),
+3 = `_mla_gluon_kernel` in _mla_gluon.py (ORIENT 2's math in Gluon, asynchronous wgmmas and cp.async row gathers: FP8
+pools read through a selection once the tokens fill the GPU, on CUDA sm_90; elsewhere the launcher runs ORIENT 2 with
+the same split), 0 = `_mla_sparse_kernel` in _mla_rows.py (rows are M, optional column blocks: the previous path, kept
+for bf16 / NVFP4 pools). ORIENT 0-2 gather and dequantise rows through _mla_tiles.py. Chunks of the same token are
+merged by `_combine_kernel` (_mla_tiles.py, launched by _mla_combine.py's `combine_chunks`, which also holds the query
+absorption) with their log-sum-exps, in a fixed order (o~ i = sum_i e^(lse_i - lse) o~_i, lse = log sum_i e^lse_i). The
+number of chunks is L / CHUNK with L the number of selected rows (sparse) or the context bound (dense): never the
+context for a selection. Chunk boundaries depend only on CHUNK and the token's own rows; CHUNK follows the batch size
+(to fill the GPU) except in batch-invariant mode, where it depends on L only.
 
 Latent pool formats (byte layouts and dequantisation: _mla_tiles.py): "bf16" / "fp32" (rows [kv + dr] as
 stored), "fp8" (e4m3 rows, one fp32 scale per layer), "nvfp4" (uint8 rows [kv/2 + kv/16 + dr]: E2M1 c_KV
@@ -35,7 +37,8 @@ blocks per row, 1 = one pass, 4 = two passes), PREFETCH (1: next step's rows res
 2: next step's bytes in registers), LSUM (ORIENT 1: softmax denominators summed over the row lanes once after the
 loop: one cross-warp reduction per step instead of two),
 F16 (ORIENT 1 on FP8 / NVFP4 pools: fp16 dots with per-head power-of-two query scaling, `_mla_heads.py`),
-KB (ORIENT 2: width of the c_KV column blocks), num_warps, num_stages.
+KB (ORIENT 2: width of the c_KV column blocks), XF2 (ORIENT 3: two widened buffers), num_warps, num_stages (ORIENT 3:
+row buffers).
 """
 
 from __future__ import annotations
@@ -68,8 +71,9 @@ def _pow2(n: int) -> int:
 
 
 def heuristic(key: dict, target: str) -> dict:
-    """FP8 pools (the model's): ORIENT 2 (`_mla_rowsm_kernel`: BLOCK_N 64 rows as the wgmma M, KB 128, 3 stages) once
-    the tokens alone fill the GPU (T x head blocks >= 32, not batch-invariant mode), else ORIENT 1
+    """FP8 pools (the model's): ORIENT 3 (`_mla_gluon_kernel`: BLOCK_N 64 rows as the wgmma M, 4 warps, 2 row buffers,
+    two widened buffers, about one program per SM: CHUNK up to 1024; ORIENT 2 where Gluon cannot run) once the tokens
+    alone fill the GPU (T x head blocks >= 32, not batch-invariant mode; a dense context: ORIENT 2), else ORIENT 1
     (`_mla_heads_kernel`); BLOCK_H 16 heads per program (ORIENT 1: the MMA's
     minimum M; the fp32 accumulator is BLOCK_H x kv), rows resolved a step ahead (PREFETCH 1: positions are two dependent
     reads, index then block id, before the gather). CHUNK (rows per program) sizes the split of a token's
@@ -134,6 +138,13 @@ def heuristic(key: dict, target: str) -> dict:
     benches/results/h200-2026-11-30-s13/runtime_mla_orient.json, two rounds) the step took 2433.7 / 2456.8 us with
     ORIENT 2 vs 2458.1 / 2440.5 with the ORIENT 1 config (the node is ~10 us of a 2.4 ms step: within the noise).
     Numerics: o~ vs float64 2.42e-3 (ORIENT 1: 2.25e-3), lse 1.52e-5 (1.23e-5): the fp8 logits' tensor-core sums.
+    Session 15 (benches/bench_mla_b64.py, two calls: benches/results/h200-2026-11-30-s15/mla_b64_gluon_call{1,2}.json,
+    4.36-4.42 TB/s streaming read, every config checked against float64 incl. -1 entries, short contexts, an empty token
+    and positions through the block table, graph replay == eager over 50 replays): batch 64 ORIENT 3 (Gluon, this
+    default: CHUNK 1024, 2 stages, XF2) 57.54 us (31.6% of read bandwidth) against ORIENT 2's 67.97 in the same call
+    (0.85x; 3 stages and one widened buffer 57.82); o~ vs float64 2.56e-3, lse 1.63e-5 (ORIENT 2: 2.43e-3, 1.52e-5).
+    Its other configs and the removed variants are in _mla_gluon.py's docstring. Batch 1 (same call): ORIENT 1 11.57
+    us, ORIENT 3 CHUNK 64 / 2 stages 11.16 with 4 warps, 10.87 with 8 (a lead from one measurement; ORIENT 1 kept).
     bf16 and NVFP4 pools keep the rows-major kernel's configs (measured 2026-11-29 s3: 0.087 / 0.185 ms at
     batch 64), with the same split rule."""
     H = max(1, key.get("H", 16))
@@ -151,7 +162,10 @@ def heuristic(key: dict, target: str) -> dict:
     if fmt != 1:   # bf16 / NVFP4 pools: the previous rows-major configs (ORIENT 1 not yet measured on them)
         cfg = dict(ORIENT=0, BLOCK_H=bh, BLOCK_N=32, num_warps=4, num_stages=2, SUB=1, PREFETCH=1) if fmt == 0 else \
             dict(ORIENT=0, BLOCK_H=bh, BLOCK_N=64, num_warps=4, num_stages=1, SUB=4, PREFETCH=1)
-    elif many:   # the tokens fill the GPU: rows as the dots' M (wgmma), fp8 logits (_mla_rowsm.py)
+    elif many and key.get("sparse", 1):   # the tokens fill the GPU: rows as the wgmma M, fp8 logits, in Gluon
+        cfg = dict(ORIENT=3, BLOCK_H=bh, BLOCK_N=64, num_warps=4, num_stages=2, XF2=1, PREFETCH=1)   # (_mla_gluon.py)
+        return dict(cfg, CHUNK=min(1024, max(64, _pow2(-(-L // max(1, 132 // (T * -(-H // bh))))))))
+    elif many:   # a dense context: rows as the dots' M (wgmma), fp8 logits (_mla_rowsm.py)
         cfg = dict(ORIENT=2, BLOCK_H=bh, BLOCK_N=64, KB=128, num_warps=4, num_stages=3, PREFETCH=1)
     else:
         cfg = dict(ORIENT=1, BLOCK_H=bh, BLOCK_N=32, num_warps=4, num_stages=1, PREFETCH=1, F16=1)
@@ -190,16 +204,25 @@ def sparse_latent_attention(q_abs, q_pe, latent, token_pos, paging, scale: float
     else:
         sel = pos  # unused
         L = int(max_context) if max_context is not None else (int(pos.max()) + 1 if T else 1)
-    cfg = dict(config or heuristic({"H": H, "L": L, "fmt": fmt, "T": T}, "cpu" if dev.type == "cpu" else "gpu"))
+    key = {"H": H, "L": L, "fmt": fmt, "T": T, "sparse": int(selection is not None)}
+    cfg = dict(config or heuristic(key, "cpu" if dev.type == "cpu" else "gpu"))
     orient = int(cfg.get("ORIENT", 0))
     bh, bn, chunk = int(cfg["BLOCK_H"]), int(cfg["BLOCK_N"]), int(cfg["CHUNK"])
     prefetch = int(cfg.get("PREFETCH", 0))
     lsum = int(cfg.get("LSUM", 0))
     kb = min(KV, int(cfg.get("KB", 128)))
-    if prefetch not in (0, 1, 2) or orient not in (0, 1, 2) or (orient != 0 and int(cfg.get("SUB", 1)) != 1) or \
+    if orient == 3:   # Gluon (CUDA sm_90, FP8 pool, a selection); elsewhere ORIENT 2 (session 13's config) with the
+        # same split (CHUNK unchanged: ORIENT 2 at CHUNK 1024 is not measured; its own rule gives 512 at batch 64)
+        from . import _mla_gluon
+        if not _mla_gluon.usable(q_abs, latent, selection, fmt, bh, chunk):
+            orient = 2
+            cfg = {k: v for k, v in cfg.items() if k != "XF2"}
+            cfg.update(ORIENT=2, BLOCK_N=64, KB=128, num_warps=4, num_stages=3, PREFETCH=1)
+            bn, prefetch = 64, 1
+    if prefetch not in (0, 1, 2) or orient not in (0, 1, 2, 3) or (orient != 0 and int(cfg.get("SUB", 1)) != 1) or \
             (orient != 1 and (prefetch == 2 or lsum)) or lsum not in (0, 1) or \
             (orient == 2 and (fmt != 1 or KV % kb or kb & (kb - 1) or kb < 16)):
-        raise ValueError(f"mla: config {cfg}: ORIENT must be 0, 1 or 2 (2: FP8 pools only, KB a power of two "
+        raise ValueError(f"mla: config {cfg}: ORIENT must be 0, 1, 2 or 3 (2: FP8 pools only, KB a power of two "
                          f"dividing kv), PREFETCH 0 or 1 (ORIENT 1 also 2), LSUM 0 or 1 (ORIENT 1's), and ORIENT 1 / 2 "
                          f"take whole rows (SUB 1)")
     nsplit = max(1, -(-L // chunk))
@@ -222,7 +245,7 @@ def sparse_latent_attention(q_abs, q_pe, latent, token_pos, paging, scale: float
     if f16 not in (0, 1) or (f16 and (orient != 1 or fmt == 0)):
         raise ValueError(f"mla: config {cfg}: F16 1 (fp16 dots, scaled queries) needs ORIENT 1 and an FP8 or NVFP4 "
                          f"pool (latent_format {latent_format!r})")
-    f16 = f16 or int(orient == 2)   # ORIENT 2: fp16 value dots (its logits dots are fp8)
+    f16 = f16 or int(orient >= 2)   # ORIENT 2 / 3: fp16 value dots (their logits dots are fp8)
     dot_dt = tl.float32 if f32 else tl.float16 if f16 else tl.bfloat16
     if paging is None and selection is None:
         raise ValueError("mla: a dense context (no selection) needs the block table (paging)")
@@ -242,10 +265,19 @@ def sparse_latent_attention(q_abs, q_pe, latent, token_pos, paging, scale: float
         common.update(QSCALE=f16, CVT=int(f16 and fmt == 1 and not f32), LSUM=lsum)
     else:
         common.update(CVT=int(not f32), KB=kb)
-    kernel = (_mla_sparse_kernel, _mla_heads_kernel, _mla_rowsm_kernel)[orient]
+    kernel = (_mla_sparse_kernel, _mla_heads_kernel, _mla_rowsm_kernel, None)[orient]
     for t0 in range(0, T, tb):
         t1 = min(T, t0 + tb)
         po, plse = (o[t0:t1], lse[t0:t1]) if nsplit == 1 else (po_all[:t1 - t0], plse_all[:t1 - t0])
+        if orient == 3:
+            _mla_gluon.launch((t1 - t0, -(-H // bh), nsplit), qa[t0:t1], qp[t0:t1], lat, sel[t0:t1], tbl,
+                              req[t0:t1] if paging is not None else req, MB, po, plse, H, sel.shape[1], nsplit, chunk,
+                              sb, sr, scale * LOG2E, vs, ps, KV=KV, DR=DR, BLOCK_H=bh,
+                              STAGES=int(cfg["num_stages"]), XF2=int(cfg.get("XF2", 0)), PAGED=paging is not None,
+                              LOG_BS=log_bs, launch_kw=launch_kwargs(), num_warps=int(cfg["num_warps"]))
+            if nsplit > 1:
+                combine_chunks(po, plse, o[t0:t1], lse[t0:t1])
+            continue
         kernel[(t1 - t0, -(-H // bh), nsplit)](
             qa[t0:t1], qp[t0:t1], lat, sel[t0:t1] if selection is not None else sel, tbl,
             req[t0:t1] if paging is not None else req, MB, pos[t0:t1],
@@ -326,6 +358,14 @@ def _constraints(config: dict, key: dict, target: str) -> list[str]:
     if config.get("ORIENT", 0) == 2 and (key.get("fmt", 0) != 1 or config.get("SUB", 1) != 1 or config["BLOCK_N"] < 64
                                          and target != "cpu"):
         out.append("ORIENT=2 reads FP8 pools, whole rows (SUB=1), BLOCK_N >= 64 (wgmma M)")
+    if config.get("ORIENT", 0) == 3 and (key.get("fmt", 0) != 1 or not key.get("sparse", 1) or target == "cpu"
+                                         or config["BLOCK_N"] != 64 or config["BLOCK_H"] != 16
+                                         or config["CHUNK"] % 64 or config["CHUNK"] > 1024
+                                         or config["num_stages"] < 2 or config.get("SUB", 1) != 1):
+        out.append("ORIENT=3 (Gluon, sm_90) reads FP8 pools through a selection: BLOCK_N 64, BLOCK_H 16, CHUNK a "
+                   "multiple of 64 up to 1024, num_stages >= 2, whole rows")
+    if config.get("XF2", 0) and (config.get("ORIENT", 0) != 3 or config["num_stages"] != 2):
+        out.append("XF2 is ORIENT=3's, with num_stages 2 (shared memory)")
     if config["CHUNK"] % config["BLOCK_N"]:
         out.append(f"CHUNK {config['CHUNK']} is not a multiple of BLOCK_N {config['BLOCK_N']}")
     if target != "cpu":
@@ -335,6 +375,10 @@ def _constraints(config: dict, key: dict, target: str) -> list[str]:
         elem = 1 if key.get("fmt", 0) else 2
         smem = config["BLOCK_N"] * width * 2 * max(1, config["num_stages"]) * (1 if config.get("SUB", 1) == 1 else 0.25) \
             + config["BLOCK_N"] * width * elem * (config["num_stages"] - 1) + config["BLOCK_H"] * width * 2
+        if config.get("ORIENT", 0) == 3:   # row buffers, widened buffers, split queries, P, the row table
+            bn, bh = config["BLOCK_N"], config["BLOCK_H"]
+            smem = config["num_stages"] * bn * width + (1 + config.get("XF2", 0)) * bn * kv * 2 + 2 * bh * width \
+                + bh * bn * 2 + config["CHUNK"] * 4
         if config.get("ORIENT", 0) == 2:   # stages of e4m3 rows, the split query, one widened block
             smem = config["BLOCK_N"] * width * max(1, config["num_stages"]) + config["BLOCK_H"] * width * 2 \
                 + config["BLOCK_N"] * config.get("KB", 128) * 2
@@ -380,7 +424,8 @@ TUNABLES = (
     Tunable("SUB", (1, 4)),
     Tunable("PREFETCH", (0, 1, 2)),
     Tunable("LSUM", (0, 1)),
-    Tunable("ORIENT", (0, 1, 2)),
+    Tunable("ORIENT", (0, 1, 2, 3)),
+    Tunable("XF2", (0, 1)),
     Tunable("KB", (64, 128, 256)),
     Tunable("F16", (0, 1)),
 )

@@ -55,6 +55,13 @@ with SL 2, Triton 3.7 does so too). sm_90 SASS of the T=64 gate-up: a K step of 
 bytes go through shared memory to the decode's layout, two more barriers), 104-116 registers vs 128, 2 TMA issues
 instead of 6 LDGSTS; measured 0.632-0.641 ms alone vs 0.660. The down kernel by TMA measured slower (0.353-0.383 ms
 vs 0.330 alone, _moe_configs.DECODE_T64): removed.
+Gluon gate-up (config GG, _moe_grouped_gluon.py, sm_90+, MXFP4, bf16; explicit config only): the same tiles'
+expert, tokens and epilogue, the weights decoded into the registers of mma.sync's A operand (the per-pair path's K
+permutation, no shared memory), the expert's tokens as N (16 a tile, looped). H200 session 15, T=64 top-16: gate-up
+alone 0.613-0.657 ms over 8 tilings vs the TMA kernel's 0.608 / 0.616 in the same calls, whole op 0.954-0.993 vs
+0.939 / 0.944 (its K loop issues ~3.6 instructions a weight element, as many as the TMA kernel); deeper loads ahead
+(registers, or a cp.async shared-memory ring) slower. Whole op 0.906 with the context's L2 fetch granularity at 128
+bytes (the TMA path not timed so in that call; session 14 measured it slower there): _moe_grouped_gluon.py.
 Host-side operand, storage and target helpers: _moe_host.py;
 the heuristic's named configs, the split-K rule and the config constraints: _moe_configs.py.
 Decode T=64 (E=112, top-16, l=3584, I=3072, bf16; 1.82 GB of MXFP4 weights): 0.951 ms, 42.5% of the read
@@ -82,6 +89,7 @@ from codegen.triton._moe_host import (DEQ_MODES, _BYTE_DECODE, _TL, _fit_bk, _in
                                       _kernel_weight, _weight, max_tiles, scale_words, storage, target_cc)
 from codegen.triton._moe_gemv import gemv_experts, gemv_supported
 from codegen.triton._moe_gemv_gluon import GLUON_T1, GLUON_T8
+from codegen.triton import _moe_grouped_gluon as gg_gluon
 from codegen.triton._moe_splits import _combine_splits_kernel, _glu_splits_kernel, combine_pairs  # noqa: F401
 from codegen.triton._moe_tiles import (MX_ASM16, MX_ASM16I, MX_BYTES16, _glu, _k_range, _load_bt, _locate_tile,
                                       _mma_step_t, _mma_step_tma, _top_scales, _swizzle)
@@ -284,11 +292,14 @@ def expert_pair_outputs(z: torch.Tensor, ids: torch.Tensor, w1, w2, w3, act: str
     d1, d3 = (_tma_desc(a, c1, sl, cfg["BN"], cfg["BK"], z) if cfg.get("TMA") else None for a in (a1, a3))
     if d1 is not None and d3 is not None:   # the kernel's SL 5 / 6: SL 1 / 2 with the weights by TMA descriptors
         a1, a3, sl = d1, d3, sl + 4
-    _moe_gate_up_kernel[(n_tiles * triton.cdiv(inter, cfg["BN"]) * split * up,)](
-        z, seg.pair_ids, seg.counts, seg.offsets, a1, a3, b1, b3, part, E, ell, inter, z.stride(0), *st1, *h_st,
-        *betas, n_tiles, st1[3], TOPK=K, E_PAD=e_pad, W_FMT=c1, IEEE=ieee, DT=dt, WIDE=wide1 or wide3, BM=bm,
-        BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"], SPLIT=split, KU=int(cfg.get("KU", 1)), **glu,
-        **{**launch, "SL": sl})
+    if up and gg_gluon.usable(z, w1, w3, cfg, split):    # config GG: the Gluon grouped gate-up (_moe_grouped_gluon)
+        gg_gluon.gate_up(z, seg, w1, w3, h, glu, betas, cfg)
+    else:
+        _moe_gate_up_kernel[(n_tiles * triton.cdiv(inter, cfg["BN"]) * split * up,)](
+            z, seg.pair_ids, seg.counts, seg.offsets, a1, a3, b1, b3, part, E, ell, inter, z.stride(0), *st1, *h_st,
+            *betas, n_tiles, st1[3], TOPK=K, E_PAD=e_pad, W_FMT=c1, IEEE=ieee, DT=dt, WIDE=wide1 or wide3, BM=bm,
+            BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"], SPLIT=split, KU=int(cfg.get("KU", 1)), **glu,
+            **{**launch, "SL": sl})
     if split > 1 and up:    # a separate pass: summed inside the down kernel's K loop, the partials were pipelined
         #             through shared memory (2·SPLIT fp32 tiles a stage: 1 program per SM on the H200)
         br, bi = min(16, triton.next_power_of_2(P)), min(1024, triton.next_power_of_2(inter))
@@ -373,7 +384,8 @@ def heuristic(key: dict, target=None) -> dict:
     and with asm16 DECODE_T64 (_moe_configs.py: the asm16i decode, K steps of 64, the two kernels' stages and
     caps apart, the gate-up's weights by TMA with its scales read in the step, the down kernel's a step ahead):
     session 14 0.951 ms, 42.5% of read bandwidth (without TMA 0.996-1.003 in the same run; session 8's config
-    1.055); session 12: BK 256 (whole weight lines a step) on 2-8 warps 1.16-1.82 ms, slower.
+    1.055); session 12: BK 256 (whole weight lines a step) on 2-8 warps 1.16-1.82 ms, slower; session 15: the Gluon
+    gate-up (GG, _moe_configs.GLUON_T64) 0.954-0.956 vs 0.944, not chosen.
     Split-K when the routed tiles leave the GPU idle (`decode_split`; grouped T=1 top-2: split 4, 69.6 ->
     44.7 us); T=64 top-16 fills the GPU, no split. Prefill: 128 tokens x 64 rows on wgmma, asm.
     Batch-invariant: one fixed grouped tiling, no split.

@@ -203,22 +203,10 @@ def pattern_probe(n_tiles, live, tag=""):
 
 
 def l2_fetch_limit(value=None) -> int:
-    """The current context's L2 fetch-granularity hint in bytes (driver limit CU_LIMIT_MAX_L2_FETCH_GRANULARITY,
-    a per-context setting that ends with the process); set to `value` when given. -> the value before."""
-    import ctypes
-    cu = ctypes.CDLL("libcuda.so.1")
-    cu.cuCtxGetLimit.argtypes = [ctypes.POINTER(ctypes.c_size_t), ctypes.c_int]
-    cu.cuCtxSetLimit.argtypes = [ctypes.c_int, ctypes.c_size_t]
-    v = ctypes.c_size_t()
-    rc = cu.cuCtxGetLimit(ctypes.byref(v), 5)
-    if rc:
-        raise RuntimeError(f"cuCtxGetLimit: CUresult {rc}")
-    if value is not None:
-        torch.cuda.synchronize()
-        rc = cu.cuCtxSetLimit(5, value)
-        if rc:
-            raise RuntimeError(f"cuCtxSetLimit: CUresult {rc}")
-    return v.value
+    """The current context's L2 fetch-granularity hint in bytes, set to `value` when given (k31c/runtime/l2_fetch.py,
+    whose RUNTIME_BYTES the runtime sets). -> the value before."""
+    from k31c.runtime.l2_fetch import l2_fetch_granularity
+    return l2_fetch_granularity(value)
 
 
 def l2_fetch_check(cfgs: dict, case, n_tiles, live, values=(128,)):

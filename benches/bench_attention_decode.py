@@ -192,11 +192,14 @@ def _scores_variants(tag, base):
     removed (`_topk_bucket`). Session 15 (h200-2026-11-30-s15/attention_decode_indexer_select.json): BUCKET 3
     (`_topk_bucket_place`) with / without ZERO, parts, streamed bucket, MERGE_TILE, and the gathered tiles at the TMA
     programs: batch 32 237.1 (default) vs 253.5-303.0 (BUCKET 3), gathered 319.8; batch 1 (idx_b1_64k / idx_b1_1m)
-    BUCKET 3 + ZERO the new default there (64K 29.0 vs 38.3, 1M 237.1 vs 329.7); figures in `indexer_topk.heuristic`."""
+    BUCKET 3 + ZERO the new default there (64K 29.0 vs 38.3, 1M 237.1 vs 329.7); figures in `indexer_topk.heuristic`.
+    Round 2 (h200-2026-11-30-s15/attention_decode_indexer_place.json), batch 32: BUCKET 1 244.0 us vs SURV 241.7,
+    SURV + ZERO 245.3, + MERGE_TILE 1024 219.3 (16 / 64 parts 217.0 / 221.3: 16 the new default; SELECT_RES 2048 on 4
+    warps 240.2; placement tiles of 1024 survivors 222.7, removed); figures in `_topk_bucket`."""
     if SMOKE and tag == "idx_b32":
         s = dict(base, KT=base["BLOCK_N"], SCORES=1, SELECT=1, SELECT_PARTS=4, SELECT_RES=64, SPLITS=4)
         return [s, dict(s, SELECT_RES=16), dict(s, BUCKET=1), dict(s, BUCKET=1, SELECT_RES=16),
-                dict(s, BUCKET=1, TMA=3)]
+                dict(s, BUCKET=1, TMA=3), dict(s, BUCKET=1, SURV=1, ZERO=1)]
     if SMOKE and tag.startswith("idx_b1_"):
         s = dict(base, KT=base["BLOCK_N"], SCORES=1, SELECT=1, BUCKET=1, SELECT_PARTS=4, SELECT_RES=64, SPLITS=4)
         return [s, dict(s, BUCKET=3, ZERO=1)]
@@ -207,21 +210,21 @@ def _scores_variants(tag, base):
     b3 = dict(base, BUCKET=3, SELECT_RES=2048, MERGE_WARPS=4)   # session 15: the two-launch select
     z = dict(b3, ZERO=1)
     lean = dict(z, SELECT_RES=16, MERGE_TILE=1024)   # the bucket always streamed: 96 registers, not 168
-    if tag == "idx_b32":
-        return [dict(base, TMA=0), b3, z, dict(z, SELECT_PARTS=16), dict(z, SELECT_PARTS=64), dict(z, MERGE_TILE=1024),
-                lean, dict(lean, SELECT_PARTS=64), dict(lean, SELECT_PARTS=16), dict(z, SELECT_RES=16)]
+    if tag == "idx_b32":   # (session 15 round 2: SURV + ZERO, MERGE_TILE 1024, 16 parts the default)
+        r1 = dict({k: v for k, v in base.items() if k not in ("SURV", "ZERO")}, MERGE_TILE=2048, SELECT_PARTS=32)
+        return [dict(base, SELECT_PARTS=32), dict(base, SELECT_PARTS=64), dict(r1, SURV=1)]   # (r1: the previous)
     wide = 64 if base.get("SPLITS", 0) < 512 else 256   # batch 1: more select parts per row
     return [dict(base, TMA=0), dict(base, SPLITS=base["SPLITS"] // 2), dict(base, SPLITS=2 * base["SPLITS"]),
             dict(base, SELECT_PARTS=wide), z, dict(z, SELECT_PARTS=wide), dict(lean, SELECT_PARTS=wide)]
 
 
 def _scores_previous(base, T, L):
-    """The SCORES 1 default before BUCKET 3 for one row (session 15: BUCKET 1, 32 parts); before TMA key tiles
-    (session 13's second change: gather tiles, 8 x 132 / T programs a row, BUCKET 1); before BUCKET 1 (base without
-    TMA), SELECT 1's parts + last arriver."""
-    if base.get("BUCKET") == 3:
-        return dict({k: v for k, v in base.items() if k != "ZERO"}, BUCKET=1, SELECT_PARTS=32, SELECT_RES=4096,
-                    MERGE_WARPS=8)
+    """The SCORES 1 default before BUCKET 3 for one row and before SURV at batch 32 (session 15: BUCKET 1, 32 parts,
+    MERGE_TILE 2048); before TMA key tiles (session 13's second change: gather tiles, 8 x 132 / T programs a row,
+    BUCKET 1); before BUCKET 1 (base without TMA), SELECT 1's parts + last arriver."""
+    if base.get("BUCKET") == 3 or base.get("SURV"):   # (SURV: batch 32's default before round 2)
+        return dict({k: v for k, v in base.items() if k not in ("ZERO", "SURV")}, BUCKET=1, SELECT_PARTS=32,
+                    SELECT_RES=4096, MERGE_WARPS=8, MERGE_TILE=2048)
     if base.get("TMA"):
         return dict({k: v for k, v in base.items() if k != "TMA"},
                     SPLITS=max(1, min(max(1, -(-L // 128) // 4), round(8 * 132 / T))))
@@ -265,12 +268,12 @@ def _scores_checks(tag, sets, K, ms, first, checked):
             m["same_rows_as_default"] = bool(torch.equal(got, want))
             DOC["checks"].append({"name": f"{m['name']}_same_rows_as_default", "ok": m["same_rows_as_default"]})
     from codegen.triton._indexer_scores import _scores_kernel, _scores_tma_kernel
-    from codegen.triton._topk_bucket import _bucket_kernel, _threshold_kernel
+    from codegen.triton._topk_bucket import _bucket_kernel, _surv_place_kernel, _threshold_kernel
     from codegen.triton._topk_bucket_place import _bucket_place_kernel
     from codegen.triton._topk_parallel import _place_kernel
     DOC.setdefault("scores_kernels", [])
     for fn in ((_scores_kernel, _scores_tma_kernel, _bucket_kernel, _threshold_kernel, _bucket_place_kernel,
-                _place_kernel) if not SMOKE else ()):
+                _place_kernel, _surv_place_kernel) if not SMOKE else ()):
         for caches in getattr(fn, "device_caches", {}).values():
             for k in list(caches[0].values()):
                 k._init_handles()
@@ -323,6 +326,7 @@ def sec_idx(tag, warm=None):
         measure(f"{tag}_{name}_select_only", [_select_only(d, K, cfg) for d in sets], nbytes, config=cfg)
     if base.get("BUCKET") and not SMOKE:   # per-launch breakdown (prefixes) of the default and BUCKET 3
         _select_breakdown(tag, sets, K, nbytes, [("new_default", base)] +
+                          [("previous", prev_cfg)] * bool(base.get("SURV") and prev_cfg.get("BUCKET") == 1) +
                           [(f"bucket3_res{c['SELECT_RES']}", c) for c in variants if c.get("BUCKET") == 3 and
                            c.get("SELECT_PARTS") == base.get("SELECT_PARTS") and not c.get("ZERO")] +
                           [(f"bucket3_res{c['SELECT_RES']}", c) for c in variants if c.get("BUCKET") == 3 and

@@ -1,8 +1,8 @@
-"""H200 bench of sparse MLA decode (issue 4): the heuristic's default against other configs, batch 64 and batch 1,
+"""H200 bench of sparse MLA decode (issue 4): the heuristic's default against other configs, batch 64, 32 and 1,
 12 heads, top-2048 FP8 latent rows of 8K contexts (paged, 64-row blocks in random order), absorbed form, whole
 launcher (absorption, attention, combine) under CUDA-graph replay; batch 1 rotates 16 input sets so rows come from
 HBM (batch 64 reads 75.5 MB, past the L2). Every config is checked against float64 (o~ and lse) and graph replay ==
-eager over 50 replays (PDL on); at batch 64 the first two configs also run with every token reading token 0's rows
+eager over 50 replays (PDL on); at batch 64 and 32 the configs in L2RES also run with every token reading token 0's rows
 (L2 resident: the kernel's cost without HBM); the ORIENT 3 (Gluon) configs also run `holes_check` (-1 entries, short
 contexts, an empty token, positions through the block table). Session 13's call: benches/results/h200-2026-11-30-s13/
 mla_b64_orient2*; session 15's: benches/results/h200-2026-11-30-s15/mla_b64_gluon*.
@@ -40,16 +40,21 @@ O3 = dict(ORIENT=3, BLOCK_H=16, BLOCK_N=64, num_warps=4, num_stages=3, PREFETCH=
 def configs(T):
     """(name, config): the heuristic's default first, then the previous default and variants. Session 13's call
     (benches/results/h200-2026-11-30-s13/mla_b64_orient2.json) timed ORIENT 2 forms since removed (_mla_rowsm.py's
-    docstring); session 15's two calls (benches/results/h200-2026-11-30-s15/mla_b64_gluon_call{1,2}.json) the ORIENT 3
-    (Gluon) forms, its removed ones in _mla_gluon.py's docstring."""
+    docstring); session 15's calls (benches/results/h200-2026-11-30-s15/mla_b64_gluon_call{1,2}.json and
+    mla_b64_gluon_r2_call{1,2}.json) the ORIENT 3 (Gluon) forms, its removed ones in _mla_gluon.py's docstring."""
     from codegen.triton.mla_sparse import heuristic
     base = heuristic({"H": 12, "L": 2048, "KV": 512, "fmt": 1, "sparse": 1, "T": T, "bi": 0}, "h200")
     if T == 1:
-        return [("default", base), ("o3_c64_s2", dict(O3, CHUNK=64, num_stages=2)),
-                ("o3w8_c64_s2", dict(O3, CHUNK=64, num_stages=2, num_warps=8))]
-    return [("default", base), ("previous_orient2", dict(O2, CHUNK=512)), ("o3_c1024_s3", dict(O3, CHUNK=1024)),
-            ("o3_c512_s2_xf2", dict(O3, CHUNK=512, num_stages=2, XF2=1)),
-            ("o3w8_c1024_s2_xf2", dict(O3, CHUNK=1024, num_stages=2, XF2=1, num_warps=8))]
+        return [("default", base), ("o3_c64_s2", dict(O3, CHUNK=64, num_stages=2))]
+    if T == 32:
+        return [("default", base), ("o3_c512_s3", dict(O3, CHUNK=512)),
+                ("o3_c512_s4", dict(O3, CHUNK=512, num_stages=4))]
+    return [("default", base), ("previous_orient2", dict(O2, CHUNK=512)),
+            ("o3_c1024_s4", dict(O3, CHUNK=1024, num_stages=4)), ("o3_c512_s2", dict(O3, CHUNK=512, num_stages=2))]
+
+
+# configs also timed with every token reading token 0's rows (L2 resident: the kernel's cost without HBM)
+L2RES = ("default", "previous_orient2")
 
 
 def holes_check(cfg, seed=901):
@@ -168,8 +173,8 @@ def section(T):
         for name, cfg in configs(T):
             if name in res and cfg.get("ORIENT") == 3:
                 check(f"{tag}_{name}_holes_positions", lambda: holes_check(cfg))
-    for name, cfg in configs(T)[:2]:
-        if T > 1:   # the kernel's cost without HBM: every token reads token 0's rows (L2 resident)
+    for name, cfg in configs(T):
+        if T > 1 and name in L2RES:   # the kernel's cost without HBM: every token reads token 0's rows (L2 resident)
             l2 = dict(sets[0], rows=sets[0]["rows"][:1].expand(T, -1).contiguous())
             m = measure(tag, f"{name}_l2_resident_rows", cfg, [l2], nbytes)
             if m:
@@ -197,7 +202,7 @@ def kernels():
 def warm(k, n):
     """Compile-only helper: a share of the configs (both batches), on small inputs of the same specialisation."""
     i = 0
-    for T in (64, 1):
+    for T in (64, 32, 1):
         d = _set(T, 7)
         for _, cfg in configs(T):
             if i % n == k:
@@ -233,7 +238,7 @@ def main():
     DOC["hbm"] = {"copy_TBps": copy, "read_TBps": read, "floor_TBps": max(copy, read)}
     del x, y
     torch.cuda.empty_cache()
-    for T in (64, 1):
+    for T in (64, 32, 1):
         try:
             section(T)
         except Exception as e:  # noqa: BLE001

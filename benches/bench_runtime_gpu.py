@@ -243,6 +243,8 @@ def main():
     ap.add_argument("--sections", default="graph_check,decode,reference_peer,prefill,torch_compile_peer")
     ap.add_argument("--decode-variants", default="graphs,graphs_no_pdl,eager",
                     help=f"decode section variants, of {','.join(DECODE_VARIANTS)}")
+    ap.add_argument("--check-batch", type=int, default=8,
+                    help="graph_check's batch (capped at the largest of --batches)")
     ap.add_argument("--check-replays", type=int, default=20,
                     help="graph_check: replays of the same step compared bitwise with the eager (PDL off) step")
     ap.add_argument("--records", default="device",
@@ -350,7 +352,7 @@ def main():
 
     @rep.section
     def graph_check():
-        ctx, b = contexts[0], min(8, max(batches))
+        ctx, b = contexts[0], min(args.check_batch, max(batches))
         rt = runtime(ctx, b)
         toks = {f"r{i}": (5 * i + 1) % cfg.vocab_size for i in range(b)}
         graphs, eager = graph_and_eager(rt, toks, graphs=cuda, repeats=args.check_replays)
@@ -636,24 +638,56 @@ def main():
         switch(None, None)
 
     @rep.section
+    def l2fetch():
+        """The context's L2 fetch granularity (`k31c/runtime/l2_fetch.py`, context-wide; the runtime sets 128 bytes)
+        at the driver's 64 and at 128 bytes with the routed experts' grouped gate-up in Triton (TMA, DECODE_T64), and at
+        128 with it in Gluon (`_moe_configs.GLUON_T64`, the heuristic's at T=64): graph replay device time at every
+        batch, two rounds."""
+        if not cuda:
+            return doc["notes"].append("l2fetch: needs a cuda device")
+        from codegen.triton._moe_configs import GLUON_T64
+        from k31c.runtime.l2_fetch import l2_fetch_granularity
+        before, base = l2_fetch_granularity(), set_heuristic("moe_grouped_gemm")
+        doc["l2_fetch_runtime"] = before
+
+        def triton_t64(key, target):
+            return {k: v for k, v in base(key, target).items() if k not in GLUON_T64}
+        ctx = contexts[0]
+        rt = runtime(ctx, max(batches))
+        try:
+            for rnd in range(2):
+                for label, limit, h in (("64", 64, triton_t64), ("128", 128, triton_t64), ("128_gg", 128, base)):
+                    l2_fetch_granularity(limit)
+                    set_heuristic("moe_grouped_gemm", h)
+                    for b in batches:
+                        rt.drop_graphs()
+                        record_replay(rt, ctx, b, f"graph_replay_l2fetch_{label}", rnd)
+        finally:
+            l2_fetch_granularity(before)
+            set_heuristic("moe_grouped_gemm", base)
+        del rt
+        torch.cuda.empty_cache()
+
     def mla_orient():
-        """Batch 64 (and 8) at the first context: the sparse MLA's ORIENT 2 default (rows as the wgmma M,
-        `_mla_rowsm.py`) vs session 12's ORIENT 1 config for the same shapes, graph replay device time, two rounds."""
+        """Batch 64 (and 8) at the first context: the sparse MLA's default (session 15: ORIENT 3, the Gluon kernel
+        `_mla_gluon.py`, where it applies) vs session 13-14's ORIENT 2 config (`_mla_rowsm.py`) for the same shapes,
+        graph replay device time, two rounds."""
         if not cuda:
             return doc["notes"].append("mla_orient: needs a cuda device")
         base = set_heuristic("mla_sparse")
 
-        def orient1(key, target):
+        def orient2(key, target):
             cfg = base(key, target)
-            if cfg.get("ORIENT") == 2:
-                cfg = dict(ORIENT=1, BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=3, PREFETCH=1, F16=1, LSUM=1,
-                           CHUNK=cfg["CHUNK"])
+            if cfg.get("ORIENT") == 3:   # session 14's rule: two pieces per SM over the tokens' head blocks
+                pieces = max(1, (2 * 132) // (key["T"] * -(-max(1, key.get("H", 16)) // 16)))
+                chunk = min(16384, max(64, 1 << max(0, (-(-key["L"] // pieces) - 1).bit_length())))
+                cfg = dict(ORIENT=2, BLOCK_H=16, BLOCK_N=64, KB=128, num_warps=4, num_stages=3, PREFETCH=1, CHUNK=chunk)
             return cfg
         ctx = contexts[0]
         rt = runtime(ctx, max(batches))
         try:
             for rnd in range(2):
-                for label, h in (("orient2", base), ("orient1", orient1)):
+                for label, h in (("default", base), ("orient2", orient2)):
                     set_heuristic("mla_sparse", h)
                     for b in [x for x in batches if x >= 8]:
                         rt.drop_graphs()
@@ -974,7 +1008,7 @@ def main():
     if "art" in st:
         sections = {"graph_check": graph_check, "decode": decode, "pdl": pdl, "late": late, "absorb": absorb, "attn_early": attn_early, "trace_late": trace_late, "overlap": overlap,
                     "priority": priority, "schedule": schedule, "nodes": nodes, "trace_start": trace_start,
-                    "ahead": ahead, "carveout": carveout, "pdl_window": pdl_window, "gluon": gluon, "head_sleep": head_sleep, "mla_orient": mla_orient,
+                    "ahead": ahead, "carveout": carveout, "pdl_window": pdl_window, "gluon": gluon, "head_sleep": head_sleep, "mla_orient": mla_orient, "l2fetch": l2fetch,
                     "trace": trace, "host": host,
                     "engine_decode": engine_decode,
                     "reference_peer": reference_peer,

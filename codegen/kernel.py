@@ -32,6 +32,7 @@ reduction may be split by it).
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import io
 import math
@@ -107,11 +108,14 @@ def code_modules(module, prefix: tuple = ("codegen.triton.", "codegen.tvm.")) ->
     return [module] + sorted((m for n, m in seen.items() if n != module.__name__), key=lambda m: m.__name__)
 
 
+@functools.lru_cache(maxsize=512)
 def code_only(source: str) -> str:
     """Python source without its docstrings (module, class and function), comments, trailing blanks and
     empty lines. Positions come from `ast` (docstring spans) and `tokenize` (comments), whose coordinates
     are the same on every Python 3.11+, so the result (and a hash of it) does not depend on the
-    interpreter, unlike `ast.dump` or `ast.unparse`."""
+    interpreter, unlike `ast.dump` or `ast.unparse`. Memoised by source text: every tuning-record lookup
+    hashes its template's modules (`_pdl.py` is reached by all of them), and tokenizing them again was 14%
+    of a CPU prefill of the tiny artifact."""
     lines = source.splitlines()
     cut: dict[int, list[tuple[int, int]]] = {}   # 0-based row -> [(start char, end char)] to blank
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 from ir.core import Function, Module, Node
 
 from .base import PassContext
-from .rewrite import fuse, order_signature, producers, single_user, uses, value_key
+from .rewrite import Index, fuse, order_signature, single_user, value_key
 
 NAME = "attn_res_fusion"
 FUSED_OP = "fused.attn_res_mix_norm"
@@ -65,7 +65,7 @@ def _signature(add: Node | None, mix: Node, norm: Node) -> list:
     return [proj, mnorm, norm.inputs[1], *bank, *(add.inputs if add else [last])]
 
 
-def _apply(fn: Function, add: Node | None, mix: Node, norm: Node) -> bool:
+def _apply(fn: Function, add: Node | None, mix: Node, norm: Node, graph: Index) -> bool:
     operands = _signature(add, mix, norm)
     if add is not None and len({value_key(v) for v in operands}) != len(operands):
         add, operands = None, _signature(None, mix, norm)  # a value in two roles would collapse into one operand
@@ -74,7 +74,8 @@ def _apply(fn: Function, add: Node | None, mix: Node, norm: Node) -> bool:
     attrs = {"bank": len(mix.inputs) - 3, "prefix_add": add is not None, "eps": mix.attrs["eps"],
              "norm_eps": norm.attrs["eps"]}
     results = [add.output.name, norm.output.name] if add else [norm.output.name]
-    fused = fuse(fn, [add, mix, norm] if add else [mix, norm], FUSED_OP, attrs, keep=(add.output,) if add else ())
+    fused = fuse(fn, [add, mix, norm] if add else [mix, norm], FUSED_OP, attrs, keep=(add.output,) if add else (),
+                 index=graph)
     order_signature(fused, operands, results)
     return True
 
@@ -84,15 +85,16 @@ def run(module: Module, ctx: PassContext) -> int:
     for fn in module.functions.values():
         # Plan every mix on one use map (the groups are disjoint and local), then fuse; operands are
         # read from the nodes when each group is fused, after the values earlier fusions renamed.
-        prod, use_map = producers(fn), uses(fn)
+        graph = Index(fn)   # the plans read it before any fuse; each fuse keeps it current
         index = {id(n): i for i, n in enumerate(fn.nodes)}
-        plans = [_plan(fn, mix, prod, use_map, index) for mix in fn.nodes if mix.op == "attn_res_mix"]
+        plans = [_plan(fn, mix, dict(graph.made_by), dict(graph.users), index) for mix in fn.nodes
+                 if mix.op == "attn_res_mix"]
         claimed: set[int] = set()
         for plan in filter(None, plans):
             add, mix, norm = plan
             if add is not None and id(add) in claimed:
                 add = None  # the last source of two mixes: its add joins the first one only
             claimed.add(id(add))
-            rewrites += _apply(fn, add, mix, norm)
+            rewrites += _apply(fn, add, mix, norm, graph)
     ctx.count(NAME, rewrites)
     return rewrites

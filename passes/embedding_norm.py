@@ -22,26 +22,26 @@ from __future__ import annotations
 
 from ir.core import Function, Node
 
-from .rewrite import fuse, order_signature, producers, rewrite_each
+from .rewrite import Index, fuse, order_signature, rewrite_each
 
 NAME = "embedding_norm"
 FUSED_OP = "fused.embedding_rms_norm"
 
 
-def _rewrite(fn: Function, norm: Node) -> bool:
+def _rewrite(fn: Function, norm: Node, index: Index) -> bool:
     if len(norm.inputs) != 2 or not norm.inputs[1].is_param:
         return False
-    emb = producers(fn).get(id(norm.inputs[0]))
+    emb = index.producer(norm.inputs[0])
     if emb is None or emb.op != "embedding" or not emb.inputs[0].is_param:
         return False
     i, j = fn.nodes.index(emb), fn.nodes.index(norm)
     if any(v is emb.outputs[0] for n in fn.nodes[i + 1:j] for v in n.inputs):
         return False  # read between the two
     table, ids = emb.inputs
-    fused = fuse(fn, [emb, norm], FUSED_OP, {"eps": norm.attrs["eps"]}, keep=(emb.outputs[0],))
+    fused = fuse(fn, [emb, norm], FUSED_OP, {"eps": norm.attrs["eps"]}, keep=(emb.outputs[0],), index=index)
     order_signature(fused, [table, ids, norm.inputs[1]], [emb.outputs[0].name, norm.outputs[0].name])
     return True
 
 
 def run(module, ctx) -> int:
-    return rewrite_each(module, ctx, NAME, "rms_norm", _rewrite)
+    return rewrite_each(module, ctx, NAME, "rms_norm", _rewrite, indexed=True)

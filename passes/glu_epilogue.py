@@ -30,7 +30,7 @@ from __future__ import annotations
 from ir.core import Function, Module, Node
 
 from .base import PassContext
-from .rewrite import PACKED_OP, fuse, move_after, order_signature, producers, single_user, uses
+from .rewrite import PACKED_OP, Index, fuse, move_after, order_signature, single_user
 
 NAME = "glu_epilogue"
 FUSED_OP = "fused.packed_linear_glu"
@@ -55,7 +55,7 @@ def _match(fn: Function, act: Node, made_by: dict, use_map: dict):
     return pack, pack.outputs.index(g), pack.outputs.index(u)
 
 
-def _apply(fn: Function, pack: Node, gi: int, ui: int, act: Node):
+def _apply(fn: Function, pack: Node, gi: int, ui: int, act: Node, graph: Index):
     weights = pack.inputs[1:]  # a packed_linear's operands: x, then one weight per output, in order
     plain = [w for i, w in enumerate(weights) if i not in (gi, ui)]
     splits = [int(w.type.shape[0]) for w in plain] + [int(weights[gi].type.shape[0])] * 2
@@ -63,17 +63,18 @@ def _apply(fn: Function, pack: Node, gi: int, ui: int, act: Node):
     plain_names = [o.name for i, o in enumerate(pack.outputs) if i not in (gi, ui)]
     x = pack.inputs[0]
     move_after(fn, act, pack)  # legal: it reads only the pack's results; nodes reading plain outputs stay after
-    fused = fuse(fn, [pack, act], FUSED_OP, attrs)
+    fused = fuse(fn, [pack, act], FUSED_OP, attrs, index=graph)
     order_signature(fused, [x, *plain, weights[gi], weights[ui]], plain_names + [act.outputs[0].name])
 
 
 def run(module: Module, ctx: PassContext) -> int:
     rewrites = 0
     for fn in module.functions.values():
-        use_map, made_by = uses(fn), producers(fn)
+        graph = Index(fn)   # plans read it before any fuse; moves keep it valid, each fuse keeps it current
+        use_map, made_by = dict(graph.users), dict(graph.made_by)
         plans = [(m, n) for n in fn.nodes if n.op in ACTS and (m := _match(fn, n, made_by, use_map)) is not None]
         for (pack, gi, ui), act in plans:
-            _apply(fn, pack, gi, ui, act)
+            _apply(fn, pack, gi, ui, act, graph)
         rewrites += len(plans)
     ctx.count(NAME, rewrites)
     return rewrites

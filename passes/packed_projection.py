@@ -19,7 +19,7 @@ from __future__ import annotations
 from ir.core import Function, Module
 
 from .base import PassContext
-from .rewrite import PACKED_OP, fuse, move_after
+from .rewrite import PACKED_OP, Index, fuse, move_after
 
 NAME = "packed_projection"
 FUSED_OP = PACKED_OP
@@ -37,11 +37,12 @@ def _groups(fn: Function) -> list[list]:
 def run(module: Module, ctx: PassContext) -> int:
     rewrites = 0
     for fn in module.functions.values():
+        index = Index(fn)   # moves keep it valid (it holds no order); fuse keeps it current
         for group in _groups(fn):
             for prev, n in zip(group, group[1:]):  # gather the group right after its first member
                 move_after(fn, n, prev)
             splits = [int(n.inputs[1].type.shape[0]) for n in group]
-            fuse(fn, group, FUSED_OP, {"splits": splits})
+            fuse(fn, group, FUSED_OP, {"splits": splits}, index=index)
             rewrites += 1
     ctx.count(NAME, rewrites)
     return rewrites

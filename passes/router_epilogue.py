@@ -24,17 +24,17 @@ from __future__ import annotations
 
 from ir.core import Function, Node
 
-from .rewrite import fuse, order_signature, producers, rewrite_each, single_user
+from .rewrite import Index, fuse, order_signature, rewrite_each
 
 NAME = "router_epilogue"
 FUSED_OP = "fused.routed_linear"
 LOGITS_OPS = ("linear", "fused.widened_linear")
 
 
-def _rewrite(fn: Function, route: Node) -> bool:
+def _rewrite(fn: Function, route: Node, index: Index) -> bool:
     logits = route.inputs[0]
-    gemm = producers(fn).get(id(logits))
-    if gemm is None or gemm.op not in LOGITS_OPS or single_user(fn, logits) is not route:
+    gemm = index.producer(logits)
+    if gemm is None or gemm.op not in LOGITS_OPS or index.single_user(logits) is not route:
         return False
     x, w = gemm.inputs
     if not w.is_param:
@@ -42,10 +42,10 @@ def _rewrite(fn: Function, route: Node) -> bool:
     attrs = dict(route.attrs)
     if gemm.op == "fused.widened_linear":
         attrs["x_dtype"] = gemm.attrs["dtype"]
-    fused = fuse(fn, [gemm, route], FUSED_OP, attrs)
+    fused = fuse(fn, [gemm, route], FUSED_OP, attrs, index=index)
     order_signature(fused, [x, w, *route.inputs[1:]], [o.name for o in route.outputs])
     return True
 
 
 def run(module, ctx) -> int:
-    return rewrite_each(module, ctx, NAME, "moe_router", _rewrite)
+    return rewrite_each(module, ctx, NAME, "moe_router", _rewrite, indexed=True)

@@ -23,25 +23,25 @@ from __future__ import annotations
 
 from ir.core import Function, Node
 
-from .rewrite import fuse, order_signature, producers, rewrite_each, single_user
+from .rewrite import Index, fuse, order_signature, rewrite_each
 
 NAME = "widening_cast_fold"
 FUSED_OP = "fused.widened_linear"
 EXACT = {"f32": ("bf16", "f16")}   # widened dtype -> the dtypes it holds exactly
 
 
-def _rewrite(fn: Function, linear: Node) -> bool:
+def _rewrite(fn: Function, linear: Node, index: Index) -> bool:
     y, w = linear.inputs
-    cast = producers(fn).get(id(y))
-    if cast is None or cast.op != "cast" or not w.is_param or single_user(fn, y) is not linear:
+    cast = index.producer(y)
+    if cast is None or cast.op != "cast" or not w.is_param or index.single_user(y) is not linear:
         return False
     x, wide = cast.inputs[0], cast.attrs.get("dtype")
     if x.type.dtype.name not in EXACT.get(wide, ()):
         return False
-    fused = fuse(fn, [cast, linear], FUSED_OP, {"dtype": wide})
+    fused = fuse(fn, [cast, linear], FUSED_OP, {"dtype": wide}, index=index)
     order_signature(fused, [x, w], [linear.outputs[0].name])
     return True
 
 
 def run(module, ctx) -> int:
-    return rewrite_each(module, ctx, NAME, "linear", _rewrite)
+    return rewrite_each(module, ctx, NAME, "linear", _rewrite, indexed=True)

@@ -15,6 +15,15 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# pytest-xdist (the README's test command): the workers share the cores, so torch's own threads are split among them.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests._interpreter_speed import install as _install_interpreter_speed
+
+    _install_interpreter_speed()
+
 
 @functools.lru_cache(maxsize=None)
 def tiny_model(preset: str, seed: int = 0):

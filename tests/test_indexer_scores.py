@@ -1,9 +1,9 @@
 """The indexer's materialised-scores path (SCORES 1: `codegen/triton/_indexer_scores.py`, then SELECT 1 over the
-int32 score rows, `_topk_parallel` with SRC32, BUCKET 1, `_topk_bucket`, or BUCKET 3, `_topk_bucket_place`; TMA: FP8
-key tiles through a tensor descriptor, `_scores_tma_kernel`) vs `ir/ref/indexer.py` (exact, ties to the lower
-position) and a float64 formula (CPU: Triton interpreter, fp32). Batch builders and checks come from
-test_indexer_kernels.py. CI cost: the select paths on tied scores run over one stored score pass (`scores_in`), each
-path once at the smallest sizes that reach it."""
+int32 score rows, `_topk_parallel` with SRC32, BUCKET 1, `_topk_bucket` (SURV: placement over the survivors), or
+BUCKET 3, `_topk_bucket_place`; TMA: FP8 key tiles through a tensor descriptor, `_scores_tma_kernel`) vs
+`ir/ref/indexer.py` (exact, ties to the lower position) and a float64 formula (CPU: Triton interpreter, fp32). Batch
+builders and checks come from test_indexer_kernels.py. CI cost: the select paths on tied scores run over one stored
+score pass (`scores_in`), each path once at the smallest sizes that reach it."""
 
 from __future__ import annotations
 
@@ -30,11 +30,14 @@ BUCKET = dict(SCORES, BUCKET=1)
 TMA = dict(BUCKET, TMA=3, TMA_J=2, SPLITS=3, GATHER_SPLITS=2)
 # BUCKET 3: the placement parts finish the threshold over the bucket in registers / streamed (ZERO: no memset)
 BUCKET3 = dict(BUCKET, BUCKET=3)
+# BUCKET 1 with SURV (the parts keep their survivors, `_surv_place_kernel` places them) and ZERO (no memset)
+SURV = dict(BUCKET, SURV=1, ZERO=1)
 STREAMED = dict(SELECT_RES=16, SELECT_PARTS=8, MERGE_TILE=64)
 VARIANTS = [SCORES, dict(SCORES, **STREAMED), BUCKET, dict(BUCKET, **STREAMED),
-            dict(BUCKET, BLOCK_N=32, KT=32, SPLITS=3, SELECT_PARTS=1), TMA, BUCKET3, dict(BUCKET3, ZERO=1, **STREAMED)]
+            dict(BUCKET, BLOCK_N=32, KT=32, SPLITS=3, SELECT_PARTS=1), TMA, BUCKET3, dict(BUCKET3, ZERO=1, **STREAMED),
+            SURV]
 IDS = ["resident", "streamed", "bucket_resident", "bucket_streamed", "bucket_bn32_one_part", "tma", "bucket3_resident",
-       "bucket3_streamed_zero"]
+       "bucket3_streamed_zero", "bucket_surv_zero"]
 SELECTS = [c for c in VARIANTS if c["BLOCK_N"] == 64 and not c.get("TMA")]   # every select path, BLOCK_N 64
 
 
@@ -55,7 +58,7 @@ def test_decode_ragged_contexts(cfg):
     got = _run(b, topk, config=cfg)
     _check(got, b, topk)
     assert torch.equal(got, want)
-    if cfg in (SCORES, BUCKET, VARIANTS[-1]):
+    if cfg in (SCORES, BUCKET) or cfg.get("ZERO"):
         assert _run(b, topk, config=cfg, output="rows").tolist() == _rows_of(b, want)
     if cfg.get("ZERO"):
         assert _gemv._COUNTERS and all(int(buf.abs().sum()) == 0 for buf in _gemv._COUNTERS.values())
@@ -113,13 +116,13 @@ def test_every_score_equal_selects_the_first_positions():
 
 
 def test_rows_split_into_workspace_chunks(monkeypatch):
-    """A workspace too small for every row: the rows run in chunks, same selection (BUCKET 3 + ZERO: the zeroed
-    counts reused chunk after chunk)."""
+    """A workspace too small for every row: the rows run in chunks, same selection (BUCKET 3 / SURV + ZERO: the
+    zeroed counts reused chunk after chunk)."""
     from codegen.triton import indexer_topk as mod
     b = _batch(55, [(500, 1), (260, 1), (90, 1), (700, 1)])
     want = _reference(b, 32)
     monkeypatch.setattr(mod, "WORKSPACE_BYTES", 30_000)
-    for cfg in (SCORES, dict(TMA, BUCKET=3, ZERO=1)):
+    for cfg in (SCORES, dict(TMA, BUCKET=3, ZERO=1), SURV):
         assert torch.equal(_run(b, 32, config=cfg), want), cfg
 
 
@@ -130,11 +133,11 @@ def test_select_alone_over_stored_scores():
     b = _batch(57, [(700, 1), (40, 1), (333, 1)])
     want = _reference(b, 32)
     args = _args(b, 32)
-    for cfg in (SCORES, BUCKET, BUCKET3):
+    for cfg in (SCORES, BUCKET, BUCKET3, SURV):
         st = {}
         indexer_topk(*args, config=cfg, stop_after="score", stats=st)
         assert torch.equal(indexer_topk(*args, config=cfg, scores_in=st["scores"]), want), cfg
-        for stop in ("memset", "bucket", "threshold")[:3 if cfg is BUCKET else 2 if cfg is BUCKET3 else 0]:
+        for stop in ("memset", "bucket", "threshold")[:2 if cfg is BUCKET3 else 3 if cfg is not SCORES else 0]:
             indexer_topk(*args, config=cfg, scores_in=st["scores"], stop_after=stop)
         sc, hist = st["scores"]   # every stored score equal (zero): the first positions, the score kernel skipped
         flat = torch.zeros_like(hist)
@@ -151,10 +154,12 @@ def test_heuristic_materialises_decode_scores_only():
     dec = heuristic(dict(key, T=32), "h200")
     assert dec["SCORES"] == 1 and dec["KT"] == dec["BLOCK_N"] and dec.get("SELECT") == 1 and dec.get("BUCKET") == 1
     assert dec["TMA"] == 3 and dec["SPLITS"] == 20   # one wave of 5 TMA score programs per SM
-    assert dec["GATHER_SPLITS"] == 33 and not dec.get("ZERO")   # (no descriptor: 8 gathered-tile programs per SM)
+    assert dec["GATHER_SPLITS"] == 33   # (no descriptor: 8 gathered-tile programs per SM)
+    assert (dec["SURV"], dec["ZERO"], dec["SELECT_PARTS"], dec["MERGE_TILE"]) == (1, 1, 16, 1024)
     for L, parts in ((1 << 16, 64), (1 << 17, 128), (1 << 20, 256), (1 << 22, 256)):   # one row: BUCKET 3
         one = heuristic(dict(key, T=1, L=L), "h200")
-        assert (one["BUCKET"], one["ZERO"], one["SELECT_PARTS"]) == (3, 1, parts), L
+        assert (one["BUCKET"], one["ZERO"], one["SELECT_PARTS"], one["MERGE_TILE"]) == (3, 1, parts, 2048), L
+        assert not one.get("SURV")
         assert one["GATHER_SPLITS"] == min(L // 256, 1056) and not TEMPLATES[0].constraints(one, {"DI": 128}, "h200")
     big = SCORES_WORKSPACE // (4 * (1 << 17)) + 1
     pre = heuristic(dict(key, T=big), "h200")

@@ -165,7 +165,8 @@ def test_host_launch_binds_and_compiles_for_sm90_without_shared_memory(tr36):
 
 def test_never_chosen_off_cuda_and_tiles_fit_the_model():
     """GG=1 is rejected by the constraints without a CUDA sm_90 target and not usable on CPU tensors (the dispatch
-    then launches the Triton gate-up); GLUON_T64 covers the model's l=3584, I=3072 without masks."""
+    then launches the Triton gate-up); GLUON_T64 covers the model's l=3584, I=3072 without masks; the heuristic takes
+    it at T=64 on the H200 only."""
     key = {"MX": True, "BF16": True}
     base = {**cfgs.BATCH_INVARIANT_CONFIG, "DEQ": "bytes", "PATH": "grouped"}
     assert any("GG" in m for m in cfgs.constraints({**base, "GG": 1}, key, None))
@@ -177,4 +178,8 @@ def test_never_chosen_off_cuda_and_tiles_fit_the_model():
     z = torch.randn(3, 128, generator=g).to(torch.bfloat16)
     assert ggl.fits(128, 64, ggl.tiles({"GGW": 1, "GGM": 1}))
     assert not ggl.usable(z, w1, w3, {"GG": 1, "GGW": 1, "GGM": 1}, 1)
-    assert gg.heuristic(gg._key(64, 112, 16, 3584, 3072, True, torch.bfloat16, {}), "h200").get("GG") is None
+    h200 = gg.heuristic(gg._key(64, 112, 16, 3584, 3072, True, torch.bfloat16, {}), "h200")   # T=64 top-16 on sm_90
+    assert all(h200[k] == v for k, v in {**cfgs.DECODE_T64, **cfgs.GLUON_T64}.items())   # under 128-byte L2 fetches
+    assert not cfgs.constraints(h200, {"MX": True, "BF16": True}, {"compute_capability": (9, 0)})
+    for other in ("cpu", "b200"):   # not on CPU (interpreter) nor where it was not measured
+        assert gg.heuristic(gg._key(64, 112, 16, 3584, 3072, True, torch.bfloat16, {}), other).get("GG") is None

@@ -1,51 +1,59 @@
 """ORIENT 3 of the absorbed MLA decode (mla_sparse.py): `_mla_gluon_kernel`, a Gluon (Hopper) form of ORIENT 2
 (_mla_rowsm.py) for FP8 latent pools and sparse selections, CUDA sm_90 only (Gluon does not run in the interpreter;
 `usable` refuses it elsewhere and the launcher falls back to ORIENT 2). Math, grid and partial layout as in
-mla_sparse's docstring; one warpgroup (num_warps 4; 8: two, each taking 8 of the 16 heads) per program, context rows
-as the wgmma M (BLOCK_N = 64), heads as N. The heuristic's choice once the tokens fill the GPU.
+mla_sparse's docstring; one warpgroup (4 warps) per program, context rows as the logits wgmma's M (BLOCK_N = 64),
+heads as N. The heuristic's choice once the tokens fill the GPU.
 
 Before the loop the piece's pool rows (CHUNK selection entries, through the block table for positions) go to a table
 in shared memory, so that the loop issues no global load. Per step of BLOCK_N rows (row buffer b of STAGES):
   - the rows' e4m3 bytes (c_KV [BLOCK_N, kv], k_pe [BLOCK_N, dr]) arrive by cp.async (16 bytes a copy, gathered through
     the table: Hopper's TMA has no row gather) into NVMMA-swizzled buffers, STAGES - 1 steps ahead; -1 entries and
     entries past the piece are zero-filled (no traffic) and their logits masked to -inf;
-  - logits x (qh + ql)^T + k_pe (qph + qpl)^T: four async fp8 wgmmas, the query split exactly into two e4m3 parts after
-    a per-head power-of-two scaling (`_mla_rowsm._split8`'s bits: ORIENT 2's numerics), both operands K-major;
-  - the bytes widened to fp16 (the value dot's K is the rows, so it reads x^T, which only a 16-bit operand may be):
-    XF2 1 into the buffer the previous value dot does not read, while the logits run; XF2 0 into the one buffer once
-    that dot is done;
+  - logits x (qh; ql)^T + k_pe (qph; qpl)^T: two async fp8 wgmmas of N = 2 BLOCK_H, the query split exactly into two
+    e4m3 parts after a per-head power-of-two scaling (`_mla_rowsm._split8`'s bits: ORIENT 2's numerics) and stored
+    as one operand (hi rows, then lo rows), so that each row tile is read once; the two halves of the result are the
+    same thread's registers and are summed in place (`_fold`);
   - online softmax over the rows in fp32 (exp2; the sums kept per element, summed once after the loop), P stored as
-    fp16 [BLOCK_H, BLOCK_N], then acc [kv, BLOCK_H] += x^T P by one async fp16 wgmma (A = the widened buffer read
-    transposed), left in flight into the next step (waited with the next step's logits).
+    fp16 [BLOCK_H, BLOCK_N];
+  - acc [kv, BLOCK_H] += x^T P in four column groups of kv / 4, each its own accumulator: the group's bytes loaded from
+    the row buffer into registers (4-byte loads: `_rows_layout` gives a thread 16 rows of 4 consecutive columns,
+    exactly the rows the fp16 wgmma's A fragment wants as k), widened in registers (one cvt per e4m3 pair and one
+    byte permute per register), relabelled (the M row m holds column `_sigma(m)`: no data moves; the epilogue stores
+    through the same map) and fed as the wgmma's register A operand. Group g + 1 widens while group g runs; one wait
+    at the end of the step frees the A registers. Nothing is widened into shared memory: the step's shared traffic
+    is the gather, the logits' row tile once, 32 KB of loads and P.
 
 ptxas (12.8, bundled with Triton 3.6 and 3.7; sm_90a) serialises every wgmma of the kernel (a wait after each: C7515 /
-C7514) when any non-wgmma instruction defines or reads accumulator registers while a wgmma is in flight. Hence: the
-loop runs at least once (a zero-trip path that moves zeros into the value accumulator, joined after the loop, broke
-the in-flight value dot across the back edge), the logits dots overwrite the previous step's logits registers
-(use_acc=False) instead of zeros moved in while the value dot runs, and one wait(0) per step retires both the previous
-value dot and the logits (a wait(4) for the value dot alone, then wait(0) for the logits, was serialised). Built for
-sm_90a: 68 wgmmas a step (36 fp8 m64n16k32, 32 fp16 m64n16k16), one wgmma wait in the loop, 206 registers (4 warps),
-224 KB shared memory at the default (1 program per SM), ~780 SASS instructions a step per thread (ORIENT 2: 966).
+C7514) when any non-wgmma instruction defines or reads accumulator registers while a wgmma is in flight. Hence the
+loop runs at least once, the logits dots overwrite the previous step's logits registers (use_acc=False), and every
+wgmma is retired within its step (two waits a step). Built for sm_90a: 50 wgmmas a step (18 fp8 m64n32k32, 32 fp16
+m64n16k16 with A in registers), 254 registers (no spill), 132 KB shared memory at 3 stages (one program per SM), 95
+KB at 2 (two fit), ~746 SASS instructions a step per thread (round 1's form 780, ORIENT 2 966).
 
-H200 2026-11-30 (session 15; benches/bench_mla_b64.py, two calls: benches/results/h200-2026-11-30-s15/
-mla_b64_gluon_call{1,2}.json; batch 64, 12 heads, top-2048 FP8 rows of 8K contexts, the whole launcher under graph
-replay; every config checked against float64 (o~ 2.5e-3, lse 1.6e-5, as ORIENT 2) also with -1 entries, short
-contexts, an empty token and positions through the block table, and graph replay == eager over 50 replays):
-  - kept (call 2): CHUNK 1024 (128 programs, one an SM), 2 stages, XF2 57.54 us (31.6% of read bandwidth); 3 stages,
-    one widened buffer 57.82; ORIENT 2 (the previous default) 67.97 in the same call. Batch 1 (CHUNK 64, 2 stages)
-    11.16 us, 8 warps 10.87 (ORIENT 1: 11.57; CHUNK 128 with XF2 and 8 warps 13.42).
-  - call 1, the row offsets loaded from global memory a step ahead inside the loop: CHUNK 1024 / 2 stages / XF2 62.05
-    us, 3 stages 63.55, CHUNK 512 71.6-73.2, CHUNK 256 84.2 (ORIENT 2: 65.06); every token reading token 0's rows (L2
-    resident) 60.9 (ORIENT 2 60.0): the steps were not waiting for HBM. The proxy fences before the wgmmas
-    (fence.proxy.async: MEMBAR.ALL.CTA in SASS) presumably waited for the index loads in flight (inferred, not
-    measured alone); with the table in shared memory 62.05 -> 57.54 (ORIENT 2 65.06 -> 67.97 between the calls).
-  - 8 warps (two warpgroups, 8 heads each: each reads every A tile, twice the shared-memory traffic of the dots; 116-124
-    registers): CHUNK 1024 65.4-65.9, CHUNK 512 75.6-76.8, CHUNK 256 86.6; L2-resident rows 63.2. Kept as a tunable
-    for the batch-1 lead above.
-  - the gathers issued after the logits dots (one proxy fence fewer a step, one barrier more; removed): 8 warps,
-    CHUNK 1024 / 3 stages 67.39 (65.89 without), CHUNK 512 / XF2 77.70 (75.58 without).
-Not tried: two programs per SM (<= 113 KB of shared memory each: the values in column blocks through a smaller
-widened buffer), a producer warp for the gathers (warp specialisation), TMA gathers of single rows.
+H200 2026-11-30 (session 15; benches/bench_mla_b64.py; batch 64, 12 heads, top-2048 FP8 rows of 8K contexts, the whole
+launcher under graph replay; every config checked against float64 (o~ 2.3e-3, lse 1.4e-5; round 1's form 2.56e-3,
+1.63e-5) also with -1 entries, short contexts, an empty token and positions through the block table, and graph
+replay == eager over 50 replays):
+  - round 2, call 2 (benches/results/h200-2026-11-30-s15/mla_b64_gluon_r2_call2.json): kept, CHUNK 1024 / 3 stages
+    49.66 us (36.6% of read bandwidth), 4 stages 50.91 (L2-resident rows 43.65), 5 stages 53.34, CHUNK 512 / 2 stages
+    (two programs per SM) 54.88; round 1's form (below, CHUNK 1024, 2 stages, XF2) 57.66, with the one-dot query
+    53.76 (L2-resident 45.63; 3 stages, one widened buffer 57.28), ORIENT 2 67.81. Batch 32: CHUNK 256 / 2 stages
+    34.56 (kept), CHUNK 512 / 4 stages 37.12; round 1's form at CHUNK 512 38.78, with the one-dot query 36.26.
+    Batch 1, CHUNK 64 / 2 stages, round 1's form: 10.88, with the one-dot query 10.12 (ORIENT 1 11.31).
+  - round 2, call 1 (mla_b64_gluon_r2_call1.json): round 1's form 54.82, with the one-dot query 51.36; the value dot's
+    A in registers as ONE [kv, 64] operand (128 registers live, the whole step widened before the dot; removed): waited
+    in its step, CHUNK 1024 69.63 (L2-resident rows 51.81), 3 stages 56.58, CHUNK 512 66.18, CHUNK 256 85.12;
+    left in flight into the next step (30 spilled registers) CHUNK 512 72.77; without the one-dot query (34 spilled)
+    77.95. Batch 32: 42.37 (CHUNK 512), 49.34 (256); batch 1 14.08.
+  - round 1 (mla_b64_gluon_call{1,2}.json), the form then kept and now removed: the query's two parts as two dots
+    each (36 fp8 m64n16k32 a step, the row tile read twice), the rows widened to fp16 in shared memory (XF2: two
+    buffers, the widening overlapping the logits) and read back as the value dot's A: CHUNK 1024 / 2 stages 57.54 us
+    (ORIENT 2 67.97), 3 stages with one widened buffer 57.82; the row offsets loaded from global memory inside the loop
+    62.05 (the proxy fences, MEMBAR.ALL.CTA in SASS, presumably waited for the loads in flight; CHUNK 512 71.6-73.2,
+    256 84.2); 8 warps (two warpgroups, 8 heads each, every A tile read twice) CHUNK 1024 65.4-65.9, 512 75.6-76.8,
+    256 86.6, batch 1 10.87 (4 warps 11.16); the gathers issued after the logits dots, 8 warps: 67.39 / 77.70.
+Not tried: a producer warp for the gathers (warp specialisation), TMA gathers of single rows, the logits' A operand
+from registers too (the rows would then leave shared memory once a step, by the loads the values already make).
 """
 
 from __future__ import annotations
@@ -66,25 +74,37 @@ _barrier = getattr(gl, "barrier", None) or gl.thread_barrier      # Triton 3.7 /
 _LN2 = gl.constexpr(0.6931471805599453)
 
 
-def layouts(kv: int, dr: int, bh: int, bn: int = 64, nw: int = 4) -> dict:
-    """The kernel's constexpr layouts for nw warps (4: one warpgroup; 8: two, each taking half of the heads as its
-    wgmma N): the wgmma accumulators (MMA8: fp8 logits [bn, bh], MMA: fp16 values [kv, bh]; the same registers, so
-    per-head vectors move between them for free), the 16-byte copy / widening layout (a thread's chunks in
-    bn / (8 nw) rows: few row offsets to hold), and the NVMMA shared layouts (P stored as [bh, bn]: K-major B)."""
-    wn = nw // 4
+def layouts(kv: int, dr: int, bh: int, bn: int = 64) -> dict:
+    """The kernel's constexpr layouts (one warpgroup): the wgmma accumulators (MMA8C: fp8 logits [bn, 2 bh] of the
+    concatenated query, MMA8: their folded [bn, bh], MMA: the fp16 value groups [kv / 4, bh]; the same registers per
+    head, so per-head vectors move between them for free), the 16-byte copy layout (a thread's chunks in bn / 32 rows:
+    few row offsets to hold), the value operand's register layout (LX, `_rows_layout`), and the NVMMA shared layouts
+    (the query as [2 bh, width], P as [bh, bn]: K-major B operands)."""
     return dict(
-        MMA=gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, wn], instr_shape=[16, bh // wn, 16]),
-        MMA8=gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, wn], instr_shape=[16, bh // wn, 32]),
-        CP=gl.BlockedLayout([1, 16], [8, 4], [nw, 1], [1, 0]),
-        QL=gl.BlockedLayout([1, 4], [1, 32], [nw, 1], [1, 0]),
-        RL=gl.BlockedLayout([1], [32], [nw], [0]),
+        MMA=gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, bh, 16]),
+        MMA8=gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, bh, 32]),
+        MMA8C=gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 2 * bh, 32]),
+        CP=gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0]),
+        QL=gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0]),
+        RL=gl.BlockedLayout([1], [32], [4], [0]),
         RS=gl.SwizzledSharedLayout(1, 1, 1, [0]),
         XK=gl.NVMMASharedLayout.get_default_for([bn, kv], gl.float8e4nv),
         XP=gl.NVMMASharedLayout.get_default_for([bn, dr], gl.float8e4nv),
-        QK=gl.NVMMASharedLayout.get_default_for([bh, kv], gl.float8e4nv),
-        QP=gl.NVMMASharedLayout.get_default_for([bh, dr], gl.float8e4nv),
-        XF=gl.NVMMASharedLayout.get_default_for([bn, kv], gl.float16),
-        PS=gl.NVMMASharedLayout.get_default_for([bh, bn], gl.float16))
+        QK=gl.NVMMASharedLayout.get_default_for([2 * bh, kv], gl.float8e4nv),
+        QP=gl.NVMMASharedLayout.get_default_for([2 * bh, dr], gl.float8e4nv),
+        PS=gl.NVMMASharedLayout.get_default_for([bh, bn], gl.float16),
+        LX=_rows_layout(kv // 4, bn))
+
+
+def _rows_layout(kg: int, bn: int):
+    """The register layout of a column group [bn, kg] (e4m3) of a row buffer: a thread holds kg / 32 consecutive
+    bytes of 16 rows (rows 2 q, 2 q + 1, + 8, + 16 kb for lane % 4 = q: the k of the fp16 wgmma A fragment), so that
+    the transposed group is that fragment after a relabelling of its columns alone (`_value_a`, `_sigma`)."""
+    c = (kg // 32).bit_length() - 1
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1 << i] for i in range(c)] + [[1, 0], [8, 0], [16, 0], [32, 0]],
+        lane_bases=[[2, 0], [4, 0], [0, 1 << c], [0, 2 << c], [0, 4 << c]],
+        warp_bases=[[0, 8 << c], [0, 16 << c]], block_bases=[], shape=[bn, kg])
 
 
 @gluon.jit
@@ -106,14 +126,14 @@ def _split_store(q, hi_s, lo_s):
 
 
 @gluon.jit
-def _query(q_ptr, th, hm, W: gl.constexpr, QL: gl.constexpr, hi_s, lo_s):
-    """The heads' query rows [BLOCK_H, W] scaled per head into [2^7, 2^8) and split into hi_s / lo_s; returns the
-    per-head 2^-n (QL's row slice)."""
+def _query(q_ptr, th, hm, W: gl.constexpr, QL: gl.constexpr, q_s, BLOCK_H: gl.constexpr):
+    """The heads' query rows [BLOCK_H, W] scaled per head into [2^7, 2^8) and split into q_s's rows [0, BLOCK_H) (hi)
+    and [BLOCK_H, 2 BLOCK_H) (lo); returns the per-head 2^-n (QL's row slice)."""
     d = gl.arange(0, W, layout=gl.SliceLayout(0, QL))
     q = gl.load(q_ptr + gl.expand_dims(th * W, 1) + gl.expand_dims(d, 0), mask=gl.expand_dims(hm, 1),
                 other=0.0).to(gl.float32)
     up, down = _pow2_scale(gl.max(gl.abs(q), axis=1), 7)
-    _split_store(q * gl.expand_dims(up, 1), hi_s, lo_s)
+    _split_store(q * gl.expand_dims(up, 1), q_s.slice(0, BLOCK_H, dim=0), q_s.slice(BLOCK_H, BLOCK_H, dim=0))
     return down
 
 
@@ -157,21 +177,57 @@ def _step_rows(rows_s, k, STEPS: gl.constexpr, L: gl.constexpr):
 
 
 @gluon.jit
-def _widen(x8, x16, KV: gl.constexpr, CP: gl.constexpr):
-    """e4m3 [BLOCK_N, KV] (shared) -> fp16 (shared), 128 columns at a time (few registers live)."""
-    WB: gl.constexpr = 128 if KV >= 128 else KV
-    for c in gl.static_range(KV // WB):
-        x16.slice(c * WB, WB, dim=1).store(x8.slice(c * WB, WB, dim=1).load(CP).to(gl.float16))
+def _fold(x2, L: gl.constexpr):
+    """Logits [BLOCK_N, 2 BLOCK_H] of the concatenated query (hi; lo) -> hi + lo [BLOCK_N, BLOCK_H] in layout L (the
+    two halves of a head are the same thread's registers: no data moves)."""
+    BN: gl.constexpr = x2.shape[0]
+    BH: gl.constexpr = x2.shape[1] // 2
+    hi, lo = gl.split(gl.permute(gl.reshape(x2, [BN, 2, BH]), (0, 2, 1)))
+    return gl.convert_layout(hi + lo, L)
+
+
+@gluon.jit
+def _value_a(x8, LX: gl.constexpr, MMA: gl.constexpr):
+    """A column group of the row buffer (e4m3 [BLOCK_N, KG], shared) as the value wgmma's A operand in registers:
+    fp16 [KG, BLOCK_N] whose M row m holds column _sigma(m) (4-byte shared loads, the e4m3 pairs widened in place,
+    then only a relabelling: the thread already holds its fragment's elements)."""
+    BN: gl.constexpr = x8.shape[0]
+    KG: gl.constexpr = x8.shape[1]
+    C: gl.constexpr = KG // 32
+    x = gl.permute(x8.load(LX).to(gl.float16), (1, 0))             # [KG, BN]: column bits (w2 g3 i a) from the top
+    x = gl.reshape(gl.permute(gl.reshape(x, [4, 8, C // 2, 2, BN]), (2, 0, 3, 1, 4)), [KG, BN])   # M bits (i w a g)
+    return gl.convert_layout(x, gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
+
+
+@gluon.jit
+def _sigma(m, KG: gl.constexpr):
+    """The column (in its group of KG) of a value accumulator's row m (`_value_a`)."""
+    C: gl.constexpr = KG // 32
+    return ((m >> 3) & 1) | ((m >> 6) << 1) | ((m & 7) * C) | (((m >> 4) & 3) * (8 * C))
+
+
+@gluon.jit
+def _value_dot(xb, g: gl.constexpr, pb, acc, al, LX: gl.constexpr, MMA: gl.constexpr):
+    """acc x alpha += column group g of the row buffer (transposed, registers) x P (async)."""
+    KG: gl.constexpr = xb.shape[1] // 4
+    return warpgroup_mma(_value_a(xb.slice(g * KG, KG, dim=1), LX, MMA), pb, acc * al, is_async=True)
+
+
+@gluon.jit
+def _store_o(o_ptr, row, KV: gl.constexpr, k, acc, inv, hm):
+    """The partial o~ columns k of the heads' rows (acc [len(k), BLOCK_H] x inv)."""
+    gl.store(o_ptr + gl.expand_dims(row * KV, 0) + gl.expand_dims(k, 1),
+             (acc * gl.expand_dims(inv, 0)).to(o_ptr.dtype.element_ty), mask=gl.expand_dims(hm, 0))
 
 
 @gluon.jit
 def _mla_gluon_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, o_ptr, lse_ptr,
                       H, KSEL, NSPLIT, sb, sr, qk_scale, v_scale, pe_scale,
                       CHUNK: gl.constexpr, KV: gl.constexpr, DR: gl.constexpr, BLOCK_H: gl.constexpr,
-                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, XF2: gl.constexpr, PAGED: gl.constexpr,
-                      LOG_BS: gl.constexpr, PDL: gl.constexpr, MMA: gl.constexpr, MMA8: gl.constexpr,
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr, LOG_BS: gl.constexpr,
+                      PDL: gl.constexpr, MMA: gl.constexpr, MMA8: gl.constexpr, MMA8C: gl.constexpr,
                       CP: gl.constexpr, QL: gl.constexpr, RL: gl.constexpr, RS: gl.constexpr, XK: gl.constexpr,
-                      XP: gl.constexpr, QK: gl.constexpr, QP: gl.constexpr, XF: gl.constexpr, PS: gl.constexpr):
+                      XP: gl.constexpr, QK: gl.constexpr, QP: gl.constexpr, PS: gl.constexpr, LX: gl.constexpr):
     """ORIENT 3 (module doc): one program per (token, head block, piece of CHUNK selected entries); writes the
     piece's o~ partial [BLOCK_H, kv] (1 / denominator x v_scale applied) and its natural-log lse."""
     pdl_enter(PDL)
@@ -182,11 +238,8 @@ def _mla_gluon_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, o_
     tblrow = tbl_ptr + gl.load(req_ptr + t) * MB
     xk = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, KV], XK)
     xp = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, DR], XP)
-    qh = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_H, KV], QK)
-    ql = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_H, KV], QK)
-    qph = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_H, DR], QP)
-    qpl = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_H, DR], QP)
-    xf = gl.allocate_shared_memory(gl.float16, [1 + XF2, BLOCK_N, KV], XF)
+    qc = gl.allocate_shared_memory(gl.float8e4nv, [2 * BLOCK_H, KV], QK)    # (hi; lo): one N = 32 wgmma a K step
+    qpc = gl.allocate_shared_memory(gl.float8e4nv, [2 * BLOCK_H, DR], QP)
     ps = gl.allocate_shared_memory(gl.float16, [BLOCK_H, BLOCK_N], PS)
     STEPS: gl.constexpr = CHUNK // BLOCK_N
     rows_s = gl.allocate_shared_memory(gl.int32, [STEPS, BLOCK_N], RS)
@@ -198,17 +251,21 @@ def _mla_gluon_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, o_
                 CP, LOG_BS)
     hq = gl.program_id(1) * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, QL))
     thq = t.to(gl.int64) * H + hq
-    dk = _query(qa_ptr, thq, hq < H, KV, QL, qh, ql)
-    dp = _query(qp_ptr, thq, hq < H, DR, QL, qph, qpl)
+    dk = _query(qa_ptr, thq, hq < H, KV, QL, qc, BLOCK_H)
+    dp = _query(qp_ptr, thq, hq < H, DR, QL, qpc, BLOCK_H)
     HV: gl.constexpr = gl.SliceLayout(0, MMA)
     HS: gl.constexpr = gl.SliceLayout(0, MMA8)
     sa = gl.expand_dims(gl.convert_layout(dk * v_scale * qk_scale, HS), 0)
     spe = gl.expand_dims(gl.convert_layout(dp * pe_scale * qk_scale, HS), 0)
     m_i = gl.full([BLOCK_H], -1e30, gl.float32, HS)
     l_e = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, MMA8)
-    sc = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, MMA8)   # the logits' registers: the previous step's, overwritten
-    se = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, MMA8)   # (use_acc=False) so that no move defines them in flight
-    acc = warpgroup_mma_init(gl.zeros([KV, BLOCK_H], gl.float32, MMA))
+    sc = gl.zeros([BLOCK_N, 2 * BLOCK_H], gl.float32, MMA8C)   # the logits' registers: the previous step's,
+    se = gl.zeros([BLOCK_N, 2 * BLOCK_H], gl.float32, MMA8C)   # overwritten (use_acc=False)
+    KG: gl.constexpr = KV // 4      # the value accumulator in four column groups (group g + 1 widens while g runs)
+    a0 = gl.zeros([KG, BLOCK_H], gl.float32, MMA)
+    a1 = gl.zeros([KG, BLOCK_H], gl.float32, MMA)
+    a2 = gl.zeros([KG, BLOCK_H], gl.float32, MMA)
+    a3 = gl.zeros([KG, BLOCK_H], gl.float32, MMA)
     fence_async_shared()   # the split queries (generic stores) before the wgmmas read them
     _barrier()
     n = gl.cdiv(end - start, BLOCK_N)
@@ -222,29 +279,26 @@ def _mla_gluon_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, o_
         _gather(lat_ptr, _step_rows(rows_s, it + STAGES - 1, STEPS, CP), sb, sr, xk.index(nb), xp.index(nb), KV, DR,
                 CP, LOG_BS)
         xb = xk.index(b)
-        sc = warpgroup_mma(xb, qh.permute((1, 0)), sc, use_acc=False, is_async=True)
-        sc = warpgroup_mma(xb, ql.permute((1, 0)), sc, is_async=True)
-        se = warpgroup_mma(xp.index(b), qph.permute((1, 0)), se, use_acc=False, is_async=True)
-        se = warpgroup_mma(xp.index(b), qpl.permute((1, 0)), se, is_async=True)
-        xw = xf.index((it % 2) * XF2)
-        if XF2:   # widen while the logits run (the previous value dot reads the other buffer)
-            _widen(xb, xw, KV, CP)
-        acc_t, sc, se = warpgroup_mma_wait(0, deps=[acc, sc, se])
-        if not XF2:   # one buffer: widen once the previous value dot is done
-            _widen(xb, xw, KV, CP)
-        s = gl.where(gl.expand_dims(valid, 1), sc * sa + se * spe, float("-inf"))
+        sc = warpgroup_mma(xb, qc.permute((1, 0)), sc, use_acc=False, is_async=True)
+        se = warpgroup_mma(xp.index(b), qpc.permute((1, 0)), se, use_acc=False, is_async=True)
+        sc, se = warpgroup_mma_wait(0, deps=[sc, se])
+        s = gl.where(gl.expand_dims(valid, 1), _fold(sc, MMA8) * sa + _fold(se, MMA8) * spe, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=0))
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(s - gl.expand_dims(m_new, 0))
         l_e = l_e * gl.expand_dims(alpha, 0) + p
         m_i = m_new
         ps.store(gl.permute(p.to(gl.float16), (1, 0)))
-        acc_t = acc_t * gl.expand_dims(gl.convert_layout(alpha, HV), 0)
+        al = gl.expand_dims(gl.convert_layout(alpha, HV), 0)
         fence_async_shared()
         _barrier()
-        acc = warpgroup_mma(xw.permute((1, 0)), ps.permute((1, 0)), acc_t, is_async=True)
+        pb = ps.permute((1, 0))
+        a0 = _value_dot(xb, 0, pb, a0, al, LX, MMA)
+        a1 = _value_dot(xb, 1, pb, a1, al, LX, MMA)
+        a2 = _value_dot(xb, 2, pb, a2, al, LX, MMA)
+        a3 = _value_dot(xb, 3, pb, a3, al, LX, MMA)
+        a0, a1, a2, a3 = warpgroup_mma_wait(0, deps=[a0, a1, a2, a3])   # the A registers free before the next step
     cp.wait_group(0)
-    acc_t = warpgroup_mma_wait(0, deps=[acc])
     l_i = gl.convert_layout(gl.sum(l_e, axis=0), HV)
     m_i = gl.convert_layout(m_i, HV)
     has = l_i > 0.0
@@ -252,20 +306,21 @@ def _mla_gluon_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, o_
     lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * _LN2, float("-inf"))
     h = gl.program_id(1) * BLOCK_H + gl.arange(0, BLOCK_H, layout=HV)
     row = (t.to(gl.int64) * H + h) * NSPLIT + sp
-    k = gl.arange(0, KV, layout=gl.SliceLayout(1, MMA))
-    gl.store(o_ptr + gl.expand_dims(row * KV, 0) + gl.expand_dims(k, 1),
-             (acc_t * gl.expand_dims(inv, 0)).to(o_ptr.dtype.element_ty),
-             mask=gl.expand_dims(h < H, 0))
+    k = _sigma(gl.arange(0, KG, layout=gl.SliceLayout(1, MMA)), KG)
+    _store_o(o_ptr, row, KV, k, a0, inv, h < H)
+    _store_o(o_ptr, row, KV, k + KG, a1, inv, h < H)
+    _store_o(o_ptr, row, KV, k + 2 * KG, a2, inv, h < H)
+    _store_o(o_ptr, row, KV, k + 3 * KG, a3, inv, h < H)
     gl.store(lse_ptr + row, lse, mask=h < H)
 
 
 def usable(q_abs: torch.Tensor, latent: torch.Tensor, selection, fmt: int, bh: int, chunk: int) -> bool:
     """ORIENT 3 runs: the device Triton compiles for is CUDA sm_90 (Hopper's wgmma; the live GPU, or the build target
-    while an AOT build records launches; never the interpreter), an FP8 pool, a selection, kv a multiple of 128 up to
-    512, dr a multiple of 32, BLOCK_H 16 (the wgmma N), CHUNK a multiple of 64 up to 1024 (the row table's shared
-    memory)."""
+    while an AOT build records launches; never the interpreter), an FP8 pool, a selection, kv 256 or 512 (four column
+    groups of at least 64, the value wgmma's M, in registers), dr a multiple of 32, BLOCK_H 16 (the wgmma N), CHUNK a
+    multiple of 64 up to 1024 (the row table's shared memory)."""
     kv, dr = q_abs.shape[2], latent.shape[-1] - q_abs.shape[2]
-    if not (fmt == 1 and selection is not None and bh == 16 and kv % 128 == 0 and kv <= 512 and dr % 32 == 0
+    if not (fmt == 1 and selection is not None and bh == 16 and kv in (256, 512) and dr % 32 == 0
             and chunk % 64 == 0 and chunk <= 1024 and os.environ.get("TRITON_INTERPRET") != "1"):
         return False
     try:
@@ -276,12 +331,12 @@ def usable(q_abs: torch.Tensor, latent: torch.Tensor, selection, fmt: int, bh: i
 
 
 def launch(grid, qa, qp, lat, sel, tbl, req, MB, po, plse, H, KSEL, NSPLIT, CHUNK, sb, sr, qk_scale, v_scale,
-           pe_scale, *, KV, DR, BLOCK_H, STAGES, XF2, PAGED, LOG_BS, launch_kw, num_warps=4):
+           pe_scale, *, KV, DR, BLOCK_H, STAGES, PAGED, LOG_BS, launch_kw):
     """One launch of `_mla_gluon_kernel` (arguments as `_mla_rowsm_kernel`'s, less the positions: a selection is
-    required); STAGES row buffers (>= 2), XF2 1: two widened buffers (the widening overlaps the logits dots)."""
-    if STAGES < 2 or XF2 not in (0, 1) or num_warps not in (4, 8):
-        raise ValueError(f"mla ORIENT 3: STAGES {STAGES} must be >= 2, XF2 0 or 1, num_warps 4 or 8")
+    required); STAGES row buffers (>= 2), 4 warps."""
+    if STAGES < 2:
+        raise ValueError(f"mla ORIENT 3: STAGES {STAGES} must be >= 2")
     _mla_gluon_kernel[grid](qa, qp, lat, sel, tbl, req, MB, po, plse, H, KSEL, NSPLIT, sb, sr, qk_scale,
                             v_scale, pe_scale, CHUNK=CHUNK, KV=KV, DR=DR, BLOCK_H=BLOCK_H, BLOCK_N=64,
-                            STAGES=STAGES, XF2=XF2, PAGED=PAGED, LOG_BS=LOG_BS, num_warps=num_warps,
-                            **layouts(KV, DR, BLOCK_H, nw=num_warps), **launch_kw)
+                            STAGES=STAGES, PAGED=PAGED, LOG_BS=LOG_BS, num_warps=4,
+                            **layouts(KV, DR, BLOCK_H), **launch_kw)

@@ -86,9 +86,9 @@ DECODE_MAXNREG = 168        # the cap that fits 6 when the programs fill several
 # 0.330 (removed).
 DECODE_T64 = {"DEQ": "asm16i", "SL": 1, "TMA": 1, "SL2": 3, "BK": 64, "BK2": 64, "num_stages": 3, "MAXNREG": 104,
               "BN2": 64, "num_warps2": 2, "num_stages2": 4, "MAXNREG2": 96}
-# session 15: the Gluon grouped gate-up's best tiling (GG, _moe_grouped_gluon.py; explicit config, not the heuristic's):
-# gate-up alone 0.613 vs DECODE_T64's 0.616 in the same call, whole op 0.954-0.956 vs 0.944; 0.906 with the context's
-# L2 fetch granularity at 128 bytes (DECODE_T64 not timed so in that call)
+# session 15: the Gluon grouped gate-up's best tiling (GG, _moe_grouped_gluon.py; the heuristic's at T=64 on top of
+# DECODE_T64): gate-up alone 0.613 vs DECODE_T64's 0.616 in the same call, whole op 0.954-0.956 vs 0.944 at the
+# driver's 64-byte L2 fetches; 0.891 vs 0.942 at the 128 bytes the runtime sets (k31c/runtime/l2_fetch.py)
 GLUON_T64 = {"GG": 1, "GGW": 4, "GGM": 1, "GGN": 4, "GGB": 16, "GGD": 1, "GGR": 128}
 
 

@@ -55,7 +55,8 @@ bits (int32) to a [rows, NT * BLOCK_N] workspace and counts their first digit, n
 that row (`_select_kernel` / `_place_kernel` with SRC32 form each key from its score and position on load), or with
 BUCKET 1 (`_topk_bucket`, the default) three launches none of which carries another's registers: lean parts count
 the scores above the boundary digit and append the boundary bucket's keys, one program per row finishes the exact
-threshold over that bucket and stores each part's offset, then `_place_kernel`; or (one row, the default there) with
+threshold over that bucket and stores each part's offset, then `_place_kernel` (SURV 1, the default: the parts also
+keep their survivors, which `_surv_place_kernel` places, and ZERO 1 leaves no memset); or (one row, the default there) with
 BUCKET 3 (`_topk_bucket_place`) two: the same parts also count the bucket's next 11 bits, then every placement part
 finishes the threshold itself (ZERO 1: over counts the select leaves at zero, no memset).
 Workspace per row 8 B x (NT*(KT+1) + (topk/KT)*BLOCK_N + 2 pow2(topk) + 2); prefill runs in row chunks.
@@ -65,10 +66,11 @@ in place through `row_offsets`.
 API: `indexer_topk(...)` (positions: the IR op), `output="rows"` (the positions' pool rows, -1
 padded: what attention kernels read), `key_format="mxfp4"`. Tunables: BLOCK_N, KT, SPLITS (programs
 per row), CAND, DOT, PREFETCH (score kernel: next tile in flight), num_warps / num_stages (score kernel),
-MERGE_TILE, MERGE_WARPS, FILTER / FILTER_PARTS, SCORES, BUCKET, TMA / TMA_J (SCORES 1 with FP8 keys: key tiles as
-pipelined bulk tensor copies, `_indexer_scores.scores_launch`), GATHER_SPLITS (their fallback's programs), ZERO
-(BUCKET 3: no memset, `_topk_bucket_place`), SELECT / SELECT_PARTS / SELECT_RES (SELECT 2:
-SELECT_PARTS, SELECT_TILE, SELECT_WB, SELECT_WARPS: `_topk_fused.fused_launch`), HIST (score kernel: per-program first-digit histogram).
+MERGE_TILE, MERGE_WARPS, FILTER / FILTER_PARTS, SCORES, BUCKET, SURV (BUCKET 1: `_topk_bucket`), TMA / TMA_J
+(SCORES 1 with FP8 keys: key tiles as pipelined bulk tensor copies, `_indexer_scores.scores_launch`), GATHER_SPLITS
+(their fallback's programs), ZERO (BUCKET 3 / BUCKET 1: no memset, `_topk_bucket_place` / `_topk_bucket`), SELECT /
+SELECT_PARTS / SELECT_RES (SELECT 2: SELECT_PARTS, SELECT_TILE, SELECT_WB, SELECT_WARPS: `_topk_fused.fused_launch`),
+HIST (score kernel: per-program first-digit histogram).
 Every kernel keeps the PDL contract (`_pdl`: `pdl_enter` first, the caches they read are written earlier in the
 step). Batch invariant (each row on its own).
 """
@@ -89,6 +91,7 @@ from ._indexer_tiles import _rescore_kernel, _score_kernel
 from ._pdl import launch_kwargs
 from ._topk_bucket import bucket_select
 from ._topk_bucket_place import bucket_place_select, bucket_workspace
+from ._gemv import tile_counters
 from ._topk_fused import fused_launch
 from ._topk_parallel import _filter_kernel, _place_kernel, _select_kernel
 from ._topk_select import _merge_kernel
@@ -201,7 +204,14 @@ def heuristic(key: dict, target: str) -> dict:
     12.9, placement 50.4), 256 parts 238.0 (BUCKET 1) / 237.1 (BUCKET 3 + ZERO) / 241.3 (bucket streamed), BUCKET 3
     with 32 parts 336.4, SPLITS 330 / 1320 323.9 / 328.7, gathered tiles 326.6 (score pass 199.9 vs 196.3). New default
     for one row (T <= 1): BUCKET 3 + ZERO with a part per 1024 positions, 32..256 (measured: 64K, 64 parts 29.0 us;
-    1M, 256 parts 237.1; between them interpolated, not timed). Batch 1 at 8K unchanged (SELECT 2, 13.47 us)."""
+    1M, 256 parts 237.1; between them interpolated, not timed). Batch 1 at 8K unchanged (SELECT 2, 13.47 us).
+    Session 15, round 2 (one H200 call, benches/results/h200-2026-11-30-s15/attention_decode_indexer_place.json; read
+    bandwidth 4.38 TB/s; every config the old default's rows, the new one also vs the IR reference, graph == eager
+    over 50 replays for each): batch 32 at 128K, the old default 244.0 us (51.8%; PDL off 236.7), SURV (`_topk_bucket`:
+    the parts also write their survivors, the placement reads those, not the 128K-score row) + ZERO (no memset) with
+    MERGE_TILE 1024 and 16 parts 217.0 us (58.3%: the new default for T > 1; 32 / 64 parts 219.3 / 221.3, at MERGE_TILE
+    2048 241.7 without ZERO, 245.3 with; other figures in `_topk_bucket`). Not timed at batches between 2 and 31.
+    Batch 1 at 8K unchanged (SELECT 2, 13.70 us)."""
     L, K, T = max(1, key["L"]), key["K"], max(1, key["T"])
     if target == "cpu":
         bn = 32 if L <= 256 else 128
@@ -221,11 +231,13 @@ def heuristic(key: dict, target: str) -> dict:
     if key.get("bi") or T * L * 4 <= SCORES_WORKSPACE:   # decode: materialised scores (batch invariant: any T)
         # TMA key tiles, 3 stages: 5 programs per SM (94 registers, 25 KB), one wave of them (>= 4 boxes each);
         # gathered tiles where the pool allows no descriptor: 8 programs per SM
+        # BUCKET 1 with SURV (placement over the parts' survivors) and ZERO (no memset), 16 parts of 1024-key tiles
         cfg = dict(BLOCK_N=bn, KT=bn, SPLITS=max(1, min(nt // 2, 5 * 132 // T)), num_warps=4, num_stages=1, TMA=3,
-                   GATHER_SPLITS=max(1, min(nt // 2, round(8 * 132 / T))), CAND=0, DOT=3, MERGE_TILE=2048, SCORES=1,
-                   SELECT=1, BUCKET=1, SELECT_PARTS=32, SELECT_RES=4096, MERGE_WARPS=8)
+                   GATHER_SPLITS=max(1, min(nt // 2, round(8 * 132 / T))), CAND=0, DOT=3, MERGE_TILE=1024, SCORES=1,
+                   SELECT=1, BUCKET=1, SURV=1, ZERO=1, SELECT_PARTS=16, SELECT_RES=4096, MERGE_WARPS=8)
         if T <= 1:   # one row: BUCKET 3 (no threshold program, no memset), a part per 1024 positions (32..256)
-            cfg.update(BUCKET=3, ZERO=1, SELECT_RES=2048, MERGE_WARPS=4,
+            del cfg["SURV"]
+            cfg.update(BUCKET=3, ZERO=1, SELECT_RES=2048, MERGE_WARPS=4, MERGE_TILE=2048,
                        SELECT_PARTS=min(256, max(32, _pow2(L // 1024))))
         return cfg
     return dict(BLOCK_N=bn, KT=default_kt_pairs(bn, K, L), SPLITS=splits, num_warps=4, num_stages=1, CAND=1, DOT=3,
@@ -301,7 +313,7 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_tab
     KP = _pow2(topk)
     KW = WORK_ROW_FACTOR * KP    # work row: top-k plus the survivors of rescored tiles (second merge)
     per_row = 8 * (2 * NT * kt + NT + max_ovf * bn + KW + 2) + 4 * (max_ovf + 1 + 2 * 2048 + 1024 + 1) - \
-        4 * NT * kt * scores   # SCORES: the row is int32
+        4 * NT * kt * scores + 8 * NT * kt * int(cfg.get("SURV", 0))   # SCORES: the row is int32; SURV: survivors
     chunk = max(1, min(T, WORKSPACE_BYTES // per_row))
     # DOT 0 / 3: both sides exact in bf16 / fp16, fp32 accumulation (SPEC §5.6). DOT 1 / 2: FP8 keys x FP8 queries on
     # the tensor cores, which sum the products of one 32-deep MMA step with ~14-bit alignment (not exact
@@ -320,7 +332,8 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_tab
     if bucket not in (0, 1, 3):
         raise ValueError(f"indexer_topk: config {cfg}: BUCKET must be 0, 1 or 3")
     # BUCKET 3 with ZERO 1: counts in a buffer the select leaves at zero (not with the bench / test hooks)
-    zero_ws = bucket == 3 and int(cfg.get("ZERO", 0)) == 1 and stats is None and stop_after is None and \
+    # (BUCKET 1 with ZERO 1: the threshold program leaves the histograms and bucket counts at zero)
+    zero_ws = bucket in (1, 3) and int(cfg.get("ZERO", 0)) == 1 and stats is None and stop_after is None and \
         scores_in is None
     if parts & (parts - 1) or not 1 <= parts <= 1024 or sparts & (sparts - 1) or not 1 <= sparts <= 1024 or \
             res & (res - 1) or res < 16:
@@ -351,6 +364,10 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_tab
         if bucket == 3:   # BUCKET 3: its own workspace (`_topk_bucket_place`)
             ws = bucket_workspace(dev, n, zero_ws)
             views = [ws[0], ws[3].view(n, 1), ws[2].view(n, 1), ws[3].view(n, 1)]   # (no overflow: novf stays 0)
+        elif bucket == 1 and zero_ws:   # hist, bucket counts, novf (never written: stays 0) from the zeroed set
+            buf = tile_counters(dev, n * 2050)
+            nb1, z1 = buf[n * 2048:n * 2049].view(n, 1), buf[n * 2049:n * 2050].view(n, 1)
+            views = [buf[:n * 2048].view(n, 2048), z1, nb1, z1]
         else:
             seg = [2048, 1] + [2048] * (filt or (sel_mode and not bucket)) + [1, 1] * sel_mode
             zeroed = torch.zeros(n * sum(seg), dtype=torch.int32, device=dev)
@@ -393,13 +410,13 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_tab
                                     output == "rows", log_bs, pdl, zero_ws, stop_after)
             elif bucket:
                 bucket_select(cand, hist, ncomp, src, poff, th, oc, tbl, rc, MB, pc, NT, topk, cfg, bn, sparts,
-                              output == "rows", log_bs, pdl, stop_after)
+                              output == "rows", log_bs, pdl, stop_after, zero_ws)
             else:
                 _select_kernel[(n, sparts)](cand, tmin, hist, hist2, ncomp, arrive, src, poff, ovf, novf, th, oc, tbl,
                                             rc, MB, pc, NT, topk, max_ovf, BLOCK_N=bn, KT=kt, PARTS=sparts, TILE=mt,
                                             RES=res, ROWS_OUT=output == "rows", LOG_BS=log_bs, SRC32=scores,
                                             num_warps=int(cfg.get("MERGE_WARPS", 8)), **pdl)
-            if bucket != 3 and stop_after not in ("bucket", "threshold"):
+            if bucket != 3 and stop_after not in ("bucket", "threshold") and not (bucket and cfg.get("SURV")):
                 _place_kernel[(n, sparts)](cand, novf, th, poff, oc, tbl, rc, MB, pc, NT, topk, BLOCK_N=bn, KT=kt,
                                            PARTS=sparts, TILE=mt, ROWS_OUT=output == "rows", LOG_BS=log_bs,
                                            SRC32=scores, num_warps=4, **pdl)
@@ -482,7 +499,7 @@ TUNABLES = (Tunable("BLOCK_N", (64, 128, 256)), Tunable("KT", (4, 8, 16, 32, 64)
             Tunable("FILTER_PARTS", (16, 32)), Tunable("SELECT", (0, 1, 2)))
 # DOT fixes the numerics (never searched); MERGE_WARPS, SELECT_PARTS / SELECT_RES / SELECT_TILE / SELECT_WB /
 # SELECT_WARPS (the space stays under the tuner's enumeration limit), HIST, SCORES, BUCKET and TMA / TMA_J only by an
-# explicit config (also GATHER_SPLITS and ZERO)
+# explicit config (also GATHER_SPLITS, ZERO and SURV)
 
 TEMPLATES = [
     KernelTemplate(family="indexer_topk", backend="triton", ops=("indexer_topk",), launch=_launch, key_dims=_key,

@@ -37,7 +37,7 @@ blocks per row, 1 = one pass, 4 = two passes), PREFETCH (1: next step's rows res
 2: next step's bytes in registers), LSUM (ORIENT 1: softmax denominators summed over the row lanes once after the
 loop: one cross-warp reduction per step instead of two),
 F16 (ORIENT 1 on FP8 / NVFP4 pools: fp16 dots with per-head power-of-two query scaling, `_mla_heads.py`),
-KB (ORIENT 2: width of the c_KV column blocks), XF2 (ORIENT 3: two widened buffers), num_warps, num_stages (ORIENT 3:
+KB (ORIENT 2: width of the c_KV column blocks), num_warps (ORIENT 3: 4), num_stages (ORIENT 3:
 row buffers).
 """
 
@@ -71,8 +71,9 @@ def _pow2(n: int) -> int:
 
 
 def heuristic(key: dict, target: str) -> dict:
-    """FP8 pools (the model's): ORIENT 3 (`_mla_gluon_kernel`: BLOCK_N 64 rows as the wgmma M, 4 warps, 2 row buffers,
-    two widened buffers, about one program per SM: CHUNK up to 1024; ORIENT 2 where Gluon cannot run) once the tokens
+    """FP8 pools (the model's): ORIENT 3 (`_mla_gluon_kernel`: BLOCK_N 64 rows as the wgmma M, 4 warps; from 64
+    token x head blocks about one program per SM with 3 row buffers, below that about two with 2 (95 KB of shared
+    memory each): CHUNK up to 1024; ORIENT 2 where Gluon cannot run) once the tokens
     alone fill the GPU (T x head blocks >= 32, not batch-invariant mode; a dense context: ORIENT 2), else ORIENT 1
     (`_mla_heads_kernel`); BLOCK_H 16 heads per program (ORIENT 1: the MMA's
     minimum M; the fp32 accumulator is BLOCK_H x kv), rows resolved a step ahead (PREFETCH 1: positions are two dependent
@@ -140,11 +141,21 @@ def heuristic(key: dict, target: str) -> dict:
     Numerics: o~ vs float64 2.42e-3 (ORIENT 1: 2.25e-3), lse 1.52e-5 (1.23e-5): the fp8 logits' tensor-core sums.
     Session 15 (benches/bench_mla_b64.py, two calls: benches/results/h200-2026-11-30-s15/mla_b64_gluon_call{1,2}.json,
     4.36-4.42 TB/s streaming read, every config checked against float64 incl. -1 entries, short contexts, an empty token
-    and positions through the block table, graph replay == eager over 50 replays): batch 64 ORIENT 3 (Gluon, this
+    and positions through the block table, graph replay == eager over 50 replays): batch 64 ORIENT 3 (Gluon, then the
     default: CHUNK 1024, 2 stages, XF2) 57.54 us (31.6% of read bandwidth) against ORIENT 2's 67.97 in the same call
     (0.85x; 3 stages and one widened buffer 57.82); o~ vs float64 2.56e-3, lse 1.63e-5 (ORIENT 2: 2.43e-3, 1.52e-5).
     Its other configs and the removed variants are in _mla_gluon.py's docstring. Batch 1 (same call): ORIENT 1 11.57
     us, ORIENT 3 CHUNK 64 / 2 stages 11.16 with 4 warps, 10.87 with 8 (a lead from one measurement; ORIENT 1 kept).
+    Session 15 round 2 (same bench, calls benches/results/h200-2026-11-30-s15/mla_b64_gluon_r2_call{1,2}.json, same
+    checks, all passed): ORIENT 3 with the query's two e4m3 parts as one N = 32 dot and the value dot's A in registers
+    (_mla_gluon.py) at batch 64, CHUNK 1024, 3 stages: 49.66 us (36.6% of read bandwidth; L2-resident rows, 4 stages:
+    43.65) against round 1's default (CHUNK 1024, 2 stages, widened rows in shared memory) 57.66 and ORIENT 2 67.81 in
+    the same call (0.86x / 0.73x); 4 stages 50.91, 5 stages 53.34, CHUNK 512 / 2 stages (two programs per SM) 54.88.
+    Batch 32: CHUNK 256 / 2 stages (two per SM) 34.56 us against CHUNK 512 / 4 stages 37.12 and round 1's form at its
+    rule's CHUNK 512 38.78 (CHUNK 512 / 3 stages, this rule's one-per-SM branch, not measured). o~ vs float64 2.27e-3,
+    lse 1.4e-5. Batch 1 (call 2): ORIENT 1 11.31 us; ORIENT 3 CHUNK 64 / 2 stages in round 1's form 10.88, with the
+    one-dot query 10.12 (values still widened in shared memory, a form since removed); call 1's register value dot in
+    one block (removed) 14.08: a lead for small batches, the kept form not measured there (ORIENT 1 kept).
     bf16 and NVFP4 pools keep the rows-major kernel's configs (measured 2026-11-29 s3: 0.087 / 0.185 ms at
     batch 64), with the same split rule."""
     H = max(1, key.get("H", 16))
@@ -163,8 +174,10 @@ def heuristic(key: dict, target: str) -> dict:
         cfg = dict(ORIENT=0, BLOCK_H=bh, BLOCK_N=32, num_warps=4, num_stages=2, SUB=1, PREFETCH=1) if fmt == 0 else \
             dict(ORIENT=0, BLOCK_H=bh, BLOCK_N=64, num_warps=4, num_stages=1, SUB=4, PREFETCH=1)
     elif many and key.get("sparse", 1):   # the tokens fill the GPU: rows as the wgmma M, fp8 logits, in Gluon
-        cfg = dict(ORIENT=3, BLOCK_H=bh, BLOCK_N=64, num_warps=4, num_stages=2, XF2=1, PREFETCH=1)   # (_mla_gluon.py)
-        return dict(cfg, CHUNK=min(1024, max(64, _pow2(-(-L // max(1, 132 // (T * -(-H // bh))))))))
+        two = T * -(-H // bh) < 64   # batch 32: two programs per SM (2 stages: 95 KB of shared memory each)
+        cfg = dict(ORIENT=3, BLOCK_H=bh, BLOCK_N=64, num_warps=4, num_stages=2 if two else 3, PREFETCH=1)  # (Gluon)
+        per_token = max(1, (264 if two else 132) // (T * -(-H // bh)))
+        return dict(cfg, CHUNK=min(1024, max(64, _pow2(-(-L // per_token)))))
     elif many:   # a dense context: rows as the dots' M (wgmma), fp8 logits (_mla_rowsm.py)
         cfg = dict(ORIENT=2, BLOCK_H=bh, BLOCK_N=64, KB=128, num_warps=4, num_stages=3, PREFETCH=1)
     else:
@@ -216,7 +229,6 @@ def sparse_latent_attention(q_abs, q_pe, latent, token_pos, paging, scale: float
         from . import _mla_gluon
         if not _mla_gluon.usable(q_abs, latent, selection, fmt, bh, chunk):
             orient = 2
-            cfg = {k: v for k, v in cfg.items() if k != "XF2"}
             cfg.update(ORIENT=2, BLOCK_N=64, KB=128, num_warps=4, num_stages=3, PREFETCH=1)
             bn, prefetch = 64, 1
     if prefetch not in (0, 1, 2) or orient not in (0, 1, 2, 3) or (orient != 0 and int(cfg.get("SUB", 1)) != 1) or \
@@ -273,8 +285,8 @@ def sparse_latent_attention(q_abs, q_pe, latent, token_pos, paging, scale: float
             _mla_gluon.launch((t1 - t0, -(-H // bh), nsplit), qa[t0:t1], qp[t0:t1], lat, sel[t0:t1], tbl,
                               req[t0:t1] if paging is not None else req, MB, po, plse, H, sel.shape[1], nsplit, chunk,
                               sb, sr, scale * LOG2E, vs, ps, KV=KV, DR=DR, BLOCK_H=bh,
-                              STAGES=int(cfg["num_stages"]), XF2=int(cfg.get("XF2", 0)), PAGED=paging is not None,
-                              LOG_BS=log_bs, launch_kw=launch_kwargs(), num_warps=int(cfg["num_warps"]))
+                              STAGES=int(cfg["num_stages"]), PAGED=paging is not None, LOG_BS=log_bs,
+                              launch_kw=launch_kwargs())
             if nsplit > 1:
                 combine_chunks(po, plse, o[t0:t1], lse[t0:t1])
             continue
@@ -364,8 +376,8 @@ def _constraints(config: dict, key: dict, target: str) -> list[str]:
                                          or config["num_stages"] < 2 or config.get("SUB", 1) != 1):
         out.append("ORIENT=3 (Gluon, sm_90) reads FP8 pools through a selection: BLOCK_N 64, BLOCK_H 16, CHUNK a "
                    "multiple of 64 up to 1024, num_stages >= 2, whole rows")
-    if config.get("XF2", 0) and (config.get("ORIENT", 0) != 3 or config["num_stages"] != 2):
-        out.append("XF2 is ORIENT=3's, with num_stages 2 (shared memory)")
+    if config.get("ORIENT", 0) == 3 and config["num_warps"] != 4:
+        out.append("ORIENT=3 runs one warpgroup (num_warps 4)")
     if config["CHUNK"] % config["BLOCK_N"]:
         out.append(f"CHUNK {config['CHUNK']} is not a multiple of BLOCK_N {config['BLOCK_N']}")
     if target != "cpu":
@@ -375,10 +387,9 @@ def _constraints(config: dict, key: dict, target: str) -> list[str]:
         elem = 1 if key.get("fmt", 0) else 2
         smem = config["BLOCK_N"] * width * 2 * max(1, config["num_stages"]) * (1 if config.get("SUB", 1) == 1 else 0.25) \
             + config["BLOCK_N"] * width * elem * (config["num_stages"] - 1) + config["BLOCK_H"] * width * 2
-        if config.get("ORIENT", 0) == 3:   # row buffers, widened buffers, split queries, P, the row table
+        if config.get("ORIENT", 0) == 3:   # row buffers, split queries, P, the row table
             bn, bh = config["BLOCK_N"], config["BLOCK_H"]
-            smem = config["num_stages"] * bn * width + (1 + config.get("XF2", 0)) * bn * kv * 2 + 2 * bh * width \
-                + bh * bn * 2 + config["CHUNK"] * 4
+            smem = config["num_stages"] * bn * width + 2 * bh * width + bh * bn * 2 + config["CHUNK"] * 4
         if config.get("ORIENT", 0) == 2:   # stages of e4m3 rows, the split query, one widened block
             smem = config["BLOCK_N"] * width * max(1, config["num_stages"]) + config["BLOCK_H"] * width * 2 \
                 + config["BLOCK_N"] * config.get("KB", 128) * 2
@@ -425,7 +436,6 @@ TUNABLES = (
     Tunable("PREFETCH", (0, 1, 2)),
     Tunable("LSUM", (0, 1)),
     Tunable("ORIENT", (0, 1, 2, 3)),
-    Tunable("XF2", (0, 1)),
     Tunable("KB", (64, 128, 256)),
     Tunable("F16", (0, 1)),
 )

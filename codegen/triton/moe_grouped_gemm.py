@@ -55,13 +55,15 @@ with SL 2, Triton 3.7 does so too). sm_90 SASS of the T=64 gate-up: a K step of 
 bytes go through shared memory to the decode's layout, two more barriers), 104-116 registers vs 128, 2 TMA issues
 instead of 6 LDGSTS; measured 0.632-0.641 ms alone vs 0.660. The down kernel by TMA measured slower (0.353-0.383 ms
 vs 0.330 alone, _moe_configs.DECODE_T64): removed.
-Gluon gate-up (config GG, _moe_grouped_gluon.py, sm_90+, MXFP4, bf16; explicit config only): the same tiles'
+Gluon gate-up (config GG, _moe_grouped_gluon.py, sm_90+, MXFP4, bf16; the heuristic's at T=64, see `heuristic`): the same tiles'
 expert, tokens and epilogue, the weights decoded into the registers of mma.sync's A operand (the per-pair path's K
 permutation, no shared memory), the expert's tokens as N (16 a tile, looped). H200 session 15, T=64 top-16: gate-up
 alone 0.613-0.657 ms over 8 tilings vs the TMA kernel's 0.608 / 0.616 in the same calls, whole op 0.954-0.993 vs
 0.939 / 0.944 (its K loop issues ~3.6 instructions a weight element, as many as the TMA kernel); deeper loads ahead
-(registers, or a cp.async shared-memory ring) slower. Whole op 0.906 with the context's L2 fetch granularity at 128
-bytes (the TMA path not timed so in that call; session 14 measured it slower there): _moe_grouped_gluon.py.
+(registers, or a cp.async shared-memory ring) slower. With the context's L2 fetch granularity at 128 bytes
+(benches/results/h200-2026-11-30-s15/moe_t64_gluon_l2fetch.json, one call): GLUON_T64 0.891 ms vs the TMA kernel's
+0.942 (which is 0.947 / 0.963 at the default granularity in the same call); the runtime now sets that granularity
+(k31c/runtime/l2_fetch.py, measured over the whole rank decode graph) and the heuristic takes GG at T=64. _moe_grouped_gluon.py.
 Host-side operand, storage and target helpers: _moe_host.py;
 the heuristic's named configs, the split-K rule and the config constraints: _moe_configs.py.
 Decode T=64 (E=112, top-16, l=3584, I=3072, bf16; 1.82 GB of MXFP4 weights): 0.951 ms, 42.5% of the read
@@ -82,7 +84,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from codegen.kernel import KernelTemplate, Tunable, pow2_bucket
-from codegen.triton._moe_configs import (BATCH_INVARIANT_CONFIG, DECODE_MAXNREG, DECODE_T64,  # noqa: F401
+from codegen.triton._moe_configs import (BATCH_INVARIANT_CONFIG, DECODE_MAXNREG, DECODE_T64, GLUON_T64,  # noqa: F401
                                          GEMV_FFMA_S6, GEMV_MAX_PAIRS, GEMV_MMA_S6, GEMV_T1, GEMV_T8, GEMV_TILES,
                                          GPU_SLOTS, constraints, decode_split)
 from codegen.triton._moe_host import (DEQ_MODES, _BYTE_DECODE, _TL, _fit_bk, _int16_view,  # noqa: F401
@@ -385,7 +387,12 @@ def heuristic(key: dict, target=None) -> dict:
     caps apart, the gate-up's weights by TMA with its scales read in the step, the down kernel's a step ahead):
     session 14 0.951 ms, 42.5% of read bandwidth (without TMA 0.996-1.003 in the same run; session 8's config
     1.055); session 12: BK 256 (whole weight lines a step) on 2-8 warps 1.16-1.82 ms, slower; session 15: the Gluon
-    gate-up (GG, _moe_configs.GLUON_T64) 0.954-0.956 vs 0.944, not chosen.
+    gate-up (GG, _moe_configs.GLUON_T64; `_moe_grouped_gluon.usable` decides at launch, the TMA kernel otherwise)
+    is taken: at the L2 fetch granularity the runtime sets (128 bytes, k31c/runtime/l2_fetch.py) the op 0.891 vs
+    0.942 ms; in the rank decode graph at batch 64 2231.9 / 2215.3 vs 2270.7 / 2283.0 us in one run, 2221.0 / 2220.0
+    vs 2205.2 / 2214.3 in the next (within that graph's noise; graph replay == eager bitwise over 20 replays). At the
+    driver's default 64 bytes the op alone is 0.954-0.962 vs 0.944-0.947: benches that call the kernel outside the
+    runtime see that.
     Split-K when the routed tiles leave the GPU idle (`decode_split`; grouped T=1 top-2: split 4, 69.6 ->
     44.7 us); T=64 top-16 fills the GPU, no split. Prefill: 128 tokens x 64 rows on wgmma, asm.
     Batch-invariant: one fixed grouped tiling, no split.
@@ -430,6 +437,7 @@ def heuristic(key: dict, target=None) -> dict:
         cfg["MAXNREG"] = DECODE_MAXNREG
         if cfg["DEQ"] == "asm16":  # T=64 top-16: session 14 0.951 ms (TMA gate-up) vs 0.996-1.003 (_moe_configs.py)
             cfg.update(DECODE_T64, BK=_fit_bk(64, key["L"], True), BK2=_fit_bk(64, key["I"], True))
+            cfg.update(GLUON_T64)  # the gate-up in Gluon where it can run, under the runtime's 128-byte L2 fetches
     if decode and cc is not None:  # a GPU: idle SMs take K slices (the interpreter gains nothing from it)
         cfg["SPLIT"] = min(decode_split(tiles * -(-key["I"] // cfg["BN"]), -(-key["L"] // cfg["BK"])),
                            decode_split(tiles * -(-key["L"] // cfg["BN2"]), -(-key["I"] // cfg["BK2"])))

@@ -13,6 +13,9 @@ data on the host. Kernels then get `attrs["max_context"] = static_context` (the 
 table width x block size) instead of deriving the context from `token_pos.max()` (their tuning keys
 too, `_paging.context_bound`), and op references that read device data on the host get the sync-free
 versions listed in `cuda_graphs.GRAPH_SAFE_REFERENCE`.
+
+On cuda the executor puts its device's L2 fetch granularity at 128 bytes (`l2_fetch.py`: the MoE kernels' heuristics
+are measured under it).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from ir.core import Module, Node
 from ir.interpreter import Interpreter, InterpreterError
 from ir.ops import OPS
 from ir.packed import PackedMXFP4
+
+from . import l2_fetch
 
 
 def bucket_id(template: KernelTemplate, key: dict) -> str:
@@ -54,6 +59,7 @@ class Executor(Interpreter):
         `cuda_graphs`: ask the runtime to replay decode steps as CUDA graphs (ignored off cuda)."""
         super().__init__(module, weights, compute_dtype, device)
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
+        self.l2_fetch_before = l2_fetch.set_for_runtime(self.device)   # 128-byte L2 fetches on cuda (l2_fetch.py)
         self.static_context: int | None = None  # set only while a CUDA graph is warmed up / captured
         self.tuning = tuning
         self.target, self.batch_invariant = target, batch_invariant

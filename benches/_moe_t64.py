@@ -30,6 +30,7 @@ from _moe_decode import _SASS_OPS, _sass_ops, decode_case, decode_variant
 
 from codegen.triton import _moe_configs as mc
 from codegen.triton._moe_tiles import _swizzle
+from k31c.runtime.l2_fetch import l2_fetch_granularity
 
 T64, K64 = (8, 2) if TINY else (64, 16)
 DEADLINE = float(os.environ.get("MOE_BENCH_T64_DEADLINE", 120))
@@ -202,13 +203,6 @@ def pattern_probe(n_tiles, live, tag=""):
                                   "error": f"{type(e).__name__}: {str(e)[:300]}"})
 
 
-def l2_fetch_limit(value=None) -> int:
-    """The current context's L2 fetch-granularity hint in bytes, set to `value` when given (k31c/runtime/l2_fetch.py,
-    whose RUNTIME_BYTES the runtime sets). -> the value before."""
-    from k31c.runtime.l2_fetch import l2_fetch_granularity
-    return l2_fetch_granularity(value)
-
-
 def l2_fetch_check(cfgs: dict, case, n_tiles, live, values=(128,)):
     """The whole op (and, at 128 bytes, the read-pattern probe) with the L2 fetch-granularity hint at `values`:
     whether 32-byte row pieces fetch whole lines from HBM; the hint is restored after. H200, session 12 (default
@@ -218,15 +212,15 @@ def l2_fetch_check(cfgs: dict, case, n_tiles, live, values=(128,)):
     if DEV != "cuda":
         return
     try:
-        before = l2_fetch_limit()
+        before = l2_fetch_granularity()
     except Exception as e:
         DOC["errors"].append({"section": "t64_l2fetch", "error": f"{type(e).__name__}: {str(e)[:300]}"})
         return
     DOC["t64_l2_fetch_default"] = before
     try:
         for v in values:
-            l2_fetch_limit(v)
-            DOC.setdefault("t64_l2_fetch_set", {})[str(v)] = l2_fetch_limit()
+            l2_fetch_granularity(v)
+            DOC.setdefault("t64_l2_fetch_set", {})[str(v)] = l2_fetch_granularity()
             for name, cfg in cfgs.items():
                 decode_variant(T64, K64, f"t64_{name}_l2fetch{v}", cfg, case)
             if v == 128:
@@ -234,7 +228,7 @@ def l2_fetch_check(cfgs: dict, case, n_tiles, live, values=(128,)):
     except Exception as e:
         DOC["errors"].append({"section": "t64_l2fetch", "error": f"{type(e).__name__}: {str(e)[:300]}"})
     finally:
-        l2_fetch_limit(before)
+        l2_fetch_granularity(before)
 
 
 def wide_scales_check(case, cfg, tag):

@@ -431,19 +431,21 @@ def main():
                 st["tuning"].forget()
         return before
 
-    def alternate(name: str, switch, settings=(("on", True), ("off", False))):
+    def alternate(name: str, switch, settings=(("on", True), ("off", False)), at=lambda b: b <= 8):
         """The device time of the same decode graph captured under each of `settings` (label, value: `switch(rt,
-        value)` before the capture; default on / off), alternated twice per batch <= 8 at the first context
-        (drift shows as a difference between the rounds); the first setting is restored after."""
+        value)` before the capture; default on / off), alternated twice per batch of `at` (default <= 8) at the first
+        context (drift shows as a difference between the rounds); the first setting is restored after."""
         ctx = contexts[0]
-        rt = runtime(ctx, max(b for b in batches if b <= 8))
-        for b in [x for x in batches if x <= 8]:
-            for rnd in range(2):
-                for label, value in settings:
-                    switch(rt, value)
-                    rt.drop_graphs()
-                    record_replay(rt, ctx, b, f"graph_replay_{name}_{label}", rnd)
-        switch(rt, settings[0][1])
+        rt = runtime(ctx, max(b for b in batches if at(b)))
+        try:
+            for b in [x for x in batches if at(x)]:
+                for rnd in range(2):
+                    for label, value in settings:
+                        switch(rt, value)
+                        rt.drop_graphs()
+                        record_replay(rt, ctx, b, f"graph_replay_{name}_{label}", rnd)
+        finally:
+            switch(rt, settings[0][1])
         del rt
         torch.cuda.empty_cache()
 
@@ -640,33 +642,23 @@ def main():
     @rep.section
     def l2fetch():
         """The context's L2 fetch granularity (`k31c/runtime/l2_fetch.py`, context-wide; the runtime sets 128 bytes)
-        at the driver's 64 and at 128 bytes with the routed experts' grouped gate-up in Triton (TMA, DECODE_T64), and at
-        128 with it in Gluon (`_moe_configs.GLUON_T64`, the heuristic's at T=64): graph replay device time at every
+        at 128 with the routed experts' grouped gate-up in Gluon (`_moe_configs.GLUON_T64`, the heuristic's at T=64),
+        at the driver's 64 and at 128 bytes with it in Triton (TMA, DECODE_T64): graph replay device time at every
         batch, two rounds."""
         if not cuda:
             return doc["notes"].append("l2fetch: needs a cuda device")
         from codegen.triton._moe_configs import GLUON_T64
-        from k31c.runtime.l2_fetch import l2_fetch_granularity
-        before, base = l2_fetch_granularity(), set_heuristic("moe_grouped_gemm")
-        doc["l2_fetch_runtime"] = before
+        from k31c.runtime.l2_fetch import RUNTIME_BYTES, l2_fetch_granularity
+        base = set_heuristic("moe_grouped_gemm")
 
         def triton_t64(key, target):
             return {k: v for k, v in base(key, target).items() if k not in GLUON_T64}
-        ctx = contexts[0]
-        rt = runtime(ctx, max(batches))
-        try:
-            for rnd in range(2):
-                for label, limit, h in (("64", 64, triton_t64), ("128", 128, triton_t64), ("128_gg", 128, base)):
-                    l2_fetch_granularity(limit)
-                    set_heuristic("moe_grouped_gemm", h)
-                    for b in batches:
-                        rt.drop_graphs()
-                        record_replay(rt, ctx, b, f"graph_replay_l2fetch_{label}", rnd)
-        finally:
-            l2_fetch_granularity(before)
-            set_heuristic("moe_grouped_gemm", base)
-        del rt
-        torch.cuda.empty_cache()
+
+        def switch(rt, setting):
+            l2_fetch_granularity(setting[0])
+            set_heuristic("moe_grouped_gemm", setting[1])
+        alternate("l2fetch", switch, (("128_gg", (RUNTIME_BYTES, base)), ("64", (64, triton_t64)),
+                                      ("128", (128, triton_t64))), at=lambda b: True)
 
     def mla_orient():
         """Batch 64 (and 8) at the first context: the sparse MLA's default (session 15: ORIENT 3, the Gluon kernel
@@ -683,19 +675,8 @@ def main():
                 chunk = min(16384, max(64, 1 << max(0, (-(-key["L"] // pieces) - 1).bit_length())))
                 cfg = dict(ORIENT=2, BLOCK_H=16, BLOCK_N=64, KB=128, num_warps=4, num_stages=3, PREFETCH=1, CHUNK=chunk)
             return cfg
-        ctx = contexts[0]
-        rt = runtime(ctx, max(batches))
-        try:
-            for rnd in range(2):
-                for label, h in (("default", base), ("orient2", orient2)):
-                    set_heuristic("mla_sparse", h)
-                    for b in [x for x in batches if x >= 8]:
-                        rt.drop_graphs()
-                        record_replay(rt, ctx, b, f"graph_replay_mla_{label}", rnd)
-        finally:
-            set_heuristic("mla_sparse", base)
-        del rt
-        torch.cuda.empty_cache()
+        alternate("mla", lambda rt, h: set_heuristic("mla_sparse", h), (("default", base), ("orient2", orient2)),
+                  at=lambda b: b >= 8)
 
     def compare_artifacts(name: str, disabled: dict):
         """The default artifact and one compiled per entry of `disabled` (label -> passes turned off), each

@@ -87,8 +87,7 @@ def run(module: Module, ctx: PassContext) -> int:
         # read from the nodes when each group is fused, after the values earlier fusions renamed.
         graph = Index(fn)   # the plans read it before any fuse; each fuse keeps it current
         index = {id(n): i for i, n in enumerate(fn.nodes)}
-        plans = [_plan(fn, mix, dict(graph.made_by), dict(graph.users), index) for mix in fn.nodes
-                 if mix.op == "attn_res_mix"]
+        plans = [_plan(fn, mix, graph.made_by, graph.users, index) for mix in fn.nodes if mix.op == "attn_res_mix"]
         claimed: set[int] = set()
         for plan in filter(None, plans):
             add, mix, norm = plan

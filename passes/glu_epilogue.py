@@ -71,8 +71,8 @@ def run(module: Module, ctx: PassContext) -> int:
     rewrites = 0
     for fn in module.functions.values():
         graph = Index(fn)   # plans read it before any fuse; moves keep it valid, each fuse keeps it current
-        use_map, made_by = dict(graph.users), dict(graph.made_by)
-        plans = [(m, n) for n in fn.nodes if n.op in ACTS and (m := _match(fn, n, made_by, use_map)) is not None]
+        plans = [(m, n) for n in fn.nodes
+                 if n.op in ACTS and (m := _match(fn, n, graph.made_by, graph.users)) is not None]
         for (pack, gi, ui), act in plans:
             _apply(fn, pack, gi, ui, act, graph)
         rewrites += len(plans)

@@ -73,8 +73,8 @@ class Index:
                 readers = self.users.pop(id(o), [])
                 if id(o) in replace:
                     self.users[id(replace[id(o)])] = [r for r in readers if id(r) not in members]
-        for v in fused.inputs:      # new lists: a caller may hold the maps it planned from
-            self.users[id(v)] = self.users.get(id(v), []) + [fused]
+        for v in fused.inputs:
+            self.users.setdefault(id(v), []).append(fused)
         for o in fused.outputs:
             self.made_by[id(o)] = fused
 

@@ -2,7 +2,22 @@
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
+
+# a site-packages folder holding Triton 3.6 (the H200's compiler): the offline sm_90 builds with 3.6 run only where
+# K31C_TRITON36_SITE names one (CI has this machine's Triton only)
+TR36 = os.environ.get("K31C_TRITON36_SITE", "")
+TR36_REASON = ("needs Triton 3.6 (the H200's compiler) in the folder K31C_TRITON36_SITE names; the same build under "
+               "this machine's Triton (CI's only one) is checked beside it")
+
+
+def skip_without_triton36(tr36: bool):
+    """In a test parametrised over tr36: skip the Triton 3.6 case where no 3.6 site folder is given."""
+    if tr36 and not os.path.isdir(TR36):
+        pytest.skip(TR36_REASON)
 
 
 def assert_close_rel(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str = ""):

@@ -20,11 +20,9 @@ import torch
 
 from codegen.triton import _mla_gluon as glu
 from codegen.triton.mla_sparse import sparse_latent_attention
+from tests.helpers import TR36, skip_without_triton36
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# a site-packages folder holding Triton 3.6 (the H200's compiler): the 3.6 build runs only where K31C_TRITON36_SITE
-# names one (CI has 3.7 only)
-TR36 = os.environ.get("K31C_TRITON36_SITE", "")
 
 _SM90_BUILD = textwrap.dedent("""
     import os, sys, json, subprocess, tempfile
@@ -85,9 +83,7 @@ def test_orient3_launch_binds_and_compiles_async_for_sm90(tr36):
     steps), one wait for each in the loop and not serialised by ptxas (the SASS has no wait after each wgmma), no
     spill; the rows by cp.async (16 B: a thread's share of 64 rows of 576 bytes, per row buffer filled); one PDL
     wait."""
-    if tr36 and not os.path.isdir(TR36):
-        pytest.skip("needs Triton 3.6 (the H200's compiler) in the folder K31C_TRITON36_SITE names; the tr36=False "
-                    "case builds the same launches under this machine's Triton")
+    skip_without_triton36(tr36)
     seen = _build(f"{TR36}:{ROOT}" if tr36 else None)
     assert len(seen) == 2, seen
     for r, stages in zip(seen, (3, 2)):

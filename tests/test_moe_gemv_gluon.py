@@ -20,12 +20,10 @@ import torch
 from codegen.triton import _moe_configs as cfgs, _moe_gemv as gv, _moe_gemv_gluon as glu
 from ir.formats import quantize_mxfp4
 from ir.packed import PackedMXFP4
+from tests.helpers import TR36, TR36_REASON, skip_without_triton36
 from tests.test_moe_kernels_gpu_paths import _run_ptx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# a site-packages folder holding Triton 3.6 (the H200's), e.g. `pip install --no-deps --target DIR triton==3.6.0`:
-# the 3.6 compile checks run only where K31C_TRITON36_SITE names one (CI has 3.7 only)
-TR36 = os.environ.get("K31C_TRITON36_SITE", "")
 PI = [0, 4, 1, 5, 2, 6, 3, 7]           # logical i of a word's 8 values -> its code (column 8q + PI[i])
 
 
@@ -163,8 +161,7 @@ def test_gate_up_compiles_for_sm90_to_register_fed_mma():
         assert r["wait"] == 1 and r["launch"] == 1, res
 
 
-@pytest.mark.skipif(not os.path.isdir(TR36), reason="needs Triton 3.6 (the H200's compiler) in the folder "
-                    "K31C_TRITON36_SITE names; the same build under this machine's Triton is checked above")
+@pytest.mark.skipif(not os.path.isdir(TR36), reason=TR36_REASON)
 def test_gate_up_compiles_with_triton_36():
     res = _aot(extra_path=f"{TR36}:{ROOT}")
     assert all(r["triton"].startswith("3.6") for r in res.values()), res
@@ -226,9 +223,7 @@ def test_host_launches_bind_and_compile_for_sm90(tr36):
     """gate_up / down's launches (arguments, constexpr layouts, warps, PDL options) bound by the real JIT against a
     driver that reports sm_90 and compiled (never launched): w1 and w3 on the tensor cores, LATE drops the
     programmatic edge, the down kernel's slot combine uses the counter atomics; Triton 3.7 and 3.6."""
-    if tr36 and not os.path.isdir(TR36):
-        pytest.skip("needs Triton 3.6 (the H200's compiler) in the folder K31C_TRITON36_SITE names; the tr36=False "
-                    "case binds the same launches under this machine's Triton")
+    skip_without_triton36(tr36)
     seen = _aot(f"{TR36}:{ROOT}" if tr36 else None, _FAKE_LAUNCH)
     assert [r["name"] for r in seen] == ["_gate_up_gluon_kernel"] * 2 + ["_down_gluon_kernel"] + (
         ["_gate_up_gluon_kernel"] * 2 + ["_down_gluon_kernel"]), seen

@@ -22,10 +22,10 @@ from ir.formats import quantize_mxfp4
 from ir.packed import PackedMXFP4
 from ir.ref.moe import situ_glu
 from tests import test_moe_gemv_gluon as glu_test
+from tests.helpers import TR36, skip_without_triton36
 from tests.test_moe_kernels_gpu_paths import _run_ptx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TR36 = os.environ.get("K31C_TRITON36_SITE", "")
 B1, B2 = 4.0, 25.0
 
 
@@ -152,9 +152,7 @@ def test_host_launch_binds_and_compiles_for_sm90_without_shared_memory(tr36):
     reports sm_90 and compiled, never launched: a K step's 2 x MT x (BN/8) x (32·NWT/16) mma.sync in one loop body,
     16-byte loads of the words (MT x 2 rows a matrix) and the activation (NWT x BN/8) a step plus the first step's,
     no shared memory at all (the decoded tile and the activations stay in registers), one PDL wait."""
-    if tr36 and not os.path.isdir(TR36):
-        pytest.skip("needs Triton 3.6 (the H200's compiler) in the folder K31C_TRITON36_SITE names; the tr36=False "
-                    "case binds the same launch under this machine's Triton")
+    skip_without_triton36(tr36)
     seen = glu_test._aot(f"{TR36}:{ROOT}" if tr36 else None, _FAKE_LAUNCH)
     assert len(seen) == 1 and seen[0]["name"] == "_grouped_gate_up_kernel", seen
     s = seen[0]

@@ -59,7 +59,7 @@ class Executor(Interpreter):
         `cuda_graphs`: ask the runtime to replay decode steps as CUDA graphs (ignored off cuda)."""
         super().__init__(module, weights, compute_dtype, device)
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
-        self.l2_fetch_before = l2_fetch.set_for_runtime(self.device)   # 128-byte L2 fetches on cuda (l2_fetch.py)
+        l2_fetch.set_for_runtime(self.device)   # 128-byte L2 fetches on cuda (l2_fetch.py)
         self.static_context: int | None = None  # set only while a CUDA graph is warmed up / captured
         self.tuning = tuning
         self.target, self.batch_invariant = target, batch_invariant

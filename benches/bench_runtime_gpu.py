@@ -660,6 +660,7 @@ def main():
         alternate("l2fetch", switch, (("128_gg", (RUNTIME_BYTES, base)), ("64", (64, triton_t64)),
                                       ("128", (128, triton_t64))), at=lambda b: True)
 
+    @rep.section
     def mla_orient():
         """Batch 64 (and 8) at the first context: the sparse MLA's default (session 15: ORIENT 3, the Gluon kernel
         `_mla_gluon.py`, where it applies) vs session 13-14's ORIENT 2 config (`_mla_rowsm.py`) for the same shapes,

@@ -11,6 +11,7 @@ can always execute it and its kernel can be checked against it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from . import shapes as S
@@ -49,7 +50,13 @@ class TensorType:
         return self.dtype == other.dtype and S.shapes_equal(self.shape, other.shape)
 
     def __str__(self) -> str:
-        return f"{self.dtype.name}{S.shape_str(self.shape)}"
+        return _type_str(self)
+
+
+@lru_cache(maxsize=65536)
+def _type_str(t: TensorType) -> str:
+    """A type's text, once per distinct type (printing a full-size module's IR prints ~1M of them)."""
+    return f"{t.dtype.name}{S.shape_str(t.shape)}"
 
 
 class Value:

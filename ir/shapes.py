@@ -60,8 +60,11 @@ def shape_str(s: Shape) -> str:
     return "[" + ",".join(dim_str(d) for d in s) + "]"
 
 
+@lru_cache(maxsize=65536)
 def dims_equal(a: Dim, b: Dim) -> bool:
-    return sympy.simplify(a - b) == 0
+    """Whether two dims are the same expression (structurally equal ones without simplifying: shape inference
+    compares every node's result with its recorded type, and simplify dominated the sharding passes)."""
+    return a == b or sympy.simplify(a - b) == 0
 
 
 def shapes_equal(a: Shape, b: Shape) -> bool:

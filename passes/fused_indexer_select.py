@@ -34,7 +34,7 @@ from __future__ import annotations
 from ir.core import Function, Module, Node, Value
 
 from .base import PassContext, PassError
-from .rewrite import fresh_name, fuse, rewrite_each, uses
+from .rewrite import Index, fuse, rewrite_each
 
 NAME = "fused_indexer_select"
 FUSED_OP = "fused.indexer_select"
@@ -43,8 +43,8 @@ _MLA_REQ, _MLA_BASE, _MLA_SEL = 5, 6, 7  # mla_attention operand positions: toke
 _TOPK_REQ, _TOPK_BASE = 6, 7             # indexer_topk operand positions: token_req, block_table
 
 
-def _check_readers(fn: Function, topk: Node, sel: Value) -> list[Node]:
-    readers = uses(fn).get(id(sel), [])
+def _check_readers(fn: Function, topk: Node, sel: Value, index: Index) -> list[Node]:
+    readers = list(index.users.get(id(sel), []))
     if any(v is sel for v in fn.outputs):
         raise PassError(f"{NAME}: in @{fn.name}, the selection {sel.ref} is returned: its positions cannot be "
                         f"replaced by pool rows")
@@ -65,23 +65,26 @@ def _check_readers(fn: Function, topk: Node, sel: Value) -> list[Node]:
     return readers
 
 
-def _rewrite(fn: Function, topk: Node) -> bool:
+def _rewrite(fn: Function, topk: Node, index: Index) -> bool:
     sel = topk.output
-    readers = _check_readers(fn, topk, sel)
+    readers = _check_readers(fn, topk, sel, index)
     if not readers:
         return False
-    rows = Value(fresh_name(fn, sel.name + ".rows"), sel.type)
+    rows = Value(index.fresh_name(sel.name + ".rows"), sel.type)
     bs = topk.attrs["block_size"]
     convert = Node("selection_to_rows", [sel, topk.inputs[_TOPK_REQ], topk.inputs[_TOPK_BASE]], {"block_size": bs}, [rows])
     rows.producer = convert
     fn.nodes.insert(fn.nodes.index(topk) + 1, convert)
-    for r in readers:
+    index.add(convert)
+    for r in {id(r): r for r in readers}.values():
+        index.drop(r)
         r.inputs[_MLA_SEL] = rows
         r.attrs["selection_kind"] = "rows"
+        index.add(r)
     fuse(fn, [topk, convert], FUSED_OP, {"topk": topk.attrs["topk"], "block_size": bs, "emits": "rows",
-                                         "key_format": topk.attrs.get("key_format", "fp8")})
+                                         "key_format": topk.attrs.get("key_format", "fp8")}, index=index)
     return True
 
 
 def run(module: Module, ctx: PassContext) -> int:
-    return rewrite_each(module, ctx, NAME, "indexer_topk", _rewrite)
+    return rewrite_each(module, ctx, NAME, "indexer_topk", _rewrite, indexed=True)

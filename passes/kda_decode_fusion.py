@@ -61,7 +61,7 @@ from ir.core import Function, Module, Node, Value
 from ir.ops import OPS
 
 from .base import PassContext, PassError
-from .rewrite import fresh_name, fuse, group_escapes, order_signature, producers, rewrite_each
+from .rewrite import Index, fuse, order_signature, rewrite_each
 
 NAME = "kda_decode_fusion"
 FUSED_OP = "fused.kda_decode"
@@ -88,8 +88,13 @@ def _head(prod: dict, v, l2: bool):
     return (nodes + [rs, sl], sl) if sl else (None, None)
 
 
-def _match(fn: Function, kda: Node):
-    prod = producers(fn)
+def _readers(index: Index, v: Value) -> list[Node]:
+    """The top-level nodes reading `v`, each once."""
+    return list({id(n): n for n in index.users.get(id(v), ())}.values())
+
+
+def _match(kda: Node, index: Index):
+    prod = index.made_by
     heads = [_head(prod, kda.inputs[i], l2) for i, l2 in ((0, True), (1, True), (2, False))]
     g, beta = _op(prod, kda.inputs[3], "kda_gate"), _op(prod, kda.inputs[4], "sigmoid")
     f = _op(prod, g.inputs[0], "linear") if g else None
@@ -107,10 +112,10 @@ def _match(fn: Function, kda: Node):
     qkv, cw = _op(prod, conv.inputs[0], "concat"), _op(prod, conv.inputs[1], "concat")
     if not (qkv and cw and len(qkv.inputs) == 3 and len(cw.inputs) == 3 and all(w.is_param for w in cw.inputs)):
         return None
-    readers = [n for n in fn.nodes if kda.outputs[0] in n.inputs]
+    readers = _readers(index, kda.outputs[0])
     norm = readers[0] if len(readers) == 1 and readers[0].op == "gated_rms_norm" else None
     grs = _op(prod, norm.inputs[1], "reshape") if norm and norm.inputs[0] is kda.outputs[0] else None
-    out_rs = [n for n in fn.nodes if norm is not None and norm.output in n.inputs]
+    out_rs = _readers(index, norm.output) if norm is not None else []
     if grs is None or len(out_rs) != 1 or out_rs[0].op != "reshape":
         return None
     nodes = [qkv, cw, conv, *(n for hn, _ in heads for n in hn), f, g, beta, kda, grs, norm, out_rs[0]]
@@ -119,7 +124,7 @@ def _match(fn: Function, kda: Node):
         return None  # one kernel keeps both or neither
     if kda.attrs.get("keep_states"):
         results += [kda.outputs[2], conv.outputs[2]]
-    if group_escapes(fn, nodes) != {id(v) for v in results}:
+    if index.escapes(nodes) != {id(v) for v in results}:
         return None
     return {"qkv": qkv, "cw": cw, "conv": conv, "f": f, "g": g, "beta": beta, "grs": grs, "norm": norm,
             "l2": heads[0][0][0], "nodes": nodes, "results": results}
@@ -132,29 +137,31 @@ def _check_slots(fn: Function, conv: Node, kda: Node):
                         f"({kda.inputs[6].ref}, {kda.inputs[7].ref}): one fused kernel needs one request layout")
 
 
-def _keep_states(fn: Function, node: Node, pool: Value) -> Value:
+def _keep_states(fn: Function, node: Node, pool: Value, index: Index) -> Value:
     """Turn on keep_states of a conv / recurrence node: its per-token states become a new result, named
     after the pool and returned by the function."""
     node.attrs["keep_states"] = True
     op = OPS[node.op]
     kept_type = op.infer(op.bind([v.type for v in node.inputs]), op.full_attrs(node.attrs))[2]
-    kept = Value(fresh_name(fn, f"{pool.name}.per_token"), kept_type, node)
+    kept = Value(index.fresh_name(f"{pool.name}.per_token"), kept_type, node)
+    index.drop(node)
     node.outputs.append(kept)
+    index.add(node)
     fn.outputs.append(kept)
     return kept
 
 
-def _rewrite(fn: Function, kda: Node) -> bool:
+def _rewrite(fn: Function, kda: Node, index: Index) -> bool:
     if kda.attrs.get("form", "recurrent") != "recurrent":
         return False
-    m = _match(fn, kda)
+    m = _match(kda, index)
     if m is None:
         return False
     conv, g, norm = m["conv"], m["g"], m["norm"]
     _check_slots(fn, conv, kda)
     keep = fn.attrs.get("kind") in KEEP_KINDS or bool(kda.attrs.get("keep_states"))
     if keep and not kda.attrs.get("keep_states"):
-        m["results"] += [_keep_states(fn, kda, kda.inputs[5]), _keep_states(fn, conv, conv.inputs[2])]
+        m["results"] += [_keep_states(fn, kda, kda.inputs[5], index), _keep_states(fn, conv, conv.inputs[2], index)]
     h, d = (int(x) for x in kda.inputs[0].type.shape[1:])
     attrs = {"heads": h, "head_dim": d, "scale": kda.attrs["scale"], "lower_bound": g.attrs["lower_bound"],
              "l2_eps": m["l2"].attrs["eps"], "norm_eps": norm.attrs["eps"]}
@@ -164,10 +171,10 @@ def _rewrite(fn: Function, kda: Node) -> bool:
                 g.inputs[1], g.inputs[2], m["beta"].inputs[0], kda.inputs[5], m["grs"].inputs[0], norm.inputs[2],
                 kda.inputs[6], kda.inputs[7]]
     results = [v.name for v in m["results"]]
-    fused = fuse(fn, m["nodes"], FUSED_OP, attrs)
+    fused = fuse(fn, m["nodes"], FUSED_OP, attrs, index=index)
     order_signature(fused, operands, results)
     return True
 
 
 def run(module: Module, ctx: PassContext) -> int:
-    return rewrite_each(module, ctx, NAME, "kda", _rewrite, kinds=KINDS)
+    return rewrite_each(module, ctx, NAME, "kda", _rewrite, kinds=KINDS, indexed=True)

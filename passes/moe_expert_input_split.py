@@ -25,20 +25,20 @@ from __future__ import annotations
 from ir.core import Function, Module, Node
 
 from .base import PassContext
-from .rewrite import PACKED_OP, linear_source, producers, rewrite_each, take_from_pack
+from .rewrite import PACKED_OP, Index, linear_source, rewrite_each, take_from_pack
 
 NAME = "moe_expert_input_split"
 KINDS = ("decode", "verify")
 
 
-def _split(fn: Function, experts: Node) -> bool:
+def _split(fn: Function, experts: Node, index: Index) -> bool:
     z = experts.inputs[0]
-    pack = producers(fn).get(id(z))
-    if pack is None or pack.op != PACKED_OP or not linear_source(fn, z):
+    pack = index.producer(z)
+    if pack is None or pack.op != PACKED_OP or not linear_source(fn, z, index):
         return False
-    take_from_pack(fn, z)
+    take_from_pack(fn, z, index)
     return True
 
 
 def run(module: Module, ctx: PassContext) -> int:
-    return rewrite_each(module, ctx, NAME, "moe_experts", _split, kinds=KINDS)
+    return rewrite_each(module, ctx, NAME, "moe_experts", _split, kinds=KINDS, indexed=True)

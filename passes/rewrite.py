@@ -54,12 +54,42 @@ class Index:
 
     def __init__(self, fn: Function):
         self.fn, self.made_by, self.users = fn, producers(fn), uses(fn)
+        self._names: Names | None = None
+
+    def fresh_name(self, base: str) -> str:
+        """`fresh_name(fn, base)` through one `Names` of the function (collected on first use)."""
+        self._names = self._names or Names(self.fn)
+        return self._names.fresh(base)
 
     def producer(self, v: Value) -> Node | None:
         return self.made_by.get(id(v))
 
     def single_user(self, v: Value) -> Node | None:
         return single_user(self.fn, v, self.users)
+
+    def drop(self, node: Node):
+        """Forget `node` as a reader of its inputs and as the producer of its outputs: call before a pass changes
+        its inputs or outputs in place (then `add` it again) or removes it from the function."""
+        for v in node.inputs:
+            if id(v) in self.users:
+                self.users[id(v)] = [r for r in self.users[id(v)] if r is not node]
+        for o in node.outputs:
+            if self.made_by.get(id(o)) is node:
+                del self.made_by[id(o)]
+
+    def add(self, node: Node):
+        """Record `node`, placed in the function by the pass itself (not by `fuse`), as a reader and producer."""
+        for v in node.inputs:
+            self.users.setdefault(id(v), []).append(node)
+        for o in node.outputs:
+            self.made_by[id(o)] = node
+
+    def escapes(self, group: list[Node]) -> set[int]:
+        """`group_escapes(fn, group)` from the maps: ids of the group's values read outside it or returned."""
+        members = {id(n) for n in group}
+        returned = {id(v) for v in self.fn.outputs}
+        return {id(o) for n in group for o in n.outputs
+                if id(o) in returned or any(id(r) not in members for r in self.users.get(id(o), ()))}
 
     def _fused(self, group: list[Node], fused: Node, replace: dict):
         """Bring the maps up to date after `fuse` replaced `group` by `fused` (escaping value id -> fused result)."""
@@ -195,19 +225,32 @@ def producers(fn: Function) -> dict[int, Node]:
     return {id(o): n for n in fn.nodes for o in n.outputs}
 
 
+class Names:
+    """Fresh value names in one function: its names are collected once, then every `fresh` adds its own, so a
+    pass that names many new values (a collective after every sharded linear) does not rescan the function for
+    each. Valid while the pass names its new values only through it."""
+
+    def __init__(self, fn: Function):
+        self.taken = {v.name for v in fn.inputs} | {o.name for n in fn.nodes for o in n.outputs}
+
+    def fresh(self, base: str) -> str:
+        """`base`, or `base.1`, `base.2`, ... : a name not yet taken (now taken)."""
+        name, k = base, 1
+        while name in self.taken:
+            name, k = f"{base}.{k}", k + 1
+        self.taken.add(name)
+        return name
+
+
 def fresh_name(fn: Function, base: str) -> str:
     """`base`, or `base.1`, `base.2`, ... : a value name not yet used in `fn`."""
-    taken = {v.name for v in fn.inputs} | {o.name for n in fn.nodes for o in n.outputs}
-    name, k = base, 1
-    while name in taken:
-        name, k = f"{base}.{k}", k + 1
-    return name
+    return Names(fn).fresh(base)
 
 
-def linear_source(fn: Function, value: Value) -> bool:
+def linear_source(fn: Function, value: Value, index: Index | None = None) -> bool:
     """Whether `value` is the result of a plain `linear`, or one linear of a fused.packed_linear, with
     a parameter weight (what `take_from_pack` accepts)."""
-    node = producers(fn).get(id(value))
+    node = index.producer(value) if index else producers(fn).get(id(value))
     if node is not None and node.op == "linear":
         return node.inputs[1].is_param
     if node is None or node.op != PACKED_OP or node.body is None:
@@ -216,11 +259,12 @@ def linear_source(fn: Function, value: Value) -> bool:
         all(v.is_param for v in node.inputs[1:])
 
 
-def take_from_pack(fn: Function, value: Value) -> Node:
+def take_from_pack(fn: Function, value: Value, index: Index | None = None) -> Node:
     """The plain `linear` producing `value`. When `value` is one result of a fused.packed_linear, that
     pack is split: `value` gets its own linear at the pack's place and the other members stay packed
-    (a single remaining member becomes a plain linear). Precondition: `linear_source(fn, value)`."""
-    node = producers(fn)[id(value)]
+    (a single remaining member becomes a plain linear). Precondition: `linear_source(fn, value)`.
+    With `index`, the index is kept current."""
+    node = index.producer(value) if index else producers(fn)[id(value)]
     if node.op == "linear":
         return node
     body_in = {id(v): i for i, v in enumerate(node.body.inputs)}
@@ -234,10 +278,14 @@ def take_from_pack(fn: Function, value: Value) -> Node:
             out.producer = members[-1]
     at = fn.nodes.index(node)
     fn.nodes[at:at + 1] = members
+    if index is not None:
+        index.drop(node)
+        for m in members:
+            index.add(m)
     mine = next(m for m in members if m.output is value)
     rest = [m for m in members if m is not mine]
     if len(rest) >= 2:
-        fuse(fn, rest, PACKED_OP, {"splits": [int(m.inputs[1].type.shape[0]) for m in rest]})
+        fuse(fn, rest, PACKED_OP, {"splits": [int(m.inputs[1].type.shape[0]) for m in rest]}, index=index)
     return mine
 
 

@@ -47,7 +47,7 @@ from ir.core import Function, Module, Node, Value
 from ir.ops import get_op
 
 from .base import PassContext, PassError
-from .rewrite import fresh_name, producers, uses
+from .rewrite import Index, fresh_name
 
 NAME = "shard_dcp"
 READERS = ("mla_attention", "indexer_topk")  # what may read a gathered workspace in @prefill_token_sharded
@@ -77,19 +77,20 @@ def run(module: Module, ctx: PassContext) -> int:
         token_sharded = fn.attrs.get("layout") == "token_sharded"
         mlas = [n for n in fn.nodes if n.op == "mla_attention"]
         ws_table = _workspace_table(fn, dcp) if token_sharded and mlas else None
+        index = Index(fn)
         for mla in mlas:
             if token_sharded:
-                _gather_context(fn, mla, comm, ws_table)
+                _gather_context(fn, mla, comm, ws_table, index)
             else:
-                _rewrite(fn, mla, comm)
+                _rewrite(fn, mla, comm, index)
             layers += 1
     module.attrs.update(dcp=dcp, dcp_interleave=interleave)
     ctx.count(NAME, layers)
     return layers
 
 
-def _producer(fn: Function, v: Value, op: str, what: str) -> Node:
-    n = producers(fn).get(id(v))
+def _producer(index: Index, v: Value, op: str, what: str) -> Node:
+    n = index.producer(v)
     if n is None or n.op != op:
         raise PassError(f"{NAME}: {what} {v.ref} must come from {op}, found {n.op if n else 'a function input'}")
     return n
@@ -111,17 +112,17 @@ def _workspace_table(fn: Function, dcp: int) -> Value:
     return node.output
 
 
-def _gather_context(fn: Function, mla: Node, comm: dict, ws_table: Value):
+def _gather_context(fn: Function, mla: Node, comm: dict, ws_table: Value, index: Index):
     """T5: interleaved writes, then every reader of the written pools (not the return) reads a gathered
     workspace through the workspace table."""
     mop, iop = get_op("mla_attention"), get_op("indexer_topk")
     pools = [mla.inputs[mop.operand_index("latent")]]
     if len(mla.inputs) > mop.operand_index("selection"):
-        ix = _producer(fn, mla.inputs[mop.operand_index("selection")], "indexer_topk", "the selection of")
+        ix = _producer(index, mla.inputs[mop.operand_index("selection")], "indexer_topk", "the selection of")
         pools += [ix.inputs[iop.operand_index("keys")], ix.inputs[iop.operand_index("key_scale")]]
     wop, gop = get_op("cache_write"), get_op("dcp_gather_context")
     for pool in pools:
-        write = _producer(fn, pool, "cache_write", "the cache pool")
+        write = _producer(index, pool, "cache_write", "the cache pool")
         # the step's tokens (not this rank's token shard): every rank gathers the same context
         meta = [write.inputs[wop.operand_index(n)] for n in ("token_pos", "token_req", "block_table")]
         _to_dcp_write(write, comm)
@@ -129,19 +130,20 @@ def _gather_context(fn: Function, mla: Node, comm: dict, ws_table: Value):
         attrs = {**write.attrs, "row_rank": write.inputs[wop.operand_index("values")].type.rank - 1}
         (t,) = gop.infer(gop.bind([v.type for v in inputs]), gop.full_attrs(attrs))
         gather = Node("dcp_gather_context", inputs, attrs)
-        gather.outputs = [Value(fresh_name(fn, pool.name + ".ws"), t, gather)]
-        for n in fn.nodes:
-            if n is gather or not any(v is pool for v in n.inputs):
-                continue
+        gather.outputs = [Value(index.fresh_name(pool.name + ".ws"), t, gather)]
+        for n in list({id(r): r for r in index.users.get(id(pool), ())}.values()):
             if n.op not in READERS:
                 raise PassError(f"{NAME}: {n.op} reads the cache pool {pool.ref} in @{fn.name}; only {READERS} "
                                 f"can read the gathered workspace")
             bt = get_op(n.op).operand_index("block_table")
+            index.drop(n)
             n.inputs = [gather.output if v is pool else ws_table if i == bt else v for i, v in enumerate(n.inputs)]
+            index.add(n)
         fn.nodes.insert(fn.nodes.index(write) + 1, gather)
+        index.add(gather)
 
 
-def _rewrite(fn: Function, mla: Node, comm: dict):
+def _rewrite(fn: Function, mla: Node, comm: dict, index: Index):
     mop, iop = get_op("mla_attention"), get_op("indexer_topk")
     m = lambda name: mla.inputs[mop.operand_index(name)]  # noqa: E731
     base = [m("q_nope"), m("q_pe"), m("latent"), m("kv_b")]
@@ -149,26 +151,29 @@ def _rewrite(fn: Function, mla: Node, comm: dict):
     common = {"block_size": mla.attrs["block_size"], **comm, "scale": mla.attrs["scale"],
               "latent_format": mla.attrs.get("latent_format", "plain")}
     if len(mla.inputs) <= mop.operand_index("selection"):  # K3: dense MLA over the whole context
-        _to_dcp_write(_producer(fn, m("latent"), "cache_write", "the cache pool"), comm)
-        _replace(fn, mla, "dcp_mla_dense", base + meta, common)
+        _to_dcp_write(_producer(index, m("latent"), "cache_write", "the cache pool"), comm)
+        _replace(fn, mla, "dcp_mla_dense", base + meta, common, index)
         return
-    ix = _producer(fn, mla.inputs[mop.operand_index("selection")], "indexer_topk", "the selection of")
-    if len(uses(fn).get(id(ix.output), [])) != 1:
+    ix = _producer(index, mla.inputs[mop.operand_index("selection")], "indexer_topk", "the selection of")
+    if len(index.users.get(id(ix.output), [])) != 1:
         raise PassError(f"{NAME}: the selection {ix.output.ref} is read by more than its attention")
     for v in (m("latent"), ix.inputs[iop.operand_index("keys")], ix.inputs[iop.operand_index("key_scale")]):
-        _to_dcp_write(_producer(fn, v, "cache_write", "the cache pool"), comm)
+        _to_dcp_write(_producer(index, v, "cache_write", "the cache pool"), comm)
     i = lambda name: ix.inputs[iop.operand_index(name)]  # noqa: E731
     inputs = base + [i("q"), i("q_scale"), i("w"), i("keys"), i("key_scale")] + meta
     _replace(fn, mla, "dcp_mla", inputs, {**common, "topk": ix.attrs["topk"],
-                                          "key_format": ix.attrs.get("key_format", "fp8")})
+                                          "key_format": ix.attrs.get("key_format", "fp8")}, index)
     fn.nodes.remove(ix)
+    index.drop(ix)
 
 
-def _replace(fn: Function, mla: Node, opname: str, inputs: list[Value], attrs: dict):
+def _replace(fn: Function, mla: Node, opname: str, inputs: list[Value], attrs: dict, index: Index):
     op = get_op(opname)
     (t,) = op.infer(op.bind([v.type for v in inputs]), op.full_attrs(attrs))
     if not t.same_as(mla.output.type):
         raise PassError(f"{NAME}: {opname} would give {t} for {mla.output.ref}: {mla.output.type}")
     node = Node(opname, inputs, attrs, [mla.output])
+    index.drop(mla)
     mla.output.producer = node
     fn.nodes[fn.nodes.index(mla)] = node
+    index.add(node)

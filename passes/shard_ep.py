@@ -25,7 +25,7 @@ from ir.core import Function, Module, Node, Value
 from ir.ops import get_op
 
 from .base import PassContext, PassError
-from .rewrite import fresh_name
+from .rewrite import Names
 
 NAME = "shard_ep"
 
@@ -48,15 +48,16 @@ def run(module: Module, ctx: PassContext) -> int:
         p.attrs.update(ep_dim=0, ep_parts=ep)
     rewrites = 0
     for fn in module.functions.values():
+        names = Names(fn)
         for n in [n for n in fn.nodes if n.op == "moe_experts"]:
-            _rewrite(module, fn, n, ep, group)
+            _rewrite(module, fn, n, ep, group, names)
             rewrites += 1
     module.attrs["ep"] = ep
     ctx.count(NAME, rewrites)
     return rewrites
 
 
-def _rewrite(module: Module, fn: Function, n: Node, ep: int, group: str):
+def _rewrite(module: Module, fn: Function, n: Node, ep: int, group: str, names: Names):
     op = get_op("moe_experts")
     for v in n.inputs:
         if v.is_param:
@@ -68,11 +69,11 @@ def _rewrite(module: Module, fn: Function, n: Node, ep: int, group: str):
     route = get_op("ep_local_routing")
     wt, it = route.infer(route.bind([weights.type, ids.type]), route.full_attrs(attrs))
     routing = Node("ep_local_routing", [weights, ids], attrs)
-    routing.outputs = [Value(fresh_name(fn, weights.name + ".ep"), wt, routing),
-                       Value(fresh_name(fn, ids.name + ".ep"), it, routing)]
+    routing.outputs = [Value(names.fresh(weights.name + ".ep"), wt, routing),
+                       Value(names.fresh(ids.name + ".ep"), it, routing)]
     n.inputs[w_idx], n.inputs[i_idx] = routing.outputs
     y = n.output
-    partial = Value(fresh_name(fn, y.name + ".partial"), y.type, n)
+    partial = Value(names.fresh(y.name + ".partial"), y.type, n)
     n.outputs = [partial]
     reduce = Node("all_reduce", [partial], {"group": group, "world": ep}, [y])
     y.producer = reduce

@@ -39,7 +39,7 @@ from ir.ops import get_op
 from ir.shapes import shapes_equal
 
 from .base import PassContext, PassError
-from .rewrite import fresh_name, producers
+from .rewrite import Names, producers
 
 NAME = "shard_tokens"
 SOURCE, TARGET = "prefill", "prefill_token_sharded"
@@ -76,6 +76,7 @@ def run(module: Module, ctx: PassContext) -> int:
 class _Rewriter:
     def __init__(self, fn: Function, tp: int, group: str):
         self.fn, self.tp, self.comm = fn, tp, {"group": group, "world": tp}
+        self.names = Names(fn)
         cu, pos, req = fn.input("cu_seqlens"), fn.input("token_pos"), fn.input("token_req")
         self.cu = cu
         head: list[Node] = []
@@ -88,7 +89,7 @@ class _Rewriter:
         op = get_op(opname)
         (t,) = op.infer(op.bind([v.type for v in inputs]), op.full_attrs(attrs))
         node = Node(opname, list(inputs), dict(attrs))
-        node.outputs = [Value(fresh_name(self.fn, hint), t, node)]
+        node.outputs = [Value(self.names.fresh(hint), t, node)]
         out.append(node)
         return node.outputs[0]
 
@@ -109,7 +110,7 @@ class _Rewriter:
         mla.inputs = inputs
         (t,) = op.infer(op.bind([v.type for v in inputs]), op.full_attrs(mla.attrs))
         o = mla.output
-        o_tok = Value(fresh_name(fn, o.name + ".t"), t, mla)
+        o_tok = Value(self.names.fresh(o.name + ".t"), t, mla)
         mla.outputs = [o_tok]
         back = Node("tokens_to_heads", [o_tok, self.cu], dict(self.comm), [o])
         o.producer = back

@@ -35,7 +35,7 @@ from ir.ops import get_op
 from ir.shapes import shapes_equal
 
 from .base import PassContext, PassError
-from .rewrite import fresh_name
+from .rewrite import Names
 
 NAME = "shard_tp"
 SPLIT_DIM = {"col": 0, "heads": 0, "row": 1}
@@ -138,7 +138,7 @@ def _retype_state(fn: Function, n: Node, op, olds: dict):
 
 def _shard_function(module: Module, fn: Function, tp: int, group: str) -> int:
     olds: dict[int, TensorType] = {}  # id(value) -> type before sharding (values that changed)
-    inserted = 0
+    inserted, names = 0, Names(fn)
     for n in list(fn.nodes):
         for v in n.inputs:
             if v.is_param:
@@ -154,13 +154,14 @@ def _shard_function(module: Module, fn: Function, tp: int, group: str) -> int:
                 olds.setdefault(id(o), o.type)
             o.type = t
         if n.op == "linear" and n.inputs[1].is_param and module.params[n.inputs[1].name].shard == "row":
-            _insert_after(fn, n, "all_reduce", {"group": group, "world": tp}, ".partial")
+            _insert_after(fn, n, "all_reduce", {"group": group, "world": tp}, names.fresh(n.output.name + ".partial"))
             inserted += 1
     pools = _pool_outputs(fn)
     for i, v in enumerate(list(fn.outputs)):
         if id(v) in olds and id(v) not in pools:
             ax = _shrunk_axis(olds[id(v)], v.type, tp)
-            _insert_after(fn, v.producer, "all_gather", {"axis": ax, "group": group, "world": tp}, ".shard")
+            _insert_after(fn, v.producer, "all_gather", {"axis": ax, "group": group, "world": tp},
+                          names.fresh(v.name + ".shard"))
             inserted += 1
     return inserted
 
@@ -174,11 +175,11 @@ def _pool_outputs(fn: Function) -> set[int]:
     return out
 
 
-def _insert_after(fn: Function, n: Node, opname: str, attrs: dict, suffix: str) -> Node:
-    """Rename n's result to <name><suffix> and make `opname` of it produce the original value, so every
+def _insert_after(fn: Function, n: Node, opname: str, attrs: dict, local_name: str) -> Node:
+    """Rename n's result to `local_name` and make `opname` of it produce the original value, so every
     later reader (and the return) now reads the collective's result."""
     result = n.output
-    local = Value(fresh_name(fn, result.name + suffix), result.type, n)
+    local = Value(local_name, result.type, n)
     n.outputs = [local]
     op = get_op(opname)
     (t,) = op.infer(op.bind([local.type]), op.full_attrs(attrs))

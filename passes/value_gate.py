@@ -38,46 +38,49 @@ from __future__ import annotations
 from ir.core import Function, Module, Node, Value
 
 from .base import PassContext
-from .rewrite import fresh_name, fuse, order_signature, producers, rewrite_each, single_user
+from .rewrite import Index, fuse, order_signature, rewrite_each
 
 NAME = "value_gate"
 FUSED_OP = "fused.value_gate"
 
 
-def _match(fn: Function, mla: Node):
+def _match(mla: Node, index: Index):
     """(reshape, sigmoid, mul) after an absorbed mla_attention, or None."""
     if mla.attrs.get("form", "absorbed") != "absorbed" or mla.attrs.get("q_absorbed"):
         return None  # (q_absorbed: query_absorption runs after this pass; its q_nope operand is q~, not dn wide)
     out = mla.output
     t, h, dv = out.type.shape
-    rs = single_user(fn, out)
+    rs = index.single_user(out)
     if rs is None or rs.op != "reshape" or list(rs.attrs["shape"]) != [-1, int(h) * int(dv)]:
         return None
-    mul = single_user(fn, rs.output)
+    mul = index.single_user(rs.output)
     if mul is None or mul.op != "mul":
         return None
     other = mul.inputs[1] if mul.inputs[0] is rs.output else mul.inputs[0]
-    sig = producers(fn).get(id(other))
-    if sig is None or sig.op != "sigmoid" or single_user(fn, other) is not mul or other is rs.output:
+    sig = index.producer(other)
+    if sig is None or sig.op != "sigmoid" or index.single_user(other) is not mul or other is rs.output:
         return None
     return rs, sig, mul
 
 
-def _rewrite(fn: Function, mla: Node) -> bool:
-    m = _match(fn, mla)
+def _rewrite(fn: Function, mla: Node, index: Index) -> bool:
+    m = _match(mla, index)
     if m is None:
         return False
     rs, sig, mul = m
     out, kv_b = mla.output, mla.inputs[3]
     heads, dn = (int(d) for d in mla.inputs[0].type.shape[1:])
     dv, kv = int(out.type.shape[2]), int(kv_b.type.shape[1])
-    latent = Value(fresh_name(fn, out.name + ".latent"), out.type.with_shape((out.type.shape[0], heads, kv)), mla)
+    latent = Value(index.fresh_name(out.name + ".latent"), out.type.with_shape((out.type.shape[0], heads, kv)), mla)
     mla.attrs["form"] = "latent"
+    index.drop(mla)
     mla.outputs = [latent]
     proj = Node("mla_value_proj", [latent, kv_b], {"nope_dim": dn}, [out])
     out.producer = proj
     fn.nodes.insert(fn.nodes.index(mla) + 1, proj)
-    fused = fuse(fn, [proj, rs, sig, mul], FUSED_OP, {"heads": heads, "nope_dim": dn, "v_head_dim": dv})
+    index.add(mla)
+    index.add(proj)
+    fused = fuse(fn, [proj, rs, sig, mul], FUSED_OP, {"heads": heads, "nope_dim": dn, "v_head_dim": dv}, index=index)
     order_signature(fused, [latent, kv_b, sig.inputs[0]])
     return True
 
@@ -86,4 +89,4 @@ ATTENTION_OPS = ("mla_attention", "dcp_mla", "dcp_mla_dense")  # absorbed output
 
 
 def run(module: Module, ctx: PassContext) -> int:
-    return sum(rewrite_each(module, ctx, NAME, op, _rewrite) for op in ATTENTION_OPS)
+    return sum(rewrite_each(module, ctx, NAME, op, _rewrite, indexed=True) for op in ATTENTION_OPS)

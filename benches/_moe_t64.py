@@ -15,6 +15,7 @@ their numbers, are in the comments above them.
     MOE_BENCH_T64_DEADLINE=120: seconds into the run after which no further variant is started
     MOE_BENCH_T64_PROBES=0: skip the read-pattern probe and the L2 fetch-granularity check (session 12's figures)
     MOE_BENCH_T64_GG=1: also the Gluon gate-up (_moe_configs.GLUON_T64), at 128-byte L2 fetches too
+    MOE_BENCH_T64_PATTERN=0: no read-pattern probe (the whole op at 128-byte L2 fetches still runs, PROBES=1)
 Every config also runs a skewed routing (expert 0 in every token) against the float64 reference (`skew_check`).
 """
 
@@ -35,6 +36,7 @@ from k31c.runtime.l2_fetch import l2_fetch_granularity
 T64, K64 = (8, 2) if TINY else (64, 16)
 DEADLINE = float(os.environ.get("MOE_BENCH_T64_DEADLINE", 120))
 PROBES = os.environ.get("MOE_BENCH_T64_PROBES", "1") == "1"     # 0: no read-pattern probe / L2 fetch check
+PATTERN = os.environ.get("MOE_BENCH_T64_PATTERN", "1") == "1"   # 0: no read-pattern probe
 # the down kernel's own keys, so a gate-up variant's num_warps / num_stages / MAXNREG leave it as the heuristic's
 _DOWN_KEYS = {"num_warps2": "num_warps", "num_stages2": "num_stages", "MAXNREG2": "MAXNREG"}
 
@@ -81,6 +83,19 @@ if GG:
 # [0.9884], SL2 2 0.367 [1.003], 6 stages 0.381 [1.026], cap 80 / 6 stages 0.383 [1.045], BK2 128 / 4 stages / cap 128
 # 0.374 [1.021]: slower, removed (the down kernel reads the pointer path's way)
 DOWN_VARIANTS = {}
+# Session 16: the Gluon down kernel (GD 1, _moe_down_gluon.py; W warps x MT 16-row tiles, NWT 4, 16 rows of h a tile),
+# down alone ms [whole op]. Call 1 (h200-2026-11-30-s16/moe_t64_down_gluon_call1.json; the Triton down 0.328): words
+# one step ahead: column-order h MT1 (96 regs) 0.398 [1.055]; h stored by the gate-up in the operand's order: MT2 (128)
+# 0.332 [1.007], two steps an iteration MT2 0.333, W2 x MT2 0.332, MT1 0.424, MT1 at an 80 cap 0.414, W8 x MT1 0.428;
+# step 0's words before the PDL wait: no change. Call 2 (moe_t64_down_gluon_call2.json; the Triton down 0.332 [0.988],
+# again [0.995]): the words U steps ahead, U steps an iteration: U 2 MT2 (167 regs) 0.290 [0.965] (now GLUON_T64's),
+# U 2 MT1 (127) 0.393, U 4 MT1 W4 / W2 / W8 (128) 0.399-0.406 (first words before the PDL wait 0.411), U 4 NWT 2 x MT2
+# (128) 0.310; U 1 MT2 0.339. Offline sm_90 SASS a K step: column-order h 261 (MT1), operand order 198, + U 2 187.5.
+# The gate-up's words two steps ahead (GGU, _moe_grouped_gluon.py; z's column pairs by one PRMT a register; offline
+# 387 SASS a step vs 431), gate-up alone (GLUON_T64 of session 15: 0.641): capped at 128 (no spills) 0.573 [0.899],
+# 168 (164 regs) 0.590, uncapped (167) 0.585, first words before the PDL wait 0.589. Both: whole op 0.860 (47.0% of
+# read bandwidth; PDL off 0.862; at 128-byte L2 fetches 0.864, the session 15 GLUON_T64 0.912; each alone there 0.900
+# (down) / 0.920 (gate-up)): now GLUON_T64.
 if TINY:     # the interpreter: the pure-Triton decode, a few variants (logic only)
     UP_VARIANTS = {"up_bn32": {"BN": 32}, "up_tma": {"TMA": 1, "DEQ": "bytes16", "SL": 2, "SL2": 3}}
     DOWN_VARIANTS = {"dn_ku2": {"KU2": 2}}
@@ -89,7 +104,8 @@ if TINY:     # the interpreter: the pure-Triton decode, a few variants (logic on
 def _grouped_compiled() -> dict:
     """{(kernel, key): CompiledKernel} of the grouped gate-up / down kernels compiled so far (CUDA)."""
     out = {}
-    for fn in (gg._moe_gate_up_kernel, gg._moe_down_kernel, gg.gg_gluon._grouped_gate_up_kernel):
+    for fn in (gg._moe_gate_up_kernel, gg._moe_down_kernel, gg.gg_gluon._grouped_gate_up_kernel,
+               gg.gd_gluon._grouped_down_kernel):
         try:
             for dev_cache in getattr(fn, "device_caches", {}).values():
                 for key, kern in dev_cache[0].items():
@@ -223,8 +239,10 @@ def l2_fetch_check(cfgs: dict, case, n_tiles, live, values=(128,)):
             DOC.setdefault("t64_l2_fetch_set", {})[str(v)] = l2_fetch_granularity()
             for name, cfg in cfgs.items():
                 decode_variant(T64, K64, f"t64_{name}_l2fetch{v}", cfg, case)
-            if v == 128:
+            if v == 128 and PATTERN:
                 pattern_probe(n_tiles, live, tag=f"_l2fetch{v}")
+            for name, cfg in cfgs.items():     # the down kernel alone at this granularity
+                record(f"t64_{name}_l2fetch{v}_part_down", _parts(cfg, case, ("down",)), config=cfg)
     except Exception as e:
         DOC["errors"].append({"section": "t64_l2fetch", "error": f"{type(e).__name__}: {str(e)[:300]}"})
     finally:
@@ -291,7 +309,8 @@ def t64_sweep():
     n_tiles = int(((seg.counts + base["BM"] - 1) // base["BM"]).sum())
     live = int((seg.counts > 0).sum())
     if PROBES:
-        pattern_probe(n_tiles, live)
+        if PATTERN:
+            pattern_probe(n_tiles, live)
         l2_fetch_check({"heuristic": base, **({"gluon_t64": {**base, **mc.GLUON_T64}} if GG else {})}, case, n_tiles,
                        live)
     ups = [f"t64_{n}_part_gate_up" for n in UP_VARIANTS]
@@ -300,7 +319,7 @@ def t64_sweep():
         if up:                                                                          # cuts both lists alike
             run_variant(up[0], {**base, **up[1]}, case, ("gate_up",), bitwise=bool(up[1].get("GG")))
         if dn:
-            run_variant(dn[0], {**base, **dn[1]}, case, ("down",))
+            run_variant(dn[0], {**base, **dn[1]}, case, ("down",), bitwise=bool(dn[1].get("GD")))
     bu, bd = _best(ups + ["t64_heuristic_part_gate_up"]), _best(downs + ["t64_heuristic_part_down"])
     best = dict(base)
     for b, names in ((bu, UP_VARIANTS), (bd, DOWN_VARIANTS)):
@@ -310,11 +329,21 @@ def t64_sweep():
     if best != base:
         decode_variant(T64, K64, "t64_best", best, case, bitwise=True)
         decode_variant(T64, K64, "t64_best_pdl_off", best, case, pdl=False)
-        l2_fetch_check({"best": best}, case, n_tiles, live)
+        parts = {"best": best}
+        if bu and bd and bu["name"] != "t64_heuristic_part_gate_up" and bd["name"] != "t64_heuristic_part_down":
+            parts["best_down_only"] = {**base, **DOWN_VARIANTS[bd["name"].split("_part_")[0][4:]]}   # the two apart
+            parts["best_up_only"] = {**base, **UP_VARIANTS[bu["name"].split("_part_")[0][4:]]}
+        l2_fetch_check(parts, case, n_tiles, live)
     decode_variant(T64, K64, "t64_heuristic_again", base, case)     # the run's spread: the baseline timed twice
     wide_scales_check(case, best, "best")
     gluon_ups = [n for n, c in UP_VARIANTS.items() if c.get("GG")]     # Gluon gate-ups: skewed routing, wide scales
-    for tag, cfg in [("heuristic", base), ("best", best)] + [(n, {**base, **UP_VARIANTS[n]}) for n in gluon_ups]:
+    gluon_ups += [n for n, c in DOWN_VARIANTS.items() if c.get("GD") and f"t64_{n}_part_down" in
+                  {m["name"] for m in DOC["measurements"]}]     # Gluon downs that ran
+    for tag, cfg in [("heuristic", base), ("best", best)] + [
+            (n, {**base, **UP_VARIANTS.get(n, {}), **DOWN_VARIANTS.get(n, {})}) for n in gluon_ups]:
+        if time.time() - REPORT.t0 > DEADLINE + 60:
+            DOC["notes"].append(f"t64 skew / wide-scale check {tag} skipped: time budget")
+            continue
         skew_check(case, cfg, tag)
         if tag in gluon_ups:
             wide_scales_check(case, cfg, tag)

@@ -88,8 +88,14 @@ DECODE_T64 = {"DEQ": "asm16i", "SL": 1, "TMA": 1, "SL2": 3, "BK": 64, "BK2": 64,
               "BN2": 64, "num_warps2": 2, "num_stages2": 4, "MAXNREG2": 96}
 # session 15: the Gluon grouped gate-up's best tiling (GG, _moe_grouped_gluon.py; the heuristic's at T=64 on top of
 # DECODE_T64): gate-up alone 0.613 vs DECODE_T64's 0.616 in the same call, whole op 0.954-0.956 vs 0.944 at the
-# driver's 64-byte L2 fetches; 0.891 vs 0.942 at the 128 bytes the runtime sets (k31c/runtime/l2_fetch.py)
-GLUON_T64 = {"GG": 1, "GGW": 4, "GGM": 1, "GGN": 4, "GGB": 16, "GGD": 1, "GGR": 128}
+# driver's 64-byte L2 fetches; 0.891 vs 0.942 at the 128 bytes the runtime sets (k31c/runtime/l2_fetch.py).
+# Session 16 (benches/results/h200-2026-11-30-s16/moe_t64_down_gluon_call2.json): + GGU (the gate-up's words two steps
+# ahead, _moe_grouped_gluon.py) and the Gluon down kernel (GD, _moe_down_gluon.py: W4 x MT2, words two steps ahead,
+# h in its operand order): whole op 0.860 ms (47.0% of read bandwidth; PDL off 0.862; 0.864 at 128-byte L2 fetches)
+# vs session 15's GLUON_T64 0.988 / 0.995 (0.912 at 128 bytes) in the same call; gate-up alone 0.573 vs 0.641, down
+# alone 0.290 vs the Triton kernel's 0.332
+GLUON_T64 = {"GG": 1, "GGW": 4, "GGM": 1, "GGN": 4, "GGB": 16, "GGD": 1, "GGR": 128, "GGU": 1,
+             "GD": 1, "GDW": 4, "GDM": 2, "GDN": 4, "GDB": 16}
 
 
 def decode_split(programs: int, k_steps: int, most: int = 8) -> int:
@@ -133,6 +139,8 @@ def constraints(config: dict, key: dict, target=None) -> list[str]:
         out.append("GLUON=1 (the Gluon tensor-core gate-up, _moe_gemv_gluon.py) needs a CUDA target of cc >= 9.0")
     if config.get("GG") and (target_cc(target) or 0) < 90:     # the Gluon grouped gate-up, _moe_grouped_gluon.py
         out.append("GG=1 (the Gluon grouped gate-up, _moe_grouped_gluon.py) needs a CUDA target of cc >= 9.0")
+    if config.get("GD") and (target_cc(target) or 0) < 90:     # the Gluon grouped down, _moe_down_gluon.py
+        out.append("GD=1 (the Gluon grouped down, _moe_down_gluon.py) needs a CUDA target of cc >= 9.0")
     if config.get("LATE", 0) not in (0, 1):
         out.append(f"LATE={config['LATE']} must be 0 or 1 (the gate-up launched without its programmatic edge)")
     if config.get("EARLY", 0) not in (0, 1, 2, 3):

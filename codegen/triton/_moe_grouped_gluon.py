@@ -1,8 +1,9 @@
 """Gluon grouped gate-up of the routed experts for the decode batch (T=64 top-16 of 112 experts; issue 5): config GG=1
-in moe_grouped_gemm.expert_pair_outputs (MXFP4 weights, bf16 activations, CUDA sm_90+ only, unsplit K; explicit
-config only: the heuristic keeps the Triton TMA gate-up, see below). It reads the permutation of `permute_tokens`
-(ExpertSegments) and writes h [T·k, I] in the same expert-sorted row order and with the same SiTU-GLU / SwiGLU
-epilogue as the Triton gate-up kernel, so the down kernel runs unchanged.
+in moe_grouped_gemm.expert_pair_outputs (MXFP4 weights, bf16 activations, CUDA sm_90+ only, unsplit K; the
+heuristic's at T=64, _moe_configs.GLUON_T64). It reads the permutation of `permute_tokens` (ExpertSegments) and
+writes h [T·k, I] in the same expert-sorted row order and with the same SiTU-GLU / SwiGLU epilogue as the Triton
+gate-up kernel, so the Triton down kernel runs unchanged; with the Gluon down kernel (config GD, _moe_down_gluon.py)
+h's columns are stored in that kernel's operand order instead (HP, `_hp_column`: store addresses only).
 
 Program (expert e, block of M = 16·MT·W weight rows), the blocks of an expert back to back; an expert without
 tokens exits at once. W warps each own MT 16-row MMA tiles (warp w: rows 16w + 16W·r), every warp the whole K.
@@ -31,10 +32,20 @@ whole op 0.939 / 0.944), gate-up alone ms [whole op]:
     [0.976], W2 x MT1 0.652 [0.996]. With the context's L2 fetch granularity at 128 bytes (_moe_t64.l2_fetch_check)
     W4 x MT1 / cap 128 made the whole op 0.906 ms (43.7% of read bandwidth): the fastest T=64 figure so far, but the
     Triton path was not timed at 128 bytes in that call (session 14: 1.0255 vs 0.9513 at the default 64, slower).
-  - Removed, slower: the scale bytes and words two steps ahead in registers (168 registers) 0.713 [1.060]; the words
+  - Removed, slower: the scale bytes and words two steps ahead in registers, one step an iteration (168 registers:
+    the loop-carried sets copied each step) 0.713 [1.060]; the words
     through a ring of 3-6 shared-memory stages by cp.async (LDGSTS.128, then LDS.128 in the A layout; Gluon's
     barrier pass puts 2 bar.sync in each step) 0.619-0.754 [0.959-1.120], and with 1-2 warps graph replay != eager
     (the next N tile's prologue did not wait for the previous tile's last copy groups).
+Session 16 (benches/results/h200-2026-11-30-s16/moe_t64_down_gluon_call2.json; GLUON_T64 of session 15 in the same
+call: gate-up alone 0.641, whole op 0.988 / 0.995, 0.912 at 128-byte L2 fetches): GGU 1 (GU 2 in the kernel), two K
+steps an iteration with each step's words and scale bytes loaded two steps ahead into the registers the step before
+last used (no copies; carried over N tiles), z read as int32 words one step ahead and paired by one PRMT a register
+(`_z_operand`; in bf16 the loop-carried halves cost ~57 PRMT + 16 moves a step): sm_90 SASS 387 a step vs 431,
+W4 x MT1 capped at 128 registers (no spills on the H200's Triton 3.6) 0.573 [0.899], at a 168 cap (164) 0.590
+[0.929], uncapped (167) 0.585 [0.930]; its first two steps' words before the PDL wait 0.589 at 168 (no gain,
+removed). With the Gluon down kernel (GD): whole op 0.860 ms (47.0% of read bandwidth; PDL off 0.862, at 128-byte L2
+fetches 0.864), now GLUON_T64.
 """
 from __future__ import annotations
 
@@ -156,55 +167,159 @@ def _w_step(w1r, w3r, s1r, s3r, st, NWT: gl.constexpr):
             gl.load(s3r + st * NWT))
 
 
+def zword_layout(nwt: int, bn: int, w: int) -> gl.DistributedLinearLayout:
+    """GGU: z's int32 words [NWT (j), 4 (t), 4 (word q: columns 2q, 2q + 1 of the 8), 2 (copy), BN (n)]: the copy,
+    the 4 words (one 16-byte load), j and n + 8 in registers; t and n % 8 in lanes; every warp the same."""
+    lg = lambda v: v.bit_length() - 1      # noqa: E731
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 1, 0], [0, 0, 1, 0, 0], [0, 0, 2, 0, 0]] + [[1 << b, 0, 0, 0, 0] for b in range(lg(nwt))]
+        + ([[0, 0, 0, 0, 8]] if bn == 16 else []),
+        lane_bases=[[0, 1, 0, 0, 0], [0, 2, 0, 0, 0], [0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 0, 4]],
+        warp_bases=[[0, 0, 0, 0, 0]] * lg(w), block_bases=[], shape=[nwt, 4, 4, 2, bn])
+
+
+# GGU: the four words of 8 columns ($4, $6, $8, $10; each twice, pack=8) -> the code-pair order of `_x_operand`:
+# register c = columns (c, c + 4), one byte permute each
+Z_PAIRS_ASM = gl.constexpr("prmt.b32 $0, $4, $8, 0x5410;\nprmt.b32 $1, $4, $8, 0x7632;\n"
+                           "prmt.b32 $2, $6, $10, 0x5410;\nprmt.b32 $3, $6, $10, 0x7632;")
+
+
+@gluon.jit
+def _z_words(z_ptr, pair_ptr, pos0, n_live, stride_zw, TOPK: gl.constexpr, ZL: gl.constexpr, NWT: gl.constexpr,
+             BN: gl.constexpr):
+    """GGU: pointers [NWT, 4, 4, BN] to step 0's int32 words of the tile's tokens (as `_x_offsets`; z read as int32,
+    stride_zw in words): word 4(NWT·t + j) + q of token n."""
+    L4: gl.constexpr = gl.SliceLayout(3, ZL)
+    j = gl.arange(0, NWT, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
+    t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
+    q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L4))))
+    n = gl.arange(0, BN, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4))))
+    tok = gl.load(pair_ptr + pos0 + gl.where(n < n_live, n, 0)) // TOPK
+    col = 4 * (NWT * gl.expand_dims(gl.expand_dims(t, 0), 2) + gl.expand_dims(gl.expand_dims(j, 1), 2)) \
+        + gl.expand_dims(gl.expand_dims(q, 0), 1)
+    return z_ptr + (gl.expand_dims(col, 3) + gl.expand_dims(gl.expand_dims(gl.expand_dims(
+        tok.to(gl.int64) * stride_zw, 0), 1), 2))
+
+
+@gluon.jit
+def _z_operand(x, ZL: gl.constexpr, DB: gl.constexpr, NWT: gl.constexpr, BN: gl.constexpr):
+    """GGU: int32 words [NWT, 4, 4, BN] -> B [32·NWT, BN] as `_x_operand` (one PRMT a register, no moves)."""
+    shape = gl.zeros([NWT, 4, 4, 2, BN], gl.int32, ZL)
+    x5, shape = gl.broadcast(gl.expand_dims(x, 3), shape)
+    v = gl.inline_asm_elementwise(Z_PAIRS_ASM, "=r,=r,=r,=r," + "r," * 7 + "r", [x5], dtype=gl.bfloat16, is_pure=True,
+                                  pack=8)
+    return gl.convert_layout(gl.reshape(v, [32 * NWT, BN]), DB)
+
+
+@gluon.jit
+def _gu_step(acc1, acc3, w1, w3, s1, s3, x, DEC: gl.constexpr, WIDE: gl.constexpr, M: gl.constexpr,
+             NWT: gl.constexpr, BN: gl.constexpr, A4: gl.constexpr, ZL: gl.constexpr, DA: gl.constexpr,
+             DB: gl.constexpr):
+    """GGU: one K step of both matrices on z's words x."""
+    b = _z_operand(x, ZL, DB, NWT, BN)
+    if DEC == 1:
+        return (mma_v2(_a_mul(w1, s1, A4, DA, M, NWT, WIDE), b, acc1),
+                mma_v2(_a_mul(w3, s3, A4, DA, M, NWT, WIDE), b, acc3))
+    else:
+        return (mma_v2(_a_operand(w1, s1, A4, DA, M, NWT, WIDE), b, acc1),
+                mma_v2(_a_operand(w3, s3, A4, DA, M, NWT, WIDE), b, acc3))
+
+
+@gluon.jit
+def _tile_dots(z_ptr, pair_ptr, pos0, n_live, stride_z, w1r, w3r, s1r, s3r, STEPS, TOPK: gl.constexpr,
+               M: gl.constexpr, NWT: gl.constexpr, BN: gl.constexpr, DEC: gl.constexpr, WIDE: gl.constexpr,
+               MMA: gl.constexpr, A4: gl.constexpr, XL: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr):
+    """(W1 z, W3 z) [M, BN] of one N tile (tokens pos0 + n, n < n_live), one K step an iteration, the next step's
+    words, scale bytes and activation columns loaded first."""
+    xr = _x_offsets(z_ptr, pair_ptr, pos0, n_live, stride_z, TOPK, XL, NWT, BN)
+    w1n, w3n, s1n, s3n = _w_step(w1r, w3r, s1r, s3r, 0, NWT)
+    xn = gl.load(xr)
+    acc1 = gl.zeros([M, BN], gl.float32, MMA)
+    acc3 = gl.zeros([M, BN], gl.float32, MMA)
+    for st in range(STEPS):
+        w1, w3, s1, s3, x = w1n, w3n, s1n, s3n, xn
+        nx = gl.minimum(st + 1, STEPS - 1)        # the last step reloads its own (cache hits)
+        w1n, w3n, s1n, s3n = _w_step(w1r, w3r, s1r, s3r, nx, NWT)
+        xn = gl.load(xr + nx * 32 * NWT)
+        b = _x_operand(x, DB, NWT, BN)
+        if DEC == 1:
+            acc1 = mma_v2(_a_mul(w1, s1, A4, DA, M, NWT, WIDE), b, acc1)
+            acc3 = mma_v2(_a_mul(w3, s3, A4, DA, M, NWT, WIDE), b, acc3)
+        else:
+            acc1 = mma_v2(_a_operand(w1, s1, A4, DA, M, NWT, WIDE), b, acc1)
+            acc3 = mma_v2(_a_operand(w3, s3, A4, DA, M, NWT, WIDE), b, acc3)
+    return acc1, acc3
+
+
+@gluon.jit
+def _hp_column(r, NWT: gl.constexpr):
+    """Where h's column r is stored for the Gluon down kernel (_moe_down_gluon.py, config GD; NWT 2 or 4): in each
+    block of 32·NWT columns, column 8·NWT·t + 8j + 4p + w (the down kernel's lane t, word NWT·t + j of W2's step,
+    code pair w, half p) at 8·NWT·t + 16(j // 2) + 4w + 2(j % 2) + p, so that each lane's 16-byte loads hold the
+    bf16 pairs of its mma.sync B registers in order."""
+    rb = r % (32 * NWT)
+    t, j, p, w = rb // (8 * NWT), (rb // 8) % NWT, (rb // 4) % 2, rb % 4
+    return r - rb + 8 * NWT * t + 16 * (j // 2) + 4 * w + 2 * (j % 2) + p
+
+
 @gluon.jit
 def _grouped_gate_up_kernel(z_ptr, pair_ptr, counts_ptr, offsets_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr,
                             stride_z, stride_we, stride_wn, stride_se, stride_sn, stride_h, beta1, beta2, NRB, STEPS,
                             TOPK: gl.constexpr, ACT: gl.constexpr, HAS_BETA2: gl.constexpr, W: gl.constexpr,
                             MT: gl.constexpr, NWT: gl.constexpr, BN: gl.constexpr, DEC: gl.constexpr,
                             WIDE: gl.constexpr, PDL: gl.constexpr, MMA: gl.constexpr, A4: gl.constexpr,
-                            XL: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr):
+                            XL: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr, HP: gl.constexpr = 0,
+                            GU: gl.constexpr = 0, ZL: gl.constexpr = None):
     """h[pos, rows] = act(W1_e z_t, W3_e z_t) for expert e = pid // NRB's tokens (rows offsets[e] + n of the
-    permutation, t = pair // TOPK) and its weight rows (pid % NRB)·M .. +M (module doc)."""
+    permutation, t = pair // TOPK) and its weight rows (pid % NRB)·M .. +M (module doc). HP > 0: h's columns stored
+    in the order the Gluon down kernel with NWT = HP reads them (`_hp_column`). GU 2 (GGU): two K steps an
+    iteration, each step's words loaded two steps ahead into the registers the step just used (carried over N tiles:
+    the last steps load the next tile's first), z read as int32 words (stride_z in words) one step ahead, the code
+    pairs formed by `_z_operand`."""
     M: gl.constexpr = 16 * MT * W
     pdl_enter(PDL)          # counts, offsets, pair ids and z come from earlier launches
     e = gl.program_id(0) // NRB
     r0 = (gl.program_id(0) % NRB) * M
-    cnt = gl.load(counts_ptr + e)
-    pos0 = gl.load(offsets_ptr + e)
     woff, soff = _row_offsets(r0, stride_wn, stride_sn, A4, M, NWT)
     w1r = w1_ptr + e.to(gl.int64) * stride_we + woff
     w3r = w3_ptr + e.to(gl.int64) * stride_we + woff
     s1r = s1_ptr + e.to(gl.int64) * stride_se + soff
     s3r = s3_ptr + e.to(gl.int64) * stride_se + soff
+    if GU:
+        w1a, w3a, s1a, s3a = _w_step(w1r, w3r, s1r, s3r, 0, NWT)
+        w1b, w3b, s1b, s3b = _w_step(w1r, w3r, s1r, s3r, 1, NWT)
+    cnt = gl.load(counts_ptr + e)
+    pos0 = gl.load(offsets_ptr + e)
     rm = r0 + gl.arange(0, M, layout=gl.SliceLayout(1, MMA))
     rn = gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))
     for n0 in range(0, cnt, BN):
-        xr = _x_offsets(z_ptr, pair_ptr, pos0 + n0, cnt - n0, stride_z, TOPK, XL, NWT, BN)
-        w1n, w3n, s1n, s3n = _w_step(w1r, w3r, s1r, s3r, 0, NWT)
-        xn = gl.load(xr)
-        acc1 = gl.zeros([M, BN], gl.float32, MMA)
-        acc3 = gl.zeros([M, BN], gl.float32, MMA)
-        for st in range(STEPS):
-            w1, w3, s1, s3, x = w1n, w3n, s1n, s3n, xn
-            nx = gl.minimum(st + 1, STEPS - 1)        # the last step reloads its own (cache hits)
-            w1n, w3n, s1n, s3n = _w_step(w1r, w3r, s1r, s3r, nx, NWT)
-            xn = gl.load(xr + nx * 32 * NWT)
-            b = _x_operand(x, DB, NWT, BN)
-            if DEC == 1:
-                acc1 = mma_v2(_a_mul(w1, s1, A4, DA, M, NWT, WIDE), b, acc1)
-                acc3 = mma_v2(_a_mul(w3, s3, A4, DA, M, NWT, WIDE), b, acc3)
-            else:
-                acc1 = mma_v2(_a_operand(w1, s1, A4, DA, M, NWT, WIDE), b, acc1)
-                acc3 = mma_v2(_a_operand(w3, s3, A4, DA, M, NWT, WIDE), b, acc3)
+        if GU:
+            xr = _z_words(z_ptr, pair_ptr, pos0 + n0, cnt - n0, stride_z, TOPK, ZL, NWT, BN)
+            xa = gl.load(xr)
+            acc1 = gl.zeros([M, BN], gl.float32, MMA)
+            acc3 = gl.zeros([M, BN], gl.float32, MMA)
+            for st in range(0, STEPS, 2):
+                xb = gl.load(xr + (st + 1) * 16 * NWT)
+                acc1, acc3 = _gu_step(acc1, acc3, w1a, w3a, s1a, s3a, xa, DEC, WIDE, M, NWT, BN, A4, ZL, DA, DB)
+                w1a, w3a, s1a, s3a = _w_step(w1r, w3r, s1r, s3r, gl.where(st + 2 < STEPS, st + 2, st + 2 - STEPS), NWT)
+                xa = gl.load(xr + gl.where(st + 2 < STEPS, st + 2, 0) * 16 * NWT)
+                acc1, acc3 = _gu_step(acc1, acc3, w1b, w3b, s1b, s3b, xb, DEC, WIDE, M, NWT, BN, A4, ZL, DA, DB)
+                w1b, w3b, s1b, s3b = _w_step(w1r, w3r, s1r, s3r, gl.where(st + 3 < STEPS, st + 3, st + 3 - STEPS), NWT)
+        else:
+            acc1, acc3 = _tile_dots(z_ptr, pair_ptr, pos0 + n0, cnt - n0, stride_z, w1r, w3r, s1r, s3r, STEPS, TOPK,
+                                    M, NWT, BN, DEC, WIDE, MMA, A4, XL, DA, DB)
         h = _glu(acc1, acc3, beta1, beta2, ACT, HAS_BETA2).to(gl.bfloat16)
         col = n0 + rn
-        out = h_ptr + gl.expand_dims((pos0 + col).to(gl.int64) * stride_h, 0) + gl.expand_dims(rm, 1)
+        rs = _hp_column(rm, HP) if HP else rm
+        out = h_ptr + gl.expand_dims((pos0 + col).to(gl.int64) * stride_h, 0) + gl.expand_dims(rs, 1)
         gl.store(out, h, mask=gl.expand_dims(col < cnt, 0) & gl.expand_dims(rm >= 0, 1))
 
 
 def tiles(cfg: dict) -> tuple[int, int, int, int]:
     """(W warps, MT 16-row tiles a warp, NWT words a lane a step, BN token columns): config GGW, GGM, GGN, GGB
-    (default _moe_configs.GLUON_T64's); GGD picks the word decode (0 WORD_ASM, 1 WORD_MUL_ASM), GGR a register cap."""
+    (default _moe_configs.GLUON_T64's); GGD picks the word decode (0 WORD_ASM, 1 WORD_MUL_ASM), GGR a register cap,
+    GGU 1 two steps an iteration with the words two steps ahead (where l is a multiple of 64·NWT and z's rows of
+    4-byte aligned pairs; module doc)."""
     return int(cfg.get("GGW", 4)), int(cfg.get("GGM", 1)), int(cfg.get("GGN", 4)), int(cfg.get("GGB", 16))
 
 
@@ -236,16 +351,20 @@ def usable(z: torch.Tensor, w1, w3, cfg: dict, split: int) -> bool:
     return fits(z.shape[1], int(w1.shape[1]), tiles(cfg))
 
 
-def gate_up(z, seg, w1, w3, h, glu: dict, betas: tuple, cfg: dict) -> None:
-    """h [T·k, I] (bf16, expert-sorted rows) = act(W1 z, W3 z) by the Gluon kernel (`usable` checked first)."""
+def gate_up(z, seg, w1, w3, h, glu: dict, betas: tuple, cfg: dict, hp: int = 0) -> None:
+    """h [T·k, I] (bf16, expert-sorted rows) = act(W1 z, W3 z) by the Gluon kernel (`usable` checked first); hp > 0:
+    h's columns in the order the Gluon down kernel with NWT = hp reads them (`_hp_column`)."""
     (q1, s1), (q3, s3) = _words(w1), _words(w3)
     E, inter, ell = int(q1.shape[0]), int(q1.shape[1]), z.shape[1]
     w, mt, nwt, bn = tiles(cfg)
     nrb = inter // (16 * mt * w)
+    gu = 2 if int(cfg.get("GGU", 0)) and ell % (64 * nwt) == 0 and z.stride(0) % 2 == 0 and z.data_ptr() % 4 == 0 else 0
+    zz = z.view(torch.int32) if gu else z       # GGU: z's bf16 pairs as int32 words
     _grouped_gate_up_kernel[(E * nrb,)](
-        z, seg.pair_ids, seg.counts, seg.offsets, q1, q3, s1, s3, h, z.stride(0), q1.stride(0), q1.stride(1),
+        zz, seg.pair_ids, seg.counts, seg.offsets, q1, q3, s1, s3, h, zz.stride(0), q1.stride(0), q1.stride(1),
         s1.stride(0), s1.stride(1), h.stride(0), *betas, nrb, ell // (32 * nwt), TOPK=seg.topk, W=w, MT=mt, NWT=nwt,
         BN=bn, DEC=int(cfg.get("GGD", 0)), WIDE=_wide_scales(s1) or _wide_scales(s3), num_warps=w,
         **({"maxnreg": int(cfg["GGR"])} if cfg.get("GGR") else {}), **glu, **layouts(w, mt, nwt, bn),
-        **launch_kwargs())
+        **launch_kwargs(), **({"HP": int(hp)} if hp else {}),
+        **({"GU": gu, "ZL": zword_layout(nwt, bn, w)} if gu else {}))
 

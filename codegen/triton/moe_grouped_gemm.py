@@ -64,9 +64,15 @@ alone 0.613-0.657 ms over 8 tilings vs the TMA kernel's 0.608 / 0.616 in the sam
 (benches/results/h200-2026-11-30-s15/moe_t64_gluon_l2fetch.json, one call): GLUON_T64 0.891 ms vs the TMA kernel's
 0.942 (which is 0.947 / 0.963 at the default granularity in the same call); the runtime now sets that granularity
 (k31c/runtime/l2_fetch.py, measured over the whole rank decode graph) and the heuristic takes GG at T=64. _moe_grouped_gluon.py.
+Gluon down (config GD, _moe_down_gluon.py, with GG only: the gate-up then stores h's columns in the down kernel's
+operand order; sm_90+, MXFP4, bf16): program (expert, block of W2 rows), the expert's rows of h as N, the words two
+K steps ahead. H200 session 16 (benches/results/h200-2026-11-30-s16/moe_t64_down_gluon_call2.json, T=64 top-16): down
+alone 0.290 ms vs the Triton kernel's 0.332; with GG's words two steps ahead too (GGU: gate-up alone 0.573 vs 0.641)
+the whole op 0.860 ms vs 0.988 / 0.995 (47.0% of read bandwidth; 0.864 vs 0.912 at 128-byte L2 fetches): GLUON_T64.
 Host-side operand, storage and target helpers: _moe_host.py;
 the heuristic's named configs, the split-K rule and the config constraints: _moe_configs.py.
-Decode T=64 (E=112, top-16, l=3584, I=3072, bf16; 1.82 GB of MXFP4 weights): 0.951 ms, 42.5% of the read
+Decode T=64 (E=112, top-16, l=3584, I=3072, bf16; 1.82 GB of MXFP4 weights): 0.860 ms with the Gluon kernels (47.0%,
+session 16, above). Before them: 0.951 ms, 42.5% of the read
 ceiling with the gate-up's weights by TMA (session 14; the pointer path 0.996-1.003 in the same run, 40.3-40.7%;
 session 10 0.997, session 12 1.000 / 1.009; measured, _moe_configs.py at DECODE_T64). Before TMA: each K step asks L2
 for 32 bytes of each of 64-128 weight rows, a pattern that alone reads 2.52 TB/s (4.28 with whole lines); but whole
@@ -91,7 +97,7 @@ from codegen.triton._moe_host import (DEQ_MODES, _BYTE_DECODE, _TL, _fit_bk, _in
                                       _kernel_weight, _weight, max_tiles, scale_words, storage, target_cc)
 from codegen.triton._moe_gemv import gemv_experts, gemv_supported
 from codegen.triton._moe_gemv_gluon import GLUON_T1, GLUON_T8
-from codegen.triton import _moe_grouped_gluon as gg_gluon
+from codegen.triton import _moe_down_gluon as gd_gluon, _moe_grouped_gluon as gg_gluon
 from codegen.triton._moe_splits import _combine_splits_kernel, _glu_splits_kernel, combine_pairs  # noqa: F401
 from codegen.triton._moe_tiles import (MX_ASM16, MX_ASM16I, MX_BYTES16, _glu, _k_range, _load_bt, _locate_tile,
                                       _mma_step_t, _mma_step_tma, _top_scales, _swizzle)
@@ -294,8 +300,10 @@ def expert_pair_outputs(z: torch.Tensor, ids: torch.Tensor, w1, w2, w3, act: str
     d1, d3 = (_tma_desc(a, c1, sl, cfg["BN"], cfg["BK"], z) if cfg.get("TMA") else None for a in (a1, a3))
     if d1 is not None and d3 is not None:   # the kernel's SL 5 / 6: SL 1 / 2 with the weights by TMA descriptors
         a1, a3, sl = d1, d3, sl + 4
-    if up and gg_gluon.usable(z, w1, w3, cfg, split):    # config GG: the Gluon grouped gate-up (_moe_grouped_gluon)
-        gg_gluon.gate_up(z, seg, w1, w3, h, glu, betas, cfg)
+    ggu = gg_gluon.usable(z, w1, w3, cfg, split)        # config GG: the Gluon grouped gate-up (_moe_grouped_gluon)
+    hp = gd_gluon.h_order(h, w2, cfg, split2) if ggu else 0     # config GD (_moe_down_gluon): h in its operand order
+    if up and ggu:
+        gg_gluon.gate_up(z, seg, w1, w3, h, glu, betas, cfg, hp)
     else:
         _moe_gate_up_kernel[(n_tiles * triton.cdiv(inter, cfg["BN"]) * split * up,)](
             z, seg.pair_ids, seg.counts, seg.offsets, a1, a3, b1, b3, part, E, ell, inter, z.stride(0), *st1, *h_st,
@@ -308,6 +316,9 @@ def expert_pair_outputs(z: torch.Tensor, ids: torch.Tensor, w1, w2, w3, act: str
         _glu_splits_kernel[(triton.cdiv(P, br), triton.cdiv(inter, bi))](
             part, h, P, inter, *h_st[1:], h_st[0], h.stride(0), *betas, SPLIT=split, BR=br, BI=bi, num_warps=4, **glu,
             **launch_kwargs())
+    if hp and "down" in kernels:     # the Gluon grouped down
+        gd_gluon.down(h, seg, w2, o, cfg, hp)
+        return o, seg
     c2, a2, b2, st2, wide2 = _kernel_weight(f2, q2, s2, cfg["DEQ"], z.dtype)
     sl2, b2, st2 = scale_words(int(cfg.get("SL2", launch["SL"])), c2, b2, st2)    # SL2: the down kernel's own SL
     _moe_down_kernel[(n_tiles * triton.cdiv(ell, cfg["BN2"]) * split2 * ("down" in kernels),)](
@@ -392,7 +403,9 @@ def heuristic(key: dict, target=None) -> dict:
     0.942 ms; in the rank decode graph at batch 64 2231.9 / 2215.3 vs 2270.7 / 2283.0 us in one run, 2221.0 / 2220.0
     vs 2205.2 / 2214.3 in the next (within that graph's noise; graph replay == eager bitwise over 20 replays). At the
     driver's default 64 bytes the op alone is 0.954-0.962 vs 0.944-0.947: benches that call the kernel outside the
-    runtime see that.
+    runtime see that. Session 16: GLUON_T64 adds the gate-up's words two steps ahead (GGU) and the Gluon down kernel
+    (GD; `_moe_down_gluon.h_order` decides at launch, with GG only): the op 0.860 vs 0.988 / 0.995 ms in one call
+    (0.864 vs 0.912 at 128-byte L2 fetches; graph replay == eager bitwise, skewed routing and wide scales checked).
     Split-K when the routed tiles leave the GPU idle (`decode_split`; grouped T=1 top-2: split 4, 69.6 ->
     44.7 us); T=64 top-16 fills the GPU, no split. Prefill: 128 tokens x 64 rows on wgmma, asm.
     Batch-invariant: one fixed grouped tiling, no split.

@@ -13,6 +13,7 @@ so caches come from HBM, not L2):
   idx_b1_32k  the same at context 32768
   idx_b8      8 tokens at context 8192 (the rank preset at batch 8)
   idx_b32     32 tokens at context 128K (issue 4)
+  idx_b8_128k 8 tokens at context 128K (the materialised-scores default between batch 1 and 32)
   idx_b1_64k  1 token at context 64K, idx_b1_1m at 1M (the materialised-scores path at batch 1)
   mla_b64     sparse MLA, 64 tokens, top-2048 rows of 8K contexts (issue 4)
   mla_b1      sparse MLA, 1 token (the rank step)
@@ -161,7 +162,7 @@ def sec_hbm():
 # ------------------------------------------------------------------------------------------ indexer
 def _idx_shapes(tag):
     T, L = {"idx_b1": (1, 8192), "idx_b1_32k": (1, 32768), "idx_b8": (8, 8192), "idx_b32": (32, 128 * 1024),
-            "idx_b1_64k": (1, 65536), "idx_b1_1m": (1, 1 << 20)}[tag]
+            "idx_b8_128k": (8, 128 * 1024), "idx_b1_64k": (1, 65536), "idx_b1_1m": (1, 1 << 20)}[tag]
     return (min(T, 2), 1024 if T == 1 else 2048, 64) if SMOKE else (T, L, 2048)
 
 
@@ -195,7 +196,10 @@ def _scores_variants(tag, base):
     BUCKET 3 + ZERO the new default there (64K 29.0 vs 38.3, 1M 237.1 vs 329.7); figures in `indexer_topk.heuristic`.
     Round 2 (h200-2026-11-30-s15/attention_decode_indexer_place.json), batch 32: BUCKET 1 244.0 us vs SURV 241.7,
     SURV + ZERO 245.3, + MERGE_TILE 1024 219.3 (16 / 64 parts 217.0 / 221.3: 16 the new default; SELECT_RES 2048 on 4
-    warps 240.2; placement tiles of 1024 survivors 222.7, removed); figures in `_topk_bucket`."""
+    warps 240.2; placement tiles of 1024 survivors 222.7, removed); figures in `_topk_bucket`. Session 16
+    (h200-2026-11-30-s16/attention_decode_indexer_slots_call{1,2}.json): SURV as `_topk_slots` (no atomics, the bucket
+    in per-part slots) 214.8 / 209.2 vs 221.8 / 220.2 at batch 32, 94.7 / 91.6 vs 105.1 / 103.4 at batch 8
+    (idx_b8_128k); its slots, warps, tiles, parts and a second histogram in `_topk_slots`."""
     if SMOKE and tag == "idx_b32":
         s = dict(base, KT=base["BLOCK_N"], SCORES=1, SELECT=1, SELECT_PARTS=4, SELECT_RES=64, SPLITS=4)
         return [s, dict(s, SELECT_RES=16), dict(s, BUCKET=1), dict(s, BUCKET=1, SELECT_RES=16),
@@ -210,12 +214,20 @@ def _scores_variants(tag, base):
     b3 = dict(base, BUCKET=3, SELECT_RES=2048, MERGE_WARPS=4)   # session 15: the two-launch select
     z = dict(b3, ZERO=1)
     lean = dict(z, SELECT_RES=16, MERGE_TILE=1024)   # the bucket always streamed: 96 registers, not 168
-    if tag == "idx_b32":   # (session 15 round 2: SURV + ZERO, MERGE_TILE 1024, 16 parts the default)
-        r1 = dict({k: v for k, v in base.items() if k not in ("SURV", "ZERO")}, MERGE_TILE=2048, SELECT_PARTS=32)
-        return [dict(base, SELECT_PARTS=32), dict(base, SELECT_PARTS=64), dict(r1, SURV=1)]   # (r1: the previous)
+    if tag in ("idx_b32", "idx_b8_128k"):   # session 16: SURV is `_topk_slots` (figures there)
+        return [dict(base, SELECT_RES=2048, MERGE_WARPS=4), dict(base, SLOT_FEW=0)]
     wide = 64 if base.get("SPLITS", 0) < 512 else 256   # batch 1: more select parts per row
     return [dict(base, TMA=0), dict(base, SPLITS=base["SPLITS"] // 2), dict(base, SPLITS=2 * base["SPLITS"]),
             dict(base, SELECT_PARTS=wide), z, dict(z, SELECT_PARTS=wide), dict(lean, SELECT_PARTS=wide)]
+
+
+def _select2_variants(base):
+    """SELECT 2 (one row at <= 8K, `_topk_fused`). Session 16 (h200-2026-11-30-s16/attention_decode_indexer_slots_
+    call{1,2}.json): the placement parts' own keys requested with the threshold 13.09 / 13.13 us vs 13.51 / 13.66, and
+    counting in one step of 8192 keys on 8 warps 12.71 / 12.82 (the new default; 32 / 128 parts 12.84 / 12.98)."""
+    if base.get("SELECT") != 2:
+        return []
+    return [dict(base, SELECT_TILE=4096, SELECT_WARPS=4), dict(base, SELECT_PARTS=32)]
 
 
 def _scores_previous(base, T, L):
@@ -247,10 +259,11 @@ def _select_breakdown(tag, sets, K, nbytes, named):
     """Each launch of the select over stored scores, timed as prefixes (memset; + bucket parts; + threshold; the
     whole select): differences are the launches' costs in the graph. Also the boundary bucket's keys per row."""
     for name, cfg in named:
-        stops = ("memset", "bucket") + (("threshold",) if cfg.get("BUCKET") == 1 else ())
+        stops = ("memset", "bucket") + (("threshold",) if cfg.get("BUCKET") == 1 else ()) + \
+            ((None,) if cfg.get("SURV") else ())   # (SURV: the whole select too)
         for stop in stops:
-            measure(f"{tag}_{name}_select_prefix_{stop}", [_select_only(d, K, cfg, stop) for d in sets], nbytes,
-                    config=cfg)
+            measure(f"{tag}_{name}_select_prefix_{stop or 'all'}", [_select_only(d, K, cfg, stop) for d in sets],
+                    nbytes, config=cfg)
         st = {}
         ba._indexer_call(sets[0], K, cfg, output="rows", stats=st)()
         DOC.setdefault("bucket_keys_per_row", {})[f"{tag}_{name}"] = st.get("filter_kept", 0) / sets[0]["pos"].numel()
@@ -268,12 +281,13 @@ def _scores_checks(tag, sets, K, ms, first, checked):
             m["same_rows_as_default"] = bool(torch.equal(got, want))
             DOC["checks"].append({"name": f"{m['name']}_same_rows_as_default", "ok": m["same_rows_as_default"]})
     from codegen.triton._indexer_scores import _scores_kernel, _scores_tma_kernel
-    from codegen.triton._topk_bucket import _bucket_kernel, _surv_place_kernel, _threshold_kernel
+    from codegen.triton._topk_bucket import _bucket_kernel, _threshold_kernel
     from codegen.triton._topk_bucket_place import _bucket_place_kernel
     from codegen.triton._topk_parallel import _place_kernel
+    from codegen.triton._topk_slots import _slot_parts_kernel, _slot_place_kernel, _slot_threshold_kernel
     DOC.setdefault("scores_kernels", [])
     for fn in ((_scores_kernel, _scores_tma_kernel, _bucket_kernel, _threshold_kernel, _bucket_place_kernel,
-                _place_kernel, _surv_place_kernel) if not SMOKE else ()):
+                _place_kernel, _slot_parts_kernel, _slot_threshold_kernel, _slot_place_kernel) if not SMOKE else ()):
         for caches in getattr(fn, "device_caches", {}).values():
             for k in list(caches[0].values()):
                 k._init_handles()
@@ -289,7 +303,7 @@ def sec_idx(tag, warm=None):
     base, variants = _idx_variants(T, L, K)
     if base.get("SCORES"):   # SELECT 2 (short contexts) does not apply to the materialised scores
         variants = [c for c in variants if c.get("SELECT") != 2]
-    variants = variants + [c for c in _scores_variants(tag, base) if c not in variants]
+    variants = variants + [c for c in _scores_variants(tag, base) + _select2_variants(base) if c not in variants]
     prev_cfg = _idx_prev(T, L) if not SMOKE else dict(base, SELECT=0, SCORES=0)
     if prev_cfg.get("BUCKET"):   # the SCORES 1 default before TMA key tiles (session 14)
         prev_cfg = _scores_previous(prev_cfg, T, L)
@@ -326,11 +340,10 @@ def sec_idx(tag, warm=None):
         measure(f"{tag}_{name}_select_only", [_select_only(d, K, cfg) for d in sets], nbytes, config=cfg)
     if base.get("BUCKET") and not SMOKE:   # per-launch breakdown (prefixes) of the default and BUCKET 3
         _select_breakdown(tag, sets, K, nbytes, [("new_default", base)] +
-                          [("previous", prev_cfg)] * bool(base.get("SURV") and prev_cfg.get("BUCKET") == 1) +
                           [(f"bucket3_res{c['SELECT_RES']}", c) for c in variants if c.get("BUCKET") == 3 and
                            c.get("SELECT_PARTS") == base.get("SELECT_PARTS") and not c.get("ZERO")] +
-                          [(f"bucket3_res{c['SELECT_RES']}", c) for c in variants if c.get("BUCKET") == 3 and
-                           c.get("SELECT_PARTS") == base.get("SELECT_PARTS") and c.get("SELECT_RES") == 16][:1])
+                          [(f"slots_res{c['SELECT_RES']}_w{c['MERGE_WARPS']}", c) for c in variants
+                           if c.get("SURV") and c.get("SELECT_RES") != base.get("SELECT_RES")])
     check(f"{tag}_new_default_graph_vs_eager", lambda: graph_vs_eager(calls(base)[0]))
     ms = [new]
     for i, cfg in enumerate(variants[1:]):
@@ -505,7 +518,8 @@ def _zeroed_check():
     return {"ok": all(int(b.abs().sum()) == 0 for b in bufs), "buffers": len(bufs)}
 
 
-SECTIONS = ("mla_b64", "idx_b32", "mla_b1", "idx_b1", "idx_b1_32k", "idx_b8", "idx_b1_64k", "idx_b1_1m", "chain",
+SECTIONS = ("mla_b64", "idx_b32", "mla_b1", "idx_b1", "idx_b1_32k", "idx_b8", "idx_b8_128k", "idx_b1_64k", "idx_b1_1m",
+            "chain",
             "chain_idx")
 WARM_N = 4          # compile processes per section
 WARM_CAP_S = 50     # measuring starts by then (anything not compiled yet compiles on first use)

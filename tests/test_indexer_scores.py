@@ -1,5 +1,5 @@
 """The indexer's materialised-scores path (SCORES 1: `codegen/triton/_indexer_scores.py`, then SELECT 1 over the
-int32 score rows, `_topk_parallel` with SRC32, BUCKET 1, `_topk_bucket` (SURV: placement over the survivors), or
+int32 score rows, `_topk_parallel` with SRC32, BUCKET 1, `_topk_bucket` (SURV: `_topk_slots`), or
 BUCKET 3, `_topk_bucket_place`; TMA: FP8 key tiles through a tensor descriptor, `_scores_tma_kernel`) vs
 `ir/ref/indexer.py` (exact, ties to the lower position) and a float64 formula (CPU: Triton interpreter, fp32). Batch
 builders and checks come from test_indexer_kernels.py. CI cost: the select paths on tied scores run over one stored
@@ -30,7 +30,8 @@ BUCKET = dict(SCORES, BUCKET=1)
 TMA = dict(BUCKET, TMA=3, TMA_J=2, SPLITS=3, GATHER_SPLITS=2)
 # BUCKET 3: the placement parts finish the threshold over the bucket in registers / streamed (ZERO: no memset)
 BUCKET3 = dict(BUCKET, BUCKET=3)
-# BUCKET 1 with SURV (the parts keep their survivors, `_surv_place_kernel` places them) and ZERO (no memset)
+# BUCKET 1 with SURV (`_topk_slots`: the parts keep their survivors and the bucket in slots of their own, 64 a part
+# here) and ZERO (no memset)
 SURV = dict(BUCKET, SURV=1, ZERO=1)
 STREAMED = dict(SELECT_RES=16, SELECT_PARTS=8, MERGE_TILE=64)
 VARIANTS = [SCORES, dict(SCORES, **STREAMED), BUCKET, dict(BUCKET, **STREAMED),
@@ -146,6 +147,33 @@ def test_select_alone_over_stored_scores():
         assert torch.equal(got[[0, 2]], torch.arange(32).expand(2, 32)), cfg
 
 
+def test_slotted_bucket_few_keys_histograms_and_full_slots():
+    """SURV over crafted stored scores (the `scores_in` hook): every score of a row in one first-digit bucket, spread
+    over its 21 low bits with repeats (ties to the lower position), so that the next 8-bit digit leaves a few keys at
+    the boundary: resolved by max reductions (SLOT_FEW 8) or by more histograms (SLOT_FEW 0); and slots too small for
+    the bucket (8-bit passes over the parts' survivors). Exactly the topk largest (score, -position) every way."""
+    from codegen.triton.indexer_topk import indexer_topk
+    b = _batch(59, [(700, 1), (40, 1), (1000, 1)])
+    args = _args(b, 32)
+    bn = SCORES["BLOCK_N"]
+    shape = (3, -(-b["tbl"].shape[1] * b["bs"] // bn) * bn)   # the score rows' shape: [rows, NT * BLOCK_N]
+    g = torch.Generator().manual_seed(60)
+    low = torch.randint(0, 1 << 21, shape, generator=g, dtype=torch.int32)
+    low[:, 1::5] = low[:, 0:shape[1] - 1:5]   # repeats: equal scores
+    sc = (((777 ^ 1024) << 21) + low).to(torch.int32)   # first digit 777 everywhere
+    ctx = b["tp"] + 1
+    hist = torch.zeros(shape[0], 2048, dtype=torch.int32)
+    hist[:, 777] = ctx.to(torch.int32)
+    want = []
+    for r in range(shape[0]):
+        p = torch.arange(int(ctx[r]))
+        key = (sc[r, :len(p)].to(torch.int64) << 32) | ((1 << 32) - 1 - p)
+        want.append(p[key.topk(32).indices].sort().values)
+    wide = dict(SURV, SELECT_RES=1024)   # 256 slots a part: every row's bucket in registers (SURV's 64: streamed)
+    for cfg in (wide, dict(wide, SLOT_FEW=0), SURV):
+        assert torch.equal(indexer_topk(*args, config=cfg, scores_in=(sc, hist)), torch.stack(want)), cfg
+
+
 def test_heuristic_materialises_decode_scores_only():
     """GPU heuristic: decode at long contexts (T x L x 4 B within SCORES_WORKSPACE) takes SCORES 1; prefill at long
     contexts keeps per-tile candidates; short contexts keep their paths; batch-invariant keys choose by L only."""
@@ -156,6 +184,7 @@ def test_heuristic_materialises_decode_scores_only():
     assert dec["TMA"] == 3 and dec["SPLITS"] == 20   # one wave of 5 TMA score programs per SM
     assert dec["GATHER_SPLITS"] == 33   # (no descriptor: 8 gathered-tile programs per SM)
     assert (dec["SURV"], dec["ZERO"], dec["SELECT_PARTS"], dec["MERGE_TILE"]) == (1, 1, 16, 1024)
+    assert dec["SELECT_RES"] == 4096   # 256 bucket slots a part (`_topk_slots`)
     for L, parts in ((1 << 16, 64), (1 << 17, 128), (1 << 20, 256), (1 << 22, 256)):   # one row: BUCKET 3
         one = heuristic(dict(key, T=1, L=L), "h200")
         assert (one["BUCKET"], one["ZERO"], one["SELECT_PARTS"], one["MERGE_TILE"]) == (3, 1, parts, 2048), L
@@ -167,6 +196,8 @@ def test_heuristic_materialises_decode_scores_only():
     assert heuristic(dict(key, T=big, bi=1), "h200")["SCORES"] == 1
     for T, L in ((1, 8192), (8, 8192), (1, 32768)):
         assert not heuristic(dict(key, T=T, L=L), "h200").get("SCORES")
+    b1 = heuristic(dict(key, T=1, L=8192), "h200")   # SELECT 2, the placement counting in one step on 8 warps
+    assert (b1["SELECT"], b1["SELECT_TILE"], b1["SELECT_WARPS"], b1["SELECT_PARTS"]) == (2, 8192, 8, 64)
     for bad in (dict(SCORES, KT=16), dict(SCORES, SELECT=2)):
         assert TEMPLATES[0].constraints(bad, {"DI": DI}, "h200"), bad
         with pytest.raises(ValueError, match="SCORES 1"):

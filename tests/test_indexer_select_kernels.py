@@ -130,8 +130,7 @@ def _zeroed_after():
     return all(int(b.abs().sum()) == 0 for b in list(_topk_fused._ZEROED.values()) + _topk_fused._RETIRED)
 
 
-@pytest.mark.parametrize("cfg", [FUSED, dict(FUSED, SELECT_TILE=256, SELECT_PARTS=1, SPLITS=1)],
-                         ids=["parts", "one_program"])
+@pytest.mark.parametrize("cfg", [FUSED, dict(FUSED, SELECT_PARTS=1, SPLITS=1)], ids=["parts", "one_program"])
 def test_select2_contexts_below_and_above_topk(cfg):
     """Contexts below, at and above top-k and a ragged prefill: exactly the reference's positions and pool rows;
     the histograms and counters are zero again after every launch pair (the next launch relies on it)."""

@@ -11,17 +11,12 @@ carrying another's registers:
     output offset (exclusive prefix of its count above b0 plus its selected bucket keys) and the threshold. A row
     whose context holds <= topk positions is written whole here.
  3. `_topk_parallel._place_kernel` (SRC32): every part writes its selected positions from its offset.
-SURV 1 (the batch-32 default): step 1 also writes each part's keys of digit >= b0 (the survivors: ~topk + the bucket
-per row), in position order, to the part's own range of a survivor row (one scan packs the survivor and bucket
-counts in the halves of an int32), part 0 stores the first radix step, the threshold program issues all its loads at
-once, and step 3 is `_surv_place_kernel`: each part places its selected survivors (40 registers), the score row is
-not read again. ZERO 1: the histogram and bucket counts come from the stream's zeroed counter set
-(`_gemv.tile_counters`) and the threshold program, their last reader, zeroes them (plain stores: one program per
-row, no arrival counter), so no memset runs before the score pass.
+SURV 1 (the default at batch > 1: the parts keep their survivors and place them) is `_topk_slots`. ZERO 1: the
+histogram and bucket count come from the stream's zeroed counter set (`_gemv.tile_counters`) and the threshold
+program, their last reader, zeroes them, so no memset runs before the score pass.
 Exact by construction: keys are unique ((score desc, position asc) order), every key of digit > b0 is selected, the
 bucket's selected keys are the topk - (count above b0) largest of the bucket. Workspace per row: the bucket buffer
-(8 B x NT * BLOCK_N, touched only by the bucket's keys), PARTS counts and offsets, one zeroed counter; SURV also the
-survivor row (8 B x NT * BLOCK_N, touched only by the survivors), PARTS survivor counts and the radix state.
+(8 B x NT * BLOCK_N, touched only by the bucket's keys), PARTS counts and offsets, one zeroed counter.
 
 Session 14 (benches/results/h200-2026-11-30-s14/attention_decode_indexer_tma.json, batch 32 at 128K, FP8 keys, rows
 out, graph replay; every config the default's rows, graph == eager over 50 replays): BUCKET 2, the parts also counting
@@ -45,6 +40,9 @@ over stored scores (SURV + ZERO, MERGE_TILE 1024, 32 parts; memset back with sco
 + threshold 42.2 vs 11.0 / 23.7 / 36.5 for BUCKET 1 (whole select 62.0): the parts cost ~8 us more (the survivors'
 stores; 96 registers, 2 spilled), the threshold the same, the placement over ~100 survivors a part (instead of 4096
 scores) and no memset ~33 less. ZERO alone was not isolated (at MERGE_TILE 2048: +3.6 us, within the run's spread).
+Session 16: that SURV (here: one scan per tile, a returning atomic per tile reserving the bucket's slots, the survivors
+as int64 keys, a threshold program dividing each bucket key's position by the part size) replaced by `_topk_slots`
+(214.8 / 209.2 vs 221.8 / 220.2 us; figures there) and removed.
 """
 
 from __future__ import annotations
@@ -54,19 +52,14 @@ import triton
 import triton.language as tl
 
 from ._pdl import pdl_enter
-from ._topk_select import (INVALID, _collect, _digit0, _finish_streamed, _hist_vals, _low32, _ord_digit0, _ord_keys,
+from ._topk_select import (INVALID, _digit0, _finish_streamed, _hist_vals, _low32, _ord_digit0, _ord_keys,
                            _part_range, _radix_step, _select_all)
-
-PLACE_TILE = 256   # SURV placement: survivors per step (a part holds ~topk / PARTS + its share of the bucket)
 
 
 @triton.jit
-def _bucket_kernel(sc_ptr, hist_ptr, hist2_ptr, gt_ptr, nb_ptr, bkt_ptr, sv_ptr, svn_ptr, rad_ptr, pos_ptr, NT, TOPK,
-                   BLOCK_N: tl.constexpr, PARTS: tl.constexpr, TILE: tl.constexpr, HIST2: tl.constexpr,
-                   SURV: tl.constexpr, PDL: tl.constexpr):
-    """Step 1 of the module doc (HIST2, BUCKET 3: the bucket's next 11 bits also counted into hist2; SURV: the
-    part's keys of digit >= b0 also written in order to its own range of the survivor row, their count to svn, and
-    part 0 stores the first radix step for the threshold program)."""
+def _bucket_kernel(sc_ptr, hist_ptr, hist2_ptr, gt_ptr, nb_ptr, bkt_ptr, pos_ptr, NT, TOPK, BLOCK_N: tl.constexpr,
+                   PARTS: tl.constexpr, TILE: tl.constexpr, HIST2: tl.constexpr, PDL: tl.constexpr):
+    """Step 1 of the module doc (HIST2, BUCKET 3: the bucket's next 11 bits also counted into hist2)."""
     pdl_enter(PDL)
     row = tl.program_id(0)
     part = tl.program_id(1)
@@ -81,82 +74,47 @@ def _bucket_kernel(sc_ptr, hist_ptr, hist2_ptr, gt_ptr, nb_ptr, bkt_ptr, sv_ptr,
         srow = sc_ptr + row.to(tl.int64) * NT * BLOCK_N
         brow = bkt_ptr + row.to(tl.int64) * NT * BLOCK_N
         gt = tl.zeros([], tl.int32)
-        ns = tl.zeros([], tl.int32)
         for c0 in range(0, n, TILE):
             p = lo + c0 + tl.arange(0, TILE)
             m = (p < lo + n) & (p < ctx)
             v = tl.load(srow + p, mask=m, other=0)
             d = _ord_digit0(v)
             eq = m & (d == b0)
-            if SURV:   # one scan for both: survivors in the low 16 bits, bucket keys in the high (TILE < 2^15)
-                ge = m & (d >= b0)
-                two = ge.to(tl.int32) + (eq.to(tl.int32) << 16)
-                cs = tl.cumsum(two, 0)
-                tot = tl.sum(two, 0)
-                k = _ord_keys(v, p, ge)
-                tl.store(sv_ptr + row.to(tl.int64) * NT * BLOCK_N + lo + ns + (cs & 65535) - 1, k, mask=ge)
-                c = tot >> 16
-                ns += tot & 65535
-                gt += (tot & 65535) - c
-                if c > 0:
-                    at = tl.atomic_add(nb_ptr + row, c, sem="relaxed") + (cs >> 16) - 1
-                    tl.store(brow + at, k, mask=eq)
-            else:
-                gt += tl.sum((m & (d > b0)).to(tl.int32), 0)
-                c = tl.sum(eq.to(tl.int32), 0)
-                if c > 0:
-                    at = tl.atomic_add(nb_ptr + row, c, sem="relaxed") + tl.cumsum(eq.to(tl.int32), 0) - 1
-                    tl.store(brow + at, _ord_keys(v, p, eq), mask=eq)
-                    if HIST2:   # key bits 42..52 = score bits 10..20
-                        tl.atomic_add(hist2_ptr + row * 2048 + ((v >> 10) & 2047), 1, mask=eq, sem="relaxed")
+            gt += tl.sum((m & (d > b0)).to(tl.int32), 0)
+            c = tl.sum(eq.to(tl.int32), 0)
+            if c > 0:
+                at = tl.atomic_add(nb_ptr + row, c, sem="relaxed") + tl.cumsum(eq.to(tl.int32), 0) - 1
+                tl.store(brow + at, _ord_keys(v, p, eq), mask=eq)
+                if HIST2:   # key bits 42..52 = score bits 10..20
+                    tl.atomic_add(hist2_ptr + row * 2048 + ((v >> 10) & 2047), 1, mask=eq, sem="relaxed")
         tl.store(gt_ptr + row * PARTS + part, gt)
-        if SURV:
-            tl.store(svn_ptr + row * PARTS + part, ns)
-            if part == 0:
-                rr = rad_ptr + row.to(tl.int64) * 4
-                tl.store(rr, need.to(tl.int64))
-                tl.store(rr + 1, prefix)
-                tl.store(rr + 2, pmask)
-                tl.store(rr + 3, done.to(tl.int64))
 
 
 @triton.jit
-def _threshold_kernel(hist_ptr, gt_ptr, nb_ptr, bkt_ptr, rad_ptr, poff_ptr, th_ptr, out_ptr, tbl_ptr, req_ptr, MB,
-                      pos_ptr, NT, TOPK, BLOCK_N: tl.constexpr, PARTS: tl.constexpr, TILE: tl.constexpr,
-                      RES: tl.constexpr, ROWS_OUT: tl.constexpr, LOG_BS: tl.constexpr, SURV: tl.constexpr,
-                      ZERO: tl.constexpr, PDL: tl.constexpr):
-    """Step 2 of the module doc (SURV: the first radix step from part 0, not the histogram; ZERO: the row's
-    histogram and bucket count zeroed after use, the program being their last reader)."""
+def _threshold_kernel(hist_ptr, gt_ptr, nb_ptr, bkt_ptr, poff_ptr, th_ptr, out_ptr, tbl_ptr, req_ptr, MB, pos_ptr, NT,
+                      TOPK, BLOCK_N: tl.constexpr, PARTS: tl.constexpr, TILE: tl.constexpr, RES: tl.constexpr,
+                      ROWS_OUT: tl.constexpr, LOG_BS: tl.constexpr, ZERO: tl.constexpr, PDL: tl.constexpr):
+    """Step 2 of the module doc (ZERO: the row's histogram and bucket count zeroed after use, the program being their
+    last reader)."""
     pdl_enter(PDL)
     row = tl.program_id(0)
     ctx = tl.load(pos_ptr + row) + 1
     i11 = tl.arange(0, 2048)
-    o_r = tl.arange(0, RES)
-    brow = bkt_ptr + row.to(tl.int64) * NT * BLOCK_N
-    if SURV:   # every load issued at once (none depends on another): one latency, not four in a chain
-        rr = rad_ptr + row.to(tl.int64) * 4
-        need, prefix, pmask, done = tl.load(rr).to(tl.int32), tl.load(rr + 1), tl.load(rr + 2), tl.load(rr + 3)
-        n_b = tl.load(nb_ptr + row)
-        k_r = tl.load(brow + o_r, mask=o_r < NT * BLOCK_N, other=INVALID)
-        gts = tl.load(gt_ptr + row * PARTS + tl.arange(0, PARTS))
-        done = done.to(tl.int32)
     if ctx <= TOPK:
         _select_all(out_ptr + row.to(tl.int64) * TOPK, tbl_ptr + tl.load(req_ptr + row) * MB, ctx, TOPK, TILE,
                     ROWS_OUT, LOG_BS)
     else:
         _, _, per = _part_range(tl.cdiv(ctx, BLOCK_N) * BLOCK_N, 0, PARTS, BLOCK_N)
-        if not SURV:
-            zero = tl.zeros([], tl.int64)
-            need, prefix, pmask, done = _radix_step(tl.load(hist_ptr + row * 2048 + i11), i11,
-                                                    TOPK + tl.zeros([], tl.int32), zero, zero, 53, 11, 1024)
-            n_b = tl.load(nb_ptr + row)
+        zero = tl.zeros([], tl.int64)
+        need, prefix, pmask, done = _radix_step(tl.load(hist_ptr + row * 2048 + i11), i11,
+                                                TOPK + tl.zeros([], tl.int32), zero, zero, 53, 11, 1024)
+        n_b = tl.load(nb_ptr + row)
+        brow = bkt_ptr + row.to(tl.int64) * NT * BLOCK_N
         idx = tl.arange(0, 256)
         if n_b <= RES:   # the bucket in registers
+            o_r = tl.arange(0, RES)
             m_r = o_r < n_b
-            if SURV:
-                k_r = tl.where(m_r, k_r, INVALID)
-            else:
-                k_r = tl.load(brow + o_r, mask=m_r, other=INVALID)
+            k_r = tl.load(brow + o_r, mask=m_r, other=INVALID)
             for s in tl.static_range(7):   # digits at bits 45, 37, 29, 21, 13, 5, then the last at 0
                 if done == 0:
                     sh = 45 - 8 * s if s < 6 else 0
@@ -168,9 +126,7 @@ def _threshold_kernel(hist_ptr, gt_ptr, nb_ptr, bkt_ptr, rad_ptr, poff_ptr, th_p
             prefix, pmask, hsel = _finish_streamed(brow, n_b, need, prefix, pmask, done, idx, per, 45, 7, BLOCK_N,
                                                    BLOCK_N, PARTS, TILE)
         pp = tl.arange(0, PARTS)
-        if not SURV:
-            gts = tl.load(gt_ptr + row * PARTS + pp)
-        cnt = gts + hsel
+        cnt = tl.load(gt_ptr + row * PARTS + pp) + hsel
         tl.store(poff_ptr + row * PARTS + pp, tl.cumsum(cnt, 0) - cnt)
         tl.store(th_ptr + row.to(tl.int64) * 2, prefix)
         tl.store(th_ptr + row.to(tl.int64) * 2 + 1, pmask)
@@ -180,33 +136,13 @@ def _threshold_kernel(hist_ptr, gt_ptr, nb_ptr, bkt_ptr, rad_ptr, poff_ptr, th_p
         tl.store(nb_ptr + row, 0)
 
 
-@triton.jit
-def _surv_place_kernel(sv_ptr, svn_ptr, th_ptr, poff_ptr, out_ptr, tbl_ptr, req_ptr, MB, pos_ptr, NT, TOPK,
-                       BLOCK_N: tl.constexpr, PARTS: tl.constexpr, TILE: tl.constexpr, ROWS_OUT: tl.constexpr,
-                       LOG_BS: tl.constexpr, PDL: tl.constexpr):
-    """Step 3 with SURV (grid rows x PARTS): part p writes the selected keys of its survivors (in position order)
-    from its offset; the row's scores are not read again."""
-    pdl_enter(PDL)
-    row, part = tl.program_id(0), tl.program_id(1)
-    ctx = tl.load(pos_ptr + row) + 1
-    th, at = th_ptr + row.to(tl.int64) * 2, row * PARTS + part
-    if ctx > TOPK:   # (shorter rows: written whole by the threshold program)
-        lo = _part_range(tl.cdiv(ctx, BLOCK_N) * BLOCK_N, part, PARTS, BLOCK_N)[0]
-        _collect(sv_ptr + row.to(tl.int64) * NT * BLOCK_N + lo, tl.load(svn_ptr + at), tl.load(th), tl.load(th + 1),
-                 out_ptr + row.to(tl.int64) * TOPK, tl.load(poff_ptr + at), tbl_ptr + tl.load(req_ptr + row) * MB, TOPK,
-                 TILE, ROWS_OUT, LOG_BS)
-
-
-def bucket_parts(cand, hist, hist2, nb, bkt, pos, NT, topk, tile, bn, parts, pdl, surv=None):
-    """Step 1 (`_bucket_kernel`, grid rows x parts; `hist2` given: HIST2; `surv` = (survivor row, counts, radix
-    state): SURV) into the bucket buffer `bkt`; returns the parts' counts above the boundary digit (int32
-    [rows, parts])."""
+def bucket_parts(cand, hist, hist2, nb, bkt, pos, NT, topk, tile, bn, parts, pdl):
+    """Step 1 (`_bucket_kernel`, grid rows x parts; `hist2` given: HIST2) into the bucket buffer `bkt`; returns the
+    parts' counts above the boundary digit (int32 [rows, parts])."""
     n = cand.shape[0]
     gt = torch.empty(n, parts, dtype=torch.int32, device=cand.device)
-    sv, svn, rad = surv if surv is not None else (bkt, gt, bkt)
-    _bucket_kernel[(n, parts)](cand, hist, hist if hist2 is None else hist2, gt, nb, bkt, sv, svn, rad, pos, NT, topk,
-                               BLOCK_N=bn, PARTS=parts, TILE=tile, HIST2=hist2 is not None, SURV=surv is not None,
-                               num_warps=4, **pdl)
+    _bucket_kernel[(n, parts)](cand, hist, hist if hist2 is None else hist2, gt, nb, bkt, pos, NT, topk, BLOCK_N=bn,
+                               PARTS=parts, TILE=tile, HIST2=hist2 is not None, num_warps=4, **pdl)
     return gt
 
 
@@ -214,23 +150,12 @@ def bucket_select(cand, hist, nb, bkt, poff, th, out, tbl, req, MB, pos, NT, top
                   pdl, stop_after=None, zero=False):
     """Steps 1-2 of the module doc over `cand` (int32 scores [n, NT * BLOCK_N]) with `hist` (their first-digit
     histogram), `nb` (zeroed int32 [n]) and the bucket buffer `bkt` (int64 [n, NT * BLOCK_N]); `_place_kernel`
-    (step 3) follows in `indexer_topk`, or (SURV 1) `_surv_place_kernel` here. `stop_after` "bucket": step 1 only
-    (bench breakdown). `zero` (ZERO 1): the threshold program leaves hist and nb at zero."""
+    (step 3) follows in `indexer_topk`. `stop_after` "bucket": step 1 only (bench breakdown). `zero` (ZERO 1): the
+    threshold program leaves hist and nb at zero."""
     n, tile = cand.shape[0], int(cfg.get("MERGE_TILE", 2048))
-    surv = None
-    if int(cfg.get("SURV", 0)):
-        if tile > 32768:
-            raise ValueError(f"bucket_select: SURV 1 needs MERGE_TILE <= 32768, found {tile}")
-        surv = (torch.empty_like(bkt), torch.empty(n, parts, dtype=torch.int32, device=cand.device),
-                torch.empty(n, 4, dtype=torch.int64, device=cand.device))
-    gt = bucket_parts(cand, hist, None, nb, bkt, pos, NT, topk, tile, bn, parts, pdl, surv)
+    gt = bucket_parts(cand, hist, None, nb, bkt, pos, NT, topk, tile, bn, parts, pdl)
     if stop_after == "bucket":
         return
-    _threshold_kernel[(n,)](hist, gt, nb, bkt, surv[2] if surv else th, poff, th, out, tbl, req, MB, pos, NT, topk,
-                            BLOCK_N=bn, PARTS=parts, TILE=tile, RES=int(cfg.get("SELECT_RES", 8192)),
-                            ROWS_OUT=rows_out, LOG_BS=log_bs, SURV=surv is not None, ZERO=zero,
-                            num_warps=int(cfg.get("MERGE_WARPS", 8)), **pdl)
-    if surv is not None and stop_after != "threshold":
-        _surv_place_kernel[(n, parts)](surv[0], surv[1], th, poff, out, tbl, req, MB, pos, NT, topk, BLOCK_N=bn,
-                                       PARTS=parts, TILE=PLACE_TILE, ROWS_OUT=rows_out,
-                                       LOG_BS=log_bs, num_warps=4, **pdl)
+    _threshold_kernel[(n,)](hist, gt, nb, bkt, poff, th, out, tbl, req, MB, pos, NT, topk, BLOCK_N=bn, PARTS=parts,
+                            TILE=tile, RES=int(cfg.get("SELECT_RES", 8192)), ROWS_OUT=rows_out, LOG_BS=log_bs,
+                            ZERO=zero, num_warps=int(cfg.get("MERGE_WARPS", 8)), **pdl)

@@ -55,9 +55,9 @@ bits (int32) to a [rows, NT * BLOCK_N] workspace and counts their first digit, n
 that row (`_select_kernel` / `_place_kernel` with SRC32 form each key from its score and position on load), or with
 BUCKET 1 (`_topk_bucket`, the default) three launches none of which carries another's registers: lean parts count
 the scores above the boundary digit and append the boundary bucket's keys, one program per row finishes the exact
-threshold over that bucket and stores each part's offset, then `_place_kernel` (SURV 1, the default: the parts also
-keep their survivors, which `_surv_place_kernel` places, and ZERO 1 leaves no memset); or (one row, the default there) with
-BUCKET 3 (`_topk_bucket_place`) two: the same parts also count the bucket's next 11 bits, then every placement part
+threshold over that bucket and stores each part's offset, then `_place_kernel` (SURV 1, the default: `_topk_slots`,
+the parts keep their survivors and the bucket in slots of their own, no atomics, and ZERO 1 leaves no memset); or
+(one row, the default there) with BUCKET 3 (`_topk_bucket_place`) two: the same parts also count the bucket's next 11 bits, then every placement part
 finishes the threshold itself (ZERO 1: over counts the select leaves at zero, no memset).
 Workspace per row 8 B x (NT*(KT+1) + (topk/KT)*BLOCK_N + 2 pow2(topk) + 2); prefill runs in row chunks.
 Pools: flat [N, ...] or block views [NB, block_size, ...] of a packed pool (`_paging.pool_strides`), read
@@ -66,7 +66,7 @@ in place through `row_offsets`.
 API: `indexer_topk(...)` (positions: the IR op), `output="rows"` (the positions' pool rows, -1
 padded: what attention kernels read), `key_format="mxfp4"`. Tunables: BLOCK_N, KT, SPLITS (programs
 per row), CAND, DOT, PREFETCH (score kernel: next tile in flight), num_warps / num_stages (score kernel),
-MERGE_TILE, MERGE_WARPS, FILTER / FILTER_PARTS, SCORES, BUCKET, SURV (BUCKET 1: `_topk_bucket`), TMA / TMA_J
+MERGE_TILE, MERGE_WARPS, FILTER / FILTER_PARTS, SCORES, BUCKET, SURV / SLOT_FEW (BUCKET 1: `_topk_slots`), TMA / TMA_J
 (SCORES 1 with FP8 keys: key tiles as pipelined bulk tensor copies, `_indexer_scores.scores_launch`), GATHER_SPLITS
 (their fallback's programs), ZERO (BUCKET 3 / BUCKET 1: no memset, `_topk_bucket_place` / `_topk_bucket`), SELECT /
 SELECT_PARTS / SELECT_RES (SELECT 2: SELECT_PARTS, SELECT_TILE, SELECT_WB, SELECT_WARPS: `_topk_fused.fused_launch`),
@@ -94,6 +94,7 @@ from ._topk_bucket_place import bucket_place_select, bucket_workspace
 from ._gemv import tile_counters
 from ._topk_fused import fused_launch
 from ._topk_parallel import _filter_kernel, _place_kernel, _select_kernel
+from ._topk_slots import slots_select
 from ._topk_select import _merge_kernel
 
 WORKSPACE_BYTES = 1 << 28
@@ -211,7 +212,16 @@ def heuristic(key: dict, target: str) -> dict:
     the parts also write their survivors, the placement reads those, not the 128K-score row) + ZERO (no memset) with
     MERGE_TILE 1024 and 16 parts 217.0 us (58.3%: the new default for T > 1; 32 / 64 parts 219.3 / 221.3, at MERGE_TILE
     2048 241.7 without ZERO, 245.3 with; other figures in `_topk_bucket`). Not timed at batches between 2 and 31.
-    Batch 1 at 8K unchanged (SELECT 2, 13.70 us)."""
+    Batch 1 at 8K unchanged (SELECT 2, 13.70 us).
+    Session 16 (two H200 calls, benches/results/h200-2026-11-30-s16/attention_decode_indexer_slots_call{1,2}.json;
+    read bandwidth 4.38 / 4.37 TB/s; every config the old default's rows, the new ones also vs the IR reference, graph
+    == eager over 50 replays for each): batch 32 at 128K, SURV 1 is now `_topk_slots` (no atomic in the parts, the
+    bucket in 256 slots a part, int32 index arithmetic, a few-key boundary resolved by max reductions): 214.8 / 209.2
+    us (58.9% / 60.6%) vs 221.8 / 220.2 for session 15's SURV (PDL off 222.7 / 221.2); other configs in `_topk_slots`.
+    Batch 8 at 128K (first timed): 94.7 / 91.6 us vs 105.1 / 103.4 (PDL off 98.9 / 99.4), score pass alone 64.9 / 68.5.
+    Batch 1 at 8K: SELECT 2's placement parts request their own keys with the threshold (`_topk_fused`) and count the
+    keys before them in one step of 8192 on 8 warps: 12.71 / 12.82 us vs 13.51 / 13.66 (the early request alone 13.09 /
+    13.13; 32 / 128 parts 12.84 / 12.98; PDL off 14.15 / 14.15)."""
     L, K, T = max(1, key["L"]), key["K"], max(1, key["T"])
     if target == "cpu":
         bn = 32 if L <= 256 else 128
@@ -221,8 +231,8 @@ def heuristic(key: dict, target: str) -> dict:
     nt = -(-L // bn)
     if default_kt(bn, K, L) * 4 >= bn and L <= 8192 and T <= 1:
         return dict(BLOCK_N=bn, KT=bn, SPLITS=max(1, min(nt, round(8 * 132 / T))), num_warps=8, num_stages=1,
-                    CAND=0, DOT=3, MERGE_TILE=2048, SELECT=2, SELECT_TILE=4096, SELECT_WB=256, SELECT_PARTS=64,
-                    SELECT_WARPS=4)
+                    CAND=0, DOT=3, MERGE_TILE=2048, SELECT=2, SELECT_TILE=8192, SELECT_WB=256, SELECT_PARTS=64,
+                    SELECT_WARPS=8)
     if default_kt(bn, K, L) * 4 >= bn:
         return dict(BLOCK_N=bn, KT=bn, SPLITS=max(1, min(nt, round(8 * 132 / T))), num_warps=4, num_stages=1,
                     CAND=0, DOT=3, MERGE_TILE=2048, FILTER=int(nt * bn > 4 * 2048), FILTER_PARTS=16,
@@ -231,7 +241,7 @@ def heuristic(key: dict, target: str) -> dict:
     if key.get("bi") or T * L * 4 <= SCORES_WORKSPACE:   # decode: materialised scores (batch invariant: any T)
         # TMA key tiles, 3 stages: 5 programs per SM (94 registers, 25 KB), one wave of them (>= 4 boxes each);
         # gathered tiles where the pool allows no descriptor: 8 programs per SM
-        # BUCKET 1 with SURV (placement over the parts' survivors) and ZERO (no memset), 16 parts of 1024-key tiles
+        # BUCKET 1 with SURV (`_topk_slots`: 256 bucket slots a part) and ZERO (no memset), 16 parts of 1024-key tiles
         cfg = dict(BLOCK_N=bn, KT=bn, SPLITS=max(1, min(nt // 2, 5 * 132 // T)), num_warps=4, num_stages=1, TMA=3,
                    GATHER_SPLITS=max(1, min(nt // 2, round(8 * 132 / T))), CAND=0, DOT=3, MERGE_TILE=1024, SCORES=1,
                    SELECT=1, BUCKET=1, SURV=1, ZERO=1, SELECT_PARTS=16, SELECT_RES=4096, MERGE_WARPS=8)
@@ -313,7 +323,7 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_tab
     KP = _pow2(topk)
     KW = WORK_ROW_FACTOR * KP    # work row: top-k plus the survivors of rescored tiles (second merge)
     per_row = 8 * (2 * NT * kt + NT + max_ovf * bn + KW + 2) + 4 * (max_ovf + 1 + 2 * 2048 + 1024 + 1) - \
-        4 * NT * kt * scores + 8 * NT * kt * int(cfg.get("SURV", 0))   # SCORES: the row is int32; SURV: survivors
+        4 * NT * kt * scores + 8 * NT * kt * bool(cfg.get("SURV"))   # SCORES: the row is int32; SURV: survivors
     chunk = max(1, min(T, WORKSPACE_BYTES // per_row))
     # DOT 0 / 3: both sides exact in bf16 / fp16, fp32 accumulation (SPEC §5.6). DOT 1 / 2: FP8 keys x FP8 queries on
     # the tensor cores, which sum the products of one 32-deep MMA step with ~14-bit alignment (not exact
@@ -408,6 +418,9 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_tab
             if bucket == 3:   # two launches, the placement parts finishing the threshold themselves
                 bucket_place_select(cand, (hist, *ws[1:]), src, oc, tbl, rc, MB, pc, NT, topk, cfg, bn, sparts,
                                     output == "rows", log_bs, pdl, zero_ws, stop_after)
+            elif bucket and cfg.get("SURV"):   # the parts keep their survivors, no atomics (`_topk_slots`)
+                slots_select(cand, hist, oc, tbl, rc, MB, pc, NT, topk, cfg, bn, sparts, output == "rows", log_bs, pdl,
+                             stop_after, zero_ws)
             elif bucket:
                 bucket_select(cand, hist, ncomp, src, poff, th, oc, tbl, rc, MB, pc, NT, topk, cfg, bn, sparts,
                               output == "rows", log_bs, pdl, stop_after, zero_ws)
@@ -499,7 +512,7 @@ TUNABLES = (Tunable("BLOCK_N", (64, 128, 256)), Tunable("KT", (4, 8, 16, 32, 64)
             Tunable("FILTER_PARTS", (16, 32)), Tunable("SELECT", (0, 1, 2)))
 # DOT fixes the numerics (never searched); MERGE_WARPS, SELECT_PARTS / SELECT_RES / SELECT_TILE / SELECT_WB /
 # SELECT_WARPS (the space stays under the tuner's enumeration limit), HIST, SCORES, BUCKET and TMA / TMA_J only by an
-# explicit config (also GATHER_SPLITS, ZERO and SURV)
+# explicit config (also GATHER_SPLITS, ZERO, SURV and SLOT_FEW)
 
 TEMPLATES = [
     KernelTemplate(family="indexer_topk", backend="triton", ops=("indexer_topk",), launch=_launch, key_dims=_key,

@@ -126,10 +126,10 @@ def decode_operands(lengths, heads, seed=1):
             r(D), torch.arange(1, R + 1, device=DEV), cu]
 
 
-def dec(split, bv, rb=128, gemv=0, early=1, warps=4, gate_mm=0, maxnreg=0, prefetch=1):
-    """A fused-decode config (kda_decode's template keys)."""
+def dec(split, bv, rb=128, gemv=0, early=1, warps=4, gate_mm=0, maxnreg=0, prefetch=1, gluon=0):
+    """A fused-decode config (kda_decode's template keys; GLUON only where set)."""
     return {"SPLIT": split, "BV": bv, "WARPS": warps, "PREFETCH": prefetch, "GATE_MM": gate_mm, "RB": rb,
-            "MAXNREG": maxnreg, "GEMV": gemv, "EARLY": early}
+            "MAXNREG": maxnreg, "GEMV": gemv, "EARLY": early} | ({"GLUON": gluon} if gluon else {})
 
 
 def low(ops):
@@ -143,7 +143,7 @@ def decode_run(mine, cfg, keep=False):
                               block_v=cfg["BV"], num_warps=cfg["WARPS"], split=cfg["SPLIT"],
                               prefetch=bool(cfg["PREFETCH"]), gate_mm=bool(cfg["GATE_MM"]), rank_block=cfg["RB"],
                               max_regs=cfg.get("MAXNREG", 0), gemv=bool(cfg.get("GEMV", 0)),
-                              early=bool(cfg.get("EARLY", 0)))
+                              early=bool(cfg.get("EARLY", 0)), gluon=bool(cfg.get("GLUON", 0)))
 
 
 def fla_decode(ops, heads, with_gemm=False):

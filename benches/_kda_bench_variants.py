@@ -53,9 +53,12 @@ _ONE_BLOCK = [dec(1, 128, warps=8), dec(1, 128, warps=16), dec(2, 64, warps=8)] 
 COPY_VARIANTS = [(64, 0, 4, 0), (64, 0, 4, 1), (128, 0, 8, 0), (64, 3, 8, 0)]
 # s13: WK (warp-owned state columns), streaming state stores, EARLY with two blocks at B=64: all slower (numbers in
 # kda_decode.heuristic; the code removed); the hoisted one-token broadcasts (the default now) 88.70 vs 88.97
+# s16: the persistent TMA-ring Gluon kernel (`_kda_decode_gluon.py`, GLUON=1; its module docstring has the numbers of
+# the variants measured and removed: 2 stages, 4 columns a thread, the refill at a pair's end, 8 warps)
+_GLUON = [dec(1, 64, 32, early=0, gate_mm=1, gluon=1)]
 DECODE_CASES = [
-    (B_DEC, H, 1, [dec(2, 64, gate_mm=1), dec(2, 64, early=0, gate_mm=1), dec(4, 32, gate_mm=1), dec(2, 64),
-                   dec(1, 64, 32, early=0, gate_mm=1, warps=8), dec(1, 64, 32, early=0, gemv=1)] * SWEEP,
+    (B_DEC, H, 1, _GLUON + [dec(2, 64, gate_mm=1), dec(2, 64, early=0, gate_mm=1), dec(4, 32, gate_mm=1), dec(2, 64),
+                            dec(1, 64, 32, early=0, gate_mm=1, warps=8), dec(1, 64, 32, early=0, gemv=1)] * SWEEP,
      [dec(1, 64, 32, early=0, gate_mm=1)]),
     (1, H_RANK, 1, _ONE_BLOCK + [dec(8, 16, early=0)] * SWEEP, [dec(4, 32)]),
     (1, H, 1, _ONE_BLOCK + [dec(2, 64)] * SWEEP, [dec(4, 32)]),
@@ -73,6 +76,7 @@ def decode_candidates(B, heads, qlen, new, previous):
     """New candidates, then the previous ones (the first: the session-8 heuristic), then the heuristic if not among
     them; returns (candidates, heuristic, index of the previous heuristic)."""
     heur = decode_heuristic({"D": D, "H": heads, "R": B, "T": B * qlen}, DEV)
+    heur = {k: v for k, v in heur.items() if k != "GLUON" or v}  # GLUON 0: as the candidates without the key
     cands = [{**c, "BV": min(c["BV"], D // c["SPLIT"])} for c in new + previous]
     return cands + ([heur] if heur not in cands else []), heur, len(new)
 

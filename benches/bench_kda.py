@@ -5,7 +5,8 @@ decode:i:n | prefill:i:n | fla:i:n`, benches/_kda_bench_inputs.py with the input
 cache in parallel; every timing waits for them to end:
   check  bf16 vs fp32 references: every fused decode candidate vs the unfused ops (B=64 / B=1 at H=32, B=1 H=12:
          the rank preset; B=64 x 8 tokens with states kept); prefill kernel-2 tiles and kernel-1 variants at B=1
-         T=8192 vs ir.ref
+         T=8192 vs ir.ref; the Gluon decode (GLUON) on a ragged step (requests of 0-3 tokens) vs the unfused ops and
+         vs the Triton kernel
   time   copy bandwidth (the byte floors) and launch gap; decode per launch in ONE CUDA graph of launches on
          distinct (L2-cold) pools, PDL on (new candidates, then the previous ones), the previous heuristic and the
          best with PDL off; fla fused_recurrent_kda (f given; + the f GEMM), floor B*H*D*D*4*2 bytes; a PDL race
@@ -46,7 +47,7 @@ from _report import BenchReport, copy_bandwidth_GBps, graph_ms, median_ms  # ben
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from codegen.triton import _pdl  # noqa: E402
+from codegen.triton import _kda_decode_gluon as _glu, _pdl  # noqa: E402
 from codegen.triton._kda_common import device_chunk_table  # noqa: E402
 from codegen.triton._kda_intra64 import _kda_intra64_kernel  # noqa: E402
 from codegen.triton._kda_state import _kda_state_kernel  # noqa: E402
@@ -119,7 +120,9 @@ def check_decode():
                 seen = compiled_keys(dec_mod._kda_decode_kernel)
                 out = decode_run(low(ops), cfg, keep=qlen > 1)()
                 errs = dict(rel_err_out=rel(out[0].float(), y_ref), rel_err_state=rel(out[2][1:], want[12][1:]),
+                            rel_err_conv=rel(out[1][1:], want[6][1:]),
                             resources=resources(seen, decode=dec_mod._kda_decode_kernel))
+                attempt(errs, "resources_gluon", lambda: resources(decode=_glu._kda_decode_gluon_kernel))
                 errs.update(rel_err_kept_states=rel(out[3], states_ref)) if qlen > 1 else None
                 good = all(e < 1e-2 for e in errs.values() if isinstance(e, float))
                 record(f"decode_check_B{B}_H{heads}_q{qlen}", **errs, tol=1e-2, ok=good, config=cfg,
@@ -130,6 +133,32 @@ def check_decode():
                 record(f"decode_check_B{B}_H{heads}_q{qlen}", config=cfg, error=f"{type(e).__name__}: {str(e)[:200]}")
         STATE["decode"].append((B, heads, qlen, ok, heur, i_prev))
     DOC["kernel_resources_decode"] = resources(decode=dec_mod._kda_decode_kernel)
+
+
+@section
+def check_gluon_ragged():
+    """The Gluon kernel (each GLUON value) on a ragged step: requests of 0-3 tokens (later tokens, empty requests,
+    the generic conv-tail path) vs the unfused ops, and its B=64 one-token output vs the Triton default's (bf16)."""
+    for B, heads, lengths in ((8, H, [1, 0, 3, 1, 2, 0, 1, 1]), (B_DEC, H, [1] * B_DEC)):
+        ops = decode_operands(lengths, heads, seed=3)
+        want = [x.clone() for x in ops]
+        y_ref, _ = unfused(want, D ** -0.5, -5.0, 1e-5)
+        base = decode_run(low(ops), {**decode_candidates(B, heads, 1, [], [])[1], "GLUON": 0})()
+        for cfg in (c for c in DECODE_CASES[0][3] if c.get("GLUON")):
+            res = dict(B=B, lengths=lengths if B < 64 else "1 each", config=cfg)
+            try:
+                out = decode_run(low(ops), cfg)()
+                res.update(rel_err_out=rel(out[0].float(), y_ref), rel_err_state=rel(out[2][1:], want[12][1:]),
+                           rel_err_conv=rel(out[1][1:], want[6][1:]),
+                           rel_vs_triton_out=rel(out[0].float(), base[0].float()),
+                           rel_vs_triton_state=rel(out[2][1:], base[2][1:]),
+                           empty_rows_kept=all(torch.equal(out[2][1 + r], ops[12][1 + r]) and
+                                               torch.equal(out[1][1 + r], ops[6][1 + r])
+                                               for r in range(B) if lengths[r] == 0))
+                res["ok"] = all(v < 1e-2 for k, v in res.items() if k.startswith("rel_err")) and res["empty_rows_kept"]
+            except Exception as e:  # noqa: BLE001
+                res["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            record(f"gluon_check_B{B}_H{heads}", **res)
 
 
 @section
@@ -230,15 +259,16 @@ def time_decode(qlens):
             res["speedup_vs_fla_plus_gemm"] = res.get("fla_plus_gate_gemm_us", 0) / best[0]
             res["speedup_vs_fla_f_given"] = res.get("fla_us", 0) / res.get("ours_f_given_us", float("inf"))
         record(f"decode_B{B}_H{heads}_q{qlen}", **res)
-        early = [p for p in times if p[2].get("EARLY")]  # the race check runs the fastest EARLY candidate
+        # the race check runs the fastest Gluon candidate (its state loads precede the PDL wait), else EARLY one
+        early = [p for p in times if p[2].get("GLUON")] or [p for p in times if p[2].get("EARLY")]
         STATE.setdefault("best_decode", {})[(B, heads, qlen)] = min(early, key=lambda p: p[0])[2] if early else best[2]
 
 
 @section
 def pdl_race_check(reps=20):
     """A chain of 6 launches alternating two op sets A, B: launch i reads launch i-1's output as its q (loaded
-    after the wait) and the state launch i-2 wrote (loaded before the wait with EARLY). Graph replays with PDL
-    must equal the same launches run eagerly with PDL off, bitwise, replay after replay; also its µs per launch
+    after the wait) and the state launch i-2 wrote (loaded before the wait with EARLY or GLUON). Graph replays with
+    PDL must equal the same launches run eagerly with PDL off, bitwise, replay after replay; also its µs per launch
     with PDL on / off (the chain's gain)."""
     for (B, heads, qlen), cfg in STATE.get("best_decode", {}).items():
         if qlen != 1 or late(f"pdl race check B={B} H={heads}"):
@@ -386,6 +416,7 @@ def main():
                       "tiny": TINY, "fla": getattr(__import__("fla"), "__version__", "?") if FLA else "not used"}
     wait_all(warm_dec, "decode", 60, DOC, REPORT.t0)
     check_decode()
+    check_gluon_ragged()
     wait_all(warm_pre, "prefill", 45, DOC, REPORT.t0)
     DOC["notes"] += [f"killed a warm-up's CUDA context: {k}" for k in sorted(poisoned())]
     if PREFILL:

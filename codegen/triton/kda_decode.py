@@ -43,6 +43,10 @@ kda_decode, and restored / rolled back by copies before a step), and a PDL kerne
 every program of the previous kernel has passed its own wait, i.e. after the kernel two launches back has
 completed. Activations, conv tails and split counters / partials are read after the wait. benches/bench_kda.py
 checks this: graph replays of a chain reading the state written two launches back equal PDL-off eager runs.
+
+GLUON (CUDA sm_90+, fp32 pool, no kept states; the heuristic's choice for one-token steps from 2048 (request, head)
+pairs): the persistent Gluon kernel of `_kda_decode_gluon.py` instead (one program per SM looping over the pairs,
+the states streamed through a 3-buffer shared-memory ring by TMA), the gate GEMM before it.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ from ..kernel import KernelTemplate, Tunable, pow2_bucket
 from ._kda_common import (FUSED_OP, OPERANDS, _conv_silu, _conv_silu_w, _conv_weights, _counters, _gate_gemm,
                           _gated_rms_store, _put_tail, _row, _rows, _tail, fused_operands, kda_gate_math,
                           supports)
-from codegen.triton import _precision as precision
+from codegen.triton import _kda_decode_gluon as _glu, _precision as precision
 from codegen.triton._pdl import launch_kwargs, pdl_enter
 
 
@@ -259,7 +263,7 @@ def kda_decode(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_
                state_slot, cu_seqlens, *, scale: float, lower_bound, norm_eps: float, l2_eps: float = 1e-6,
                keep_states: bool = False, block_v: int = 64, num_warps: int = 4, split: int = 1,
                prefetch: bool = True, group: int | None = None, gate_mm: bool = False, rank_block: int = 32,
-               max_regs: int = 0, gemv: bool = False, early: bool = False):
+               max_regs: int = 0, gemv: bool = False, early: bool = False, gluon: bool = False):
     """The fused op `fused.kda_decode` (operands and results: see the module docstring).
 
     `f_b=None` takes `f_a` as the whole gate input f [T, P] (already up-projected). `split` programs share
@@ -271,7 +275,12 @@ def kda_decode(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_
     token per request) as a dot-free multiply-and-sum over [D, rank_block] tiles. `max_regs` (CUDA, 0: none)
     caps the registers per thread so that more programs share an SM (large batches: more state in flight).
     `early` (one [D, BV] block per program, BV = D/split) loads the weights, the step metadata and the program's
-    state block before the PDL wait (the same results; the loads move only with PDL on)."""
+    state block before the PDL wait (the same results; the loads move only with PDL on). `gluon` runs the
+    persistent TMA-ring kernel of `_kda_decode_gluon.py` where it is usable (CUDA sm_90+, fp32 pool, no kept states;
+    f = f_a f_b^T then always as one GEMM before it; `num_warps` its warps), else this kernel."""
+    if gluon and _glu.usable(state, keep_states):
+        return _gluon(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_bias, b, state, gate,
+                      o_norm_w, state_slot, cu_seqlens, scale, lower_bound, norm_eps, l2_eps, num_warps)
     if gate_mm and f_b is not None:
         f_a, f_b = _gate_gemm(f_a, f_b), None
     T, P = q.shape
@@ -332,20 +341,41 @@ def kda_decode(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_
     return res + (keep_s, keep_c) if keep_states else res
 
 
+def _gluon(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_bias, b, state, gate, o_norm_w,
+           state_slot, cu_seqlens, scale, lower_bound, norm_eps, l2_eps, warps):
+    """The persistent Gluon kernel (its module docstring) on the same operands; f = f_a f_b^T by one GEMM first."""
+    f = _gate_gemm(f_a, f_b) if f_b is not None else f_a
+    T, P = q.shape
+    H = A_log.numel()
+    D = P // H
+    warps = max(warps, D // 32)  # one state column a thread
+    if state.shape[1:] != (H, D, D) or not (state.is_contiguous() and conv_state.is_contiguous()):
+        raise ValueError(f"kda_decode: state pool {tuple(state.shape)} must be contiguous [S, {H}, {D}, {D}]")
+    convs = [w if w.is_contiguous() else w.contiguous() for w in (q_conv, k_conv, v_conv)]
+    out = torch.empty(T, P, device=q.device, dtype=q.dtype)
+    if state_slot.numel() > 0:
+        _glu.launch(_rows(q, T, P, "q"), _rows(k, T, P, "k"), _rows(v, T, P, "v"), convs, conv_state,
+                    _rows(f, T, P, "f"), A_log, dt_bias, _rows(b, T, H, "b"), state, _rows(gate, T, P, "gate"),
+                    o_norm_w, out, state_slot, cu_seqlens, scale=scale, lower_bound=lower_bound, l2_eps=l2_eps,
+                    norm_eps=norm_eps, warps=warps, launch_kw=launch_kwargs())
+    return out, conv_state, state
+
+
 # ---------------------------------------------------------------------------------- template
 def _launch(a, attrs, config):
     o = fused_operands(a)
     group = None
     if attrs.get("batch_invariant"):  # fixed tiles and config, no cuBLAS gate GEMM: batch-independent sums
         key = key_dims(a, attrs)
-        group, config = 8, dict(heuristic({**key, "R": 1 << 20}, "cuda" if o["q"].is_cuda else "cpu"), GATE_MM=0)
+        group, config = 8, dict(heuristic({**key, "R": 1 << 20}, "cuda" if o["q"].is_cuda else "cpu"), GATE_MM=0,
+                                GLUON=0)
     return kda_decode(*(o[n] for n in OPERANDS), scale=attrs["scale"], lower_bound=attrs.get("lower_bound"),
                       norm_eps=attrs["norm_eps"], l2_eps=attrs.get("l2_eps", 1e-6),
                       keep_states=attrs.get("keep_states", False), block_v=config["BV"], num_warps=config["WARPS"],
                       split=config.get("SPLIT", 1), prefetch=bool(config.get("PREFETCH", 1)), group=group,
                       gate_mm=bool(config.get("GATE_MM", 0)), rank_block=config.get("RB", 32),
                       max_regs=config.get("MAXNREG", 0), gemv=bool(config.get("GEMV", 0)),
-                      early=bool(config.get("EARLY", 0)))
+                      early=bool(config.get("EARLY", 0)), gluon=bool(config.get("GLUON", 0)))
 
 
 def key_dims(a, attrs):
@@ -356,6 +386,7 @@ def key_dims(a, attrs):
 
 _MIN_PROGRAMS = 128  # a split grid aims at up to ~one program per SM (H200: 132 SMs) ...
 _MAX_SPLIT = 4       # ... with at most 4 programs per head (each repeats the head's conv, L2 norms and gate)
+_GLUON_PAIRS = 2048  # (request, head) pairs from which one-token steps take the Gluon kernel (B=64 H=32 measured)
 
 
 def heuristic(key, target):
@@ -409,18 +440,25 @@ def heuristic(key, target):
         split 4 6.70 / 7.10 (H=12; WK / with v, o) and 7.56 / 7.99 (H=32) vs 6.21 / 7.27, x 2 warps 10.31 / 11.28,
         split 8 x 2 warps 8.22, split 2 x 8 warps 7.83, one program x 8 warps 10.16 (H=12). Streaming state stores
         (.cs) 88.81. EARLY with two blocks a program (the first loaded before the PDL wait) 108.0 (255 / 6).
-      B=1 H=12 6.21 (fla 5.55, + its GEMM 8.65; ours with f given 5.03), H=32 7.26-7.27 (fla 6.08, + GEMM 9.09)."""
+      B=1 H=12 6.21 (fla 5.55, + its GEMM 8.65; ours with f given 5.03), H=32 7.26-7.27 (fla 6.08, + GEMM 9.09).
+    s16 (benches/results/h200-2026-11-30-s16/kda_decode_gluon_call{1,2}.json; floor 63.58 at 4222 GB/s, copy ceiling
+    68.38): GLUON, the persistent TMA-ring Gluon kernel (`_kda_decode_gluon.py`: one program per SM looping over the
+    pairs, each [D, D] state loaded by TMA two pairs ahead into a 3-buffer ring and stored back by TMA), taken from
+    R*H >= 2048 one-token pairs (where it was measured): B=64 H=32 86.78 (PDL off 86.15) vs this kernel's 87.85
+    (87.30) in the same call, 1.365x the floor; its variants' numbers in its module docstring. B=1 (one pair a
+    program) H=12 10.55 vs 6.26, H=32 11.36 vs 7.06: not taken."""
     D = key["D"]
     if str(target).startswith("cpu"):
         return {"BV": D, "WARPS": 4, "SPLIT": 1, "PREFETCH": 1, "GATE_MM": 0, "RB": 32, "MAXNREG": 0, "GEMV": 0,
-                "EARLY": 0}
+                "EARLY": 0, "GLUON": 0}
     split = 1
     while key["R"] * key["H"] * split < _MIN_PROGRAMS and split < _MAX_SPLIT and D // (2 * split) >= 16:
         split *= 2
     one_token = key.get("T", key["R"]) <= key["R"]  # verification (8 tokens): per-program 8-row dots win
     bv = min(64, D // split)
     return {"BV": bv, "WARPS": 4, "SPLIT": split, "PREFETCH": 1, "RB": 128 if split > 1 else 32,
-            "GATE_MM": int(split == 1 and one_token), "MAXNREG": 0, "GEMV": 0, "EARLY": int(bv == D // split)}
+            "GATE_MM": int(split == 1 and one_token), "MAXNREG": 0, "GEMV": 0, "EARLY": int(bv == D // split),
+            "GLUON": int(one_token and key["R"] * key["H"] >= _GLUON_PAIRS)}
 
 
 def constraints(config, key, target):
@@ -439,6 +477,7 @@ TEMPLATES = [
         constraints=constraints, supports=supports, batch_invariant=True,
         tunables=(Tunable("BV", (8, 16, 32, 64)), Tunable("WARPS", (2, 4, 8)), Tunable("SPLIT", (1, 2, 4, 8, 16)),
                   Tunable("PREFETCH", (0, 1)), Tunable("GATE_MM", (0, 1)), Tunable("RB", (32, 64, 128)),
-                  Tunable("MAXNREG", (0, 128, 168)), Tunable("GEMV", (0, 1)), Tunable("EARLY", (0, 1))),
+                  Tunable("MAXNREG", (0, 128, 168)), Tunable("GEMV", (0, 1)), Tunable("EARLY", (0, 1)),
+                  Tunable("GLUON", (0, 1))),
         doc="fused KDA decode/verify: conv + SiLU + L2 + gate + recurrence + gated RMSNorm, per-token states"),
 ]

@@ -1,0 +1,163 @@
+"""The persistent Gluon KDA decode (`codegen/triton/_kda_decode_gluon.py`, config GLUON) checked without a GPU (Gluon
+does not run in the interpreter): the launcher's launches recorded for sm_90 by the AOT recorder and compiled with
+Triton 3.7 and 3.6 (no spills, the state moved by TMA: the STAGES - 1 prologue loads, one refill and one store a
+pair, behind mbarriers; one PDL wait; the ring in shared memory), kept states routed to the Triton kernel, the
+two-pass recurrence the kernel computes equal to the reference recurrence in float64, and the dispatch rules. Its
+bf16 results are checked on the H200 by benches/bench_kda.py (vs the unfused ops, ragged steps with empty and
+3-token requests, the PDL race check, graph replay == eager).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from codegen.triton import _kda_decode_gluon as glu
+from codegen.triton.kda_decode import heuristic
+from ir.ref import kda as ref
+from tests.helpers import TR36, skip_without_triton36
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_SM90_BUILD = textwrap.dedent("""
+    import os, sys, json, subprocess, tempfile
+    os.environ["TRITON_INTERPRET"] = "0"
+    sys.path.insert(0, sys.argv[1])
+    import torch, triton
+    from triton.backends.compiler import GPUTarget
+    from codegen.aot.record import Recorder
+    from codegen.triton.kda_decode import kda_decode
+    from tests.kda_decode_case import decode_operands
+    target = GPUTarget("cuda", 90, 32)
+    H, D = 2, 128      # CPU tensors stand in for CUDA ones (nothing is launched)
+    ops = decode_operands(torch.Generator().manual_seed(0), H, D, [1, 2], 16, 3)
+    ops = [x.to(torch.bfloat16) if i in (0, 1, 2, 3, 4, 5, 7, 8, 11, 13) else x for i, x in enumerate(ops)]
+    with Recorder(target) as rec:     # the softplus gate (the H200 bench runs the lower-bound one)
+        kda_decode(*ops, scale=D ** -0.5, lower_bound=None, norm_eps=1e-5, gluon=True)
+        kda_decode(*ops, scale=D ** -0.5, lower_bound=-5.0, norm_eps=1e-5, gluon=True, keep_states=True)
+    seen = []
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    for spec in rec.specs.values():
+        fn, sig, cx, attrs, opts = spec.compile_args
+        if fn.fn.__name__ == "_kda_decode_gluon_kernel":
+            k = triton.compile(fn.ASTSource(fn, sig, cx, attrs), target=target, options=dict(vars(opts)))
+            cubin = os.path.join(tempfile.mkdtemp(), "k.cubin")
+            open(cubin, "wb").write(k.asm["cubin"])
+            sass, ptx = subprocess.check_output([cuobjdump, "-sass", cubin], text=True), k.asm["ptx"]
+            seen.append(dict(name=fn.fn.__name__, stages=cx[fn.arg_names.index("STAGES"),],
+                             tma_load=ptx.count("cp.async.bulk.tensor.2d.shared::"),
+                             tma_store=ptx.count("cp.async.bulk.tensor.2d.global.shared"),
+                             store_wait=ptx.count("cp.async.bulk.wait_group.read"),
+                             mbar_wait=ptx.count("mbarrier.try_wait.parity"), pdl=ptx.count("griddepcontrol.wait"),
+                             local=sass.count("STL") + sass.count("LDL"), shared=k.metadata.shared,
+                             triton=triton.__version__))
+        else:
+            seen.append(dict(name=fn.fn.__name__))
+    print(json.dumps(seen))
+""")
+
+
+def _compiled(tr36: bool) -> list:
+    """The build script's records, run in a subprocess (no interpreter) under this machine's Triton or 3.6."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH")}
+    env.update({"PYTHONPATH": TR36} if tr36 else {})
+    done = subprocess.run([sys.executable, "-c", _SM90_BUILD, ROOT], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("tr36", [False, True])
+def test_gluon_launch_compiles_for_sm90_with_a_tma_ring(tr36):
+    """The launcher's GLUON launch recorded and compiled for sm_90 without spills; the PTX holds the prologue's
+    STAGES - 1 TMA loads + the refill, one TMA store, the store drains, the stage waits and one PDL wait; shared
+    memory holds the ring. keep_states goes to the Triton kernel."""
+    skip_without_triton36(tr36)
+    seen = _compiled(tr36)
+    want = "3.6" if tr36 else "3.7"
+    g = [s for s in seen if s["name"] == "_kda_decode_gluon_kernel"]
+    assert len(g) == 1 and g[0]["triton"].startswith(want), seen
+    assert [s["name"] for s in seen if s not in g] == ["_kda_decode_kernel"], seen  # kept states: Triton
+    for s in g:
+        st = s["stages"]
+        assert s["local"] == 0, s
+        assert s["tma_load"] == st and s["tma_store"] == 1 and s["store_wait"] == 2, s
+        assert s["mbar_wait"] >= 2 and s["pdl"] == 1, s
+        assert st * 128 * 128 * 4 <= s["shared"] <= st * 128 * 128 * 4 + 8192, s
+
+
+def _two_pass(S, k, q, g, v, beta):
+    """The kernel's per-token arithmetic on one head: pred = S^T (e^g k); u = beta (v - pred); S = e^g S + k u^T;
+    o = S^T q."""
+    pred = S.T @ (g.exp() * k)
+    u = beta * (v - pred)
+    S = g.exp()[:, None] * S + k[:, None] * u[None, :]
+    return S, S.T @ q
+
+
+def test_two_pass_form_equals_the_reference_recurrence_float64():
+    """Two tokens of a random head in float64: the kernel's two-pass form gives the reference recurrence's outputs
+    and final state (ir.ref.kda.kda_recurrence) to rounding."""
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(2), "little"))
+    D, T = 16, 2
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    q, k, v = r(T, 1, D), r(T, 1, D), r(T, 1, D)
+    q, k = q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True)
+    g = -torch.rand(T, 1, D, generator=gen, dtype=torch.float64) * 3
+    beta = torch.rand(T, 1, generator=gen, dtype=torch.float64)
+    pool = r(2, 1, D, D)
+    S = pool[1, 0].clone()
+    mine = []
+    for t in range(T):
+        S, o = _two_pass(S, k[t, 0], q[t, 0] * 0.5, g[t, 0], v[t, 0], beta[t, 0])
+        mine.append(o)
+    o_ref, _ = ref.kda_recurrence(q, k, v, g, beta, pool, torch.tensor([1]), torch.tensor([0, T]), 0.5,
+                                  keep_states=True)
+    assert torch.isfinite(S).all()
+    torch.testing.assert_close(torch.stack(mine), o_ref[:, 0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(S, pool[1, 0], rtol=1e-12, atol=1e-12)
+
+
+def test_usable_only_on_cuda_sm90_with_an_fp32_pool():
+    """Never under the interpreter or without a GPU driver, nor for bf16 pools, kept states, rings that overflow
+    shared memory, or pools whose rows pass int32 TMA coordinates."""
+    st = torch.zeros(3, 2, 128, 128)
+    assert not glu.usable(st, False)  # this CPU machine: the interpreter / no CUDA driver
+    assert not glu.usable(st.bfloat16(), False) and not glu.usable(st, True)
+    assert not glu.usable(torch.zeros(1, 1, 256, 256), False)
+    assert glu.rows_fit(3, 2, 128) and not glu.rows_fit(1 << 17, 128, 128)
+
+
+def test_heuristic_takes_gluon_at_large_batches_only():
+    """CUDA: GLUON for one-token steps from 2048 (request, head) pairs (B=64 H=32: measured faster on the H200), not
+    at the rank preset B=1 H=12 nor B=1 H=32, nor at 32 requests, nor in 8-token verification; never on CPU, nor in
+    batch-invariant launches."""
+    key = {"D": 128, "H": 32, "R": 64, "T": 64}
+    assert heuristic(key, "cuda")["GLUON"] == 1
+    assert heuristic({**key, "R": 256, "T": 256}, "cuda")["GLUON"] == 1
+    for other in ({"H": 12, "R": 1, "T": 1}, {"R": 1, "T": 1}, {"R": 32, "T": 32}, {"T": 512}):
+        assert heuristic({**key, **other}, "cuda")["GLUON"] == 0, other
+    assert heuristic(key, "cpu")["GLUON"] == 0
+
+
+def test_batch_invariant_launch_never_takes_gluon(monkeypatch):
+    """The template's batch-invariant launch fixes GLUON 0 (its cuBLAS gate GEMM would make sums batch-dependent),
+    even where the CUDA heuristic takes it; a plain launch passes the config's GLUON through."""
+    import types
+
+    from codegen.triton import kda_decode as kd
+    from tests.kda_decode_case import decode_operands
+    seen = []
+    monkeypatch.setattr(kd, "kda_decode", lambda *a, **kw: seen.append(kw["gluon"]))
+    monkeypatch.setattr(kd, "heuristic", lambda key, target: {**heuristic(key, "cuda"), "BV": 32})
+    a = types.SimpleNamespace(operands=decode_operands(torch.Generator().manual_seed(1), 2, 32, [1], 8, 2))
+    attrs = {"scale": 0.2, "lower_bound": -5.0, "norm_eps": 1e-5}
+    kd._launch(a, {**attrs, "batch_invariant": True}, {})
+    kd._launch(a, attrs, {"BV": 32, "WARPS": 4, "GLUON": 1})
+    assert seen == [False, True]

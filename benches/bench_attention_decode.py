@@ -199,7 +199,11 @@ def _scores_variants(tag, base):
     warps 240.2; placement tiles of 1024 survivors 222.7, removed); figures in `_topk_bucket`. Session 16
     (h200-2026-11-30-s16/attention_decode_indexer_slots_call{1,2}.json): SURV as `_topk_slots` (no atomics, the bucket
     in per-part slots) 214.8 / 209.2 vs 221.8 / 220.2 at batch 32, 94.7 / 91.6 vs 105.1 / 103.4 at batch 8
-    (idx_b8_128k); its slots, warps, tiles, parts and a second histogram in `_topk_slots`."""
+    (idx_b8_128k); its slots, warps, tiles, parts and a second histogram in `_topk_slots`. Round 2 (h200-2026-11-30-
+    s16/attention_decode_indexer_scores_r2.json): the score kernel's table entries carried one box ahead (TMA_CARRY 1)
+    77.5 vs 88.9 at batch 8 (the new default there), 221.5 vs 222.4 at batch 32 (score pass alone 199.9 vs 171.8: not
+    adopted); its programs and stages, TMA_J 32, and the histogram atomics' cost (a score pass without them) in
+    `_indexer_scores`."""
     if SMOKE and tag == "idx_b32":
         s = dict(base, KT=base["BLOCK_N"], SCORES=1, SELECT=1, SELECT_PARTS=4, SELECT_RES=64, SPLITS=4)
         return [s, dict(s, SELECT_RES=16), dict(s, BUCKET=1), dict(s, BUCKET=1, SELECT_RES=16),
@@ -214,8 +218,8 @@ def _scores_variants(tag, base):
     b3 = dict(base, BUCKET=3, SELECT_RES=2048, MERGE_WARPS=4)   # session 15: the two-launch select
     z = dict(b3, ZERO=1)
     lean = dict(z, SELECT_RES=16, MERGE_TILE=1024)   # the bucket always streamed: 96 registers, not 168
-    if tag in ("idx_b32", "idx_b8_128k"):   # session 16: SURV is `_topk_slots` (figures there)
-        return [dict(base, SELECT_RES=2048, MERGE_WARPS=4), dict(base, SLOT_FEW=0)]
+    if tag in ("idx_b32", "idx_b8_128k"):   # session 16, round 2: the score kernel's block-table entries
+        return [dict(base, TMA_CARRY=1 - base.get("TMA_CARRY", 0)), dict(base, TMA_CARRY=0, TMA_J=32)]
     wide = 64 if base.get("SPLITS", 0) < 512 else 256   # batch 1: more select parts per row
     return [dict(base, TMA=0), dict(base, SPLITS=base["SPLITS"] // 2), dict(base, SPLITS=2 * base["SPLITS"]),
             dict(base, SELECT_PARTS=wide), z, dict(z, SELECT_PARTS=wide), dict(lean, SELECT_PARTS=wide)]
@@ -349,8 +353,9 @@ def sec_idx(tag, warm=None):
     for i, cfg in enumerate(variants[1:]):
         m = measure(f"{tag}_variant{i}", calls(cfg), nbytes, config=cfg)
         ms.append(m)
-        if base.get("SCORES") and (cfg.get("SPLITS"), cfg.get("TMA"), cfg.get("num_stages")) != \
-                (base.get("SPLITS"), base.get("TMA"), base.get("num_stages")):   # a score pass of its own
+        if base.get("SCORES") and (cfg.get("SPLITS"), cfg.get("TMA"), cfg.get("num_stages"), cfg.get("TMA_CARRY"),
+                                   cfg.get("TMA_J")) != (base.get("SPLITS"), base.get("TMA"), base.get("num_stages"),
+                                                         base.get("TMA_CARRY"), base.get("TMA_J")):   # its own score pass
             measure(f"{tag}_variant{i}_score_pass_only",
                     [ba._indexer_call(d, K, cfg, stop_after="score") for d in sets], nbytes, config=cfg)
     best = _summarize(tag, prev, new, [prev] + ms)

@@ -76,6 +76,17 @@ def test_prefill_rows_and_mxfp4_keys():
             assert torch.equal(got, _reference(b, 32)), (fmt, cfg)
 
 
+def test_tma_carried_table_entries():
+    """TMA_CARRY 1 (each box's block-table entry a scalar carried one box ahead): programs with many boxes, with none
+    (a context of 5 boxes over 8 programs) and rows at or below topk, at 3 and 4 stages: the reference's selection."""
+    b = _batch(61, [(300, 1), (33, 1), (20, 1)])
+    want = _reference(b, 32)
+    for cfg in (dict(TMA, TMA_CARRY=1, SPLITS=8), dict(TMA, TMA_CARRY=1, TMA=4)):
+        got = _run(b, 32, config=cfg)
+        _check(got, b, 32)
+        assert torch.equal(got, want), cfg
+
+
 def _args(b, topk):
     return (b["q8"], b["qs"], b["w"], b["k"], b["ks"], b["tp"], b["tr"], b["tbl"], b["bs"], topk)
 
@@ -185,10 +196,11 @@ def test_heuristic_materialises_decode_scores_only():
     assert dec["GATHER_SPLITS"] == 33   # (no descriptor: 8 gathered-tile programs per SM)
     assert (dec["SURV"], dec["ZERO"], dec["SELECT_PARTS"], dec["MERGE_TILE"]) == (1, 1, 16, 1024)
     assert dec["SELECT_RES"] == 4096   # 256 bucket slots a part (`_topk_slots`)
+    assert not dec.get("TMA_CARRY") and heuristic(dict(key, T=8), "h200")["TMA_CARRY"] == 1   # carried: 2..8 rows
     for L, parts in ((1 << 16, 64), (1 << 17, 128), (1 << 20, 256), (1 << 22, 256)):   # one row: BUCKET 3
         one = heuristic(dict(key, T=1, L=L), "h200")
         assert (one["BUCKET"], one["ZERO"], one["SELECT_PARTS"], one["MERGE_TILE"]) == (3, 1, parts, 2048), L
-        assert not one.get("SURV")
+        assert not one.get("SURV") and not one.get("TMA_CARRY")
         assert one["GATHER_SPLITS"] == min(L // 256, 1056) and not TEMPLATES[0].constraints(one, {"DI": 128}, "h200")
     big = SCORES_WORKSPACE // (4 * (1 << 17)) + 1
     pre = heuristic(dict(key, T=big), "h200")

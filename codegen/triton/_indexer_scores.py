@@ -48,6 +48,19 @@ where no descriptor fits) at the TMA config's 20 programs per row measured 319.8
 16.4 (256 programs; 128: 39.5 / 17.2), at 1M 329.7 / 196.3 vs 326.6 / 199.9 (660 programs; 1056: 324.7 / 196.5): equal
 within the spread. TMA programs per row at batch 1: 64K 128 / 256 / 512 -> score pass 17.1 / 16.2 / 16.5; 1M 330 /
 660 / 1320 -> 200.9 / 196.3 / 196.3.
+Session 16, round 2 (benches/results/h200-2026-11-30-s16/attention_decode_indexer_scores_r2.json; read bandwidth 4.32
+TB/s; every config the default's rows, graph == eager over 50 replays for each, the best per batch also vs the IR
+reference): whole launcher / score pass alone (memset + scores), batch 32 at 128K: the default (vector entries)
+222.4 / 171.8 us (PDL off 201.0), TMA_CARRY 1 221.5 / 199.9, with SPLITS 24 (6 programs per SM at 77 registers)
+217.9 / 200.0, with 4 stages 218.7 / 193.5, both 223.3 / 202.1, TMA_J 32 (vector entries, a reduction within one
+warp: 3 barriers a box, 4 table loads per program) 224.5 / 183.7; batch 8 at 128K: the default 88.9 / 83.2 (PDL off
+81.7), TMA_CARRY 1 77.5 / 78.3 (the new default for 2..8 rows), SPLITS 99 90.9 / 76.5, 4 stages 80.4 / 76.3, both
+92.5 / 75.1, TMA_J 32 78.1 / 76.9. Batch 32 keeps the vector entries (its score pass alone slower with CARRY, the whole
+launcher within the run-to-run spread: the same default measured 209.2-222.4 us over three calls). Not timed at 1 row
+or 9..31 rows. Diagnostic (no selection from it, removed): the score pass without the histogram atomics 156.8 / 159.7
+us (default / CARRY) at batch 32, 46.2 / 47.0 at batch 8: the atomics (one per position, the hot first digits of a
+row on the same addresses) cost 15-40 us at batch 32 and 31-37 at batch 8, the next lever (per-program private
+histograms merged once per program, or spread over more addresses).
 """
 
 from __future__ import annotations
@@ -86,46 +99,70 @@ def _scores_kernel(q_ptr, w_ptr, qs_ptr, k_ptr, ks_ptr, k_sb, k_sr, s_sb, s_sr, 
 def _scores_tma_kernel(q_ptr, w_ptr, qs_ptr, k_desc, RPB, ks_ptr, s_sb, s_sr, tbl_ptr, req_ptr, MB, pos_ptr, sc_ptr,
                        hist_ptr, NT, TOPK, SPLITS, HI: tl.constexpr, DI: tl.constexpr, HP: tl.constexpr,
                        BLOCK_N: tl.constexpr, BOX: tl.constexpr, J: tl.constexpr, KEY_FMT: tl.constexpr,
-                       DOT_DT: tl.constexpr, LOG_BS: tl.constexpr, IMPRECISE: tl.constexpr, PDL: tl.constexpr):
+                       DOT_DT: tl.constexpr, LOG_BS: tl.constexpr, IMPRECISE: tl.constexpr, PDL: tl.constexpr,
+                       CARRY: tl.constexpr = 0):
     """`_scores_kernel` with FP8 key tiles as bulk tensor copies (TMA): program (row, split) scores boxes split,
     split + SPLITS, ... of BOX positions (BOX <= block size: one page each) from `k_desc`, a 2-D descriptor over the
-    pool's rows (row blk * RPB + offset, int32 coordinates). The block-table entries of J boxes at a time are loaded
-    as one vector, so no load sits between a box index and its copy: the software pipeliner keeps num_stages - 1
-    copies in flight. Each box's scales are loaded one box ahead (the pipeliner copies ahead only loads that reach a
-    dot)."""
+    pool's rows (row blk * RPB + offset, int32 coordinates). CARRY 0: the block-table entries of J boxes at a time are
+    loaded as one vector (each box's entry picked out by a reduction over the program's warps), so no load sits
+    between a box index and its copy. CARRY 1: each box's entry is a scalar loaded one box ahead and carried: the
+    pipeliner issues it with the copy two boxes ahead of the dot (77 registers, 3 barriers a box instead of 93 and 9;
+    carried two boxes ahead, the pipeliner no longer pipelines the copies). Either way the software pipeliner keeps
+    num_stages - 1 copies in flight. Each box's scales are loaded one box ahead (the pipeliner copies ahead only loads
+    that reach a dot)."""
     pdl_enter(PDL)
     row = tl.program_id(0)
     ctx = (tl.load(pos_ptr + row) + 1).to(tl.int32)
     if ctx > TOPK:
         tblrow, qa, qb, wq = _row_query(q_ptr, w_ptr, qs_ptr, tbl_ptr, req_ptr, MB, row, HI, DI, HP, KEY_FMT, DOT_DT)
         srow = sc_ptr + row.to(tl.int64) * NT * BLOCK_N
+        hrow = hist_ptr + row * 2048
         nbox = tl.cdiv(ctx, BOX)
-        jj = tl.arange(0, J)
-        for c in range(tl.program_id(1), nbox, SPLITS * J):
-            bx = c + jj * SPLITS
-            blks = tl.load(tblrow + ((bx * BOX) >> LOG_BS), mask=bx < nbox, other=0)
-            cnt = tl.minimum(J, tl.cdiv(nbox - c, SPLITS))
-            ks = _box_scales(ks_ptr, s_sb, s_sr, blks, jj, 0, c * BOX, ctx, BOX, LOG_BS)
-            for j in range(0, cnt):
-                start = (c + j * SPLITS) * BOX
-                blk = tl.sum(tl.where(jj == j, blks, 0), 0)
+        if CARRY:
+            step = SPLITS * BOX
+            start = tl.program_id(1) * BOX
+            blk = tl.load(tblrow + (start >> LOG_BS), mask=start < ctx, other=0)
+            ks = _box_scales(ks_ptr, s_sb, s_sr, blk, start, ctx, BOX, LOG_BS)
+            for _ in range(0, tl.cdiv(nbox - tl.program_id(1), SPLITS)):
                 kt = k_desc.load([blk * RPB + (start & ((1 << LOG_BS) - 1)), 0])
-                nxt = tl.where(j + 1 < cnt, start + SPLITS * BOX, ctx)   # (none: every lane masked)
-                ks_next = _box_scales(ks_ptr, s_sb, s_sr, blks, jj, j + 1, nxt, ctx, BOX, LOG_BS)
-                p = start + tl.arange(0, BOX)
-                valid = p < ctx
-                v = _score_ord(_tile_sums(qa, qb, wq, kt, ks, KEY_FMT, DOT_DT, IMPRECISE))
-                tl.store(srow + p, v, mask=valid)
-                tl.atomic_add(hist_ptr + row * 2048 + _ord_digit0(v), 1, mask=valid, sem="relaxed")
+                nxt = start + step
+                blk = tl.load(tblrow + (nxt >> LOG_BS), mask=nxt < ctx, other=0)   # (the next box's)
+                ks_next = _box_scales(ks_ptr, s_sb, s_sr, blk, nxt, ctx, BOX, LOG_BS)
+                _box_out(srow, hrow, start, ctx, _tile_sums(qa, qb, wq, kt, ks, KEY_FMT, DOT_DT, IMPRECISE), BOX)
                 ks = ks_next
+                start = nxt
+        else:
+            jj = tl.arange(0, J)
+            for c in range(tl.program_id(1), nbox, SPLITS * J):
+                bx = c + jj * SPLITS
+                blks = tl.load(tblrow + ((bx * BOX) >> LOG_BS), mask=bx < nbox, other=0)
+                cnt = tl.minimum(J, tl.cdiv(nbox - c, SPLITS))
+                ks = _box_scales(ks_ptr, s_sb, s_sr, tl.sum(tl.where(jj == 0, blks, 0), 0), c * BOX, ctx, BOX, LOG_BS)
+                for j in range(0, cnt):
+                    start = (c + j * SPLITS) * BOX
+                    blk = tl.sum(tl.where(jj == j, blks, 0), 0)
+                    kt = k_desc.load([blk * RPB + (start & ((1 << LOG_BS) - 1)), 0])
+                    nxt = tl.where(j + 1 < cnt, start + SPLITS * BOX, ctx)   # (none: every lane masked)
+                    ks_next = _box_scales(ks_ptr, s_sb, s_sr, tl.sum(tl.where(jj == j + 1, blks, 0), 0), nxt, ctx,
+                                          BOX, LOG_BS)
+                    _box_out(srow, hrow, start, ctx, _tile_sums(qa, qb, wq, kt, ks, KEY_FMT, DOT_DT, IMPRECISE), BOX)
+                    ks = ks_next
 
 
 @triton.jit
-def _box_scales(ks_ptr, s_sb, s_sr, blks, jj, j, start, ctx, BOX: tl.constexpr, LOG_BS: tl.constexpr):
-    """fp32 scales of positions start .. start + BOX - 1 (>= ctx: 0), the box's block `j` of the vector `blks`."""
-    blk = tl.sum(tl.where(jj == j, blks, 0), 0)
+def _box_scales(ks_ptr, s_sb, s_sr, blk, start, ctx, BOX: tl.constexpr, LOG_BS: tl.constexpr):
+    """fp32 scales of positions start .. start + BOX - 1 (>= ctx: 0), in pool block `blk`."""
     o = (start & ((1 << LOG_BS) - 1)) + tl.arange(0, BOX)
     return tl.load(ks_ptr + blk.to(tl.int64) * s_sb + o * s_sr, mask=start + tl.arange(0, BOX) < ctx, other=0.0)
+
+
+@triton.jit
+def _box_out(srow, hrow, start, ctx, s, BOX: tl.constexpr):
+    """Orderable bits of the box's scores `s` to the score row, their first digits counted into the histogram."""
+    p = start + tl.arange(0, BOX)
+    v = _score_ord(s)
+    tl.store(srow + p, v, mask=p < ctx)
+    tl.atomic_add(hrow + _ord_digit0(v), 1, mask=p < ctx, sem="relaxed")
 
 
 def _key_descriptor(k8, k_sb, k_sr, block_size, box):
@@ -150,9 +187,9 @@ def scores_launch(args, cand, hist, n, NT, topk, cfg, common):
     """Step 1 of the module doc into `cand` (int32 [n, NT * BLOCK_N]) and `hist` (zeroed int32 [n, 2048]); `args`
     are `_score_kernel`'s leading operands (q, w, q_scale, pools, table, req, MB, pos). `indexer_topk` then runs
     the select (step 2) over `cand`. Config TMA s > 0 (FP8 keys): `_scores_tma_kernel` at num_stages s, boxes of
-    min(BLOCK_N, block size) positions, SPLITS programs per row, TMA_J table entries a vector (default 128), where
-    the pool allows a descriptor (`_key_descriptor`); otherwise `_scores_kernel` at the config's num_stages (under
-    TMA s: GATHER_SPLITS programs per row, default SPLITS)."""
+    min(BLOCK_N, block size) positions, SPLITS programs per row, TMA_J table entries a vector (default 128; TMA_CARRY
+    1: scalar entries carried one box ahead instead), where the pool allows a descriptor (`_key_descriptor`); otherwise
+    `_scores_kernel` at the config's num_stages (under TMA s: GATHER_SPLITS programs per row, default SPLITS)."""
     splits = max(1, min(int(cfg["SPLITS"]), NT))
     kw = dict(num_warps=int(cfg["num_warps"]), **common)
     if int(cfg.get("TMA", 0)) and common["KEY_FMT"] == 0:
@@ -163,6 +200,7 @@ def scores_launch(args, cand, hist, n, NT, topk, cfg, common):
             splits = max(1, min(int(cfg["SPLITS"]), NT * common["BLOCK_N"] // box))
             _scores_tma_kernel[(n, splits)](q, w, qs, desc, rpb, ks, s_sb, s_sr, tbl, req, MB, pos, cand, hist, NT,
                                             topk, splits, BOX=box, J=int(cfg.get("TMA_J", 128)),
+                                            CARRY=int(cfg.get("TMA_CARRY", 0)),
                                             num_stages=int(cfg["TMA"]), **kw)
             return
     if int(cfg.get("TMA", 0)):   # no descriptor (or MXFP4 keys): the gathered tiles, GATHER_SPLITS programs per row

@@ -219,7 +219,8 @@ def _scores_variants(tag, base):
     z = dict(b3, ZERO=1)
     lean = dict(z, SELECT_RES=16, MERGE_TILE=1024)   # the bucket always streamed: 96 registers, not 168
     if tag in ("idx_b32", "idx_b8_128k"):   # session 16, round 2: the score kernel's block-table entries
-        return [dict(base, TMA_CARRY=1 - base.get("TMA_CARRY", 0)), dict(base, TMA_CARRY=0, TMA_J=32)]
+        return [dict(base, TMA_PRIV=1), dict(base, TMA_CARRY=1 - base.get("TMA_CARRY", 0), TMA_PRIV=1),
+                dict(base, TMA_CARRY=1 - base.get("TMA_CARRY", 0))]
     wide = 64 if base.get("SPLITS", 0) < 512 else 256   # batch 1: more select parts per row
     return [dict(base, TMA=0), dict(base, SPLITS=base["SPLITS"] // 2), dict(base, SPLITS=2 * base["SPLITS"]),
             dict(base, SELECT_PARTS=wide), z, dict(z, SELECT_PARTS=wide), dict(lean, SELECT_PARTS=wide)]
@@ -354,8 +355,9 @@ def sec_idx(tag, warm=None):
         m = measure(f"{tag}_variant{i}", calls(cfg), nbytes, config=cfg)
         ms.append(m)
         if base.get("SCORES") and (cfg.get("SPLITS"), cfg.get("TMA"), cfg.get("num_stages"), cfg.get("TMA_CARRY"),
-                                   cfg.get("TMA_J")) != (base.get("SPLITS"), base.get("TMA"), base.get("num_stages"),
-                                                         base.get("TMA_CARRY"), base.get("TMA_J")):   # its own score pass
+                                   cfg.get("TMA_J"), cfg.get("TMA_PRIV")) != \
+                (base.get("SPLITS"), base.get("TMA"), base.get("num_stages"), base.get("TMA_CARRY"), base.get("TMA_J"),
+                 base.get("TMA_PRIV")):   # a score pass of its own
             measure(f"{tag}_variant{i}_score_pass_only",
                     [ba._indexer_call(d, K, cfg, stop_after="score") for d in sets], nbytes, config=cfg)
     best = _summarize(tag, prev, new, [prev] + ms)
@@ -519,7 +521,9 @@ def _zeroed_check():
     if not SMOKE:
         torch.cuda.synchronize()
     from codegen.triton import _gemv   # (BUCKET 3 + ZERO: words of the stream's shared counter set)
-    bufs = list(_topk_fused._ZEROED.values()) + _topk_fused._RETIRED + list(_gemv._COUNTERS.values())
+    from codegen.triton import _indexer_scores   # (TMA_PRIV: the score programs' private histograms)
+    bufs = list(_topk_fused._ZEROED.values()) + _topk_fused._RETIRED + list(_gemv._COUNTERS.values()) + \
+        list(_indexer_scores._PRIVATE.values())
     return {"ok": all(int(b.abs().sum()) == 0 for b in bufs), "buffers": len(bufs)}
 
 

@@ -76,15 +76,21 @@ def test_prefill_rows_and_mxfp4_keys():
             assert torch.equal(got, _reference(b, 32)), (fmt, cfg)
 
 
-def test_tma_carried_table_entries():
-    """TMA_CARRY 1 (each box's block-table entry a scalar carried one box ahead): programs with many boxes, with none
-    (a context of 5 boxes over 8 programs) and rows at or below topk, at 3 and 4 stages: the reference's selection."""
+def test_tma_carried_table_entries_and_private_histograms():
+    """TMA_CARRY 1 (each box's block-table entry a scalar carried one box ahead) and TMA_PRIV 1 (each score program
+    counts into its own histogram, added to the row's once): programs with many boxes, with none (a context of 5 boxes
+    over 8 programs) and rows at or below topk, at 3 and 4 stages: the reference's selection, and the private
+    histograms all zero again after the launches."""
+    from codegen.triton import _indexer_scores
+
     b = _batch(61, [(300, 1), (33, 1), (20, 1)])
     want = _reference(b, 32)
-    for cfg in (dict(TMA, TMA_CARRY=1, SPLITS=8), dict(TMA, TMA_CARRY=1, TMA=4)):
+    for cfg in (dict(TMA, TMA_CARRY=1, SPLITS=8), dict(TMA, TMA_CARRY=1, TMA=4), dict(TMA, TMA_PRIV=1, SPLITS=8),
+                dict(TMA, TMA_CARRY=1, TMA_PRIV=1, SPLITS=8)):
         got = _run(b, 32, config=cfg)
         _check(got, b, 32)
         assert torch.equal(got, want), cfg
+    assert _indexer_scores._PRIVATE and all(int(h.abs().sum()) == 0 for h in _indexer_scores._PRIVATE.values())
 
 
 def _args(b, topk):
@@ -196,7 +202,9 @@ def test_heuristic_materialises_decode_scores_only():
     assert dec["GATHER_SPLITS"] == 33   # (no descriptor: 8 gathered-tile programs per SM)
     assert (dec["SURV"], dec["ZERO"], dec["SELECT_PARTS"], dec["MERGE_TILE"]) == (1, 1, 16, 1024)
     assert dec["SELECT_RES"] == 4096   # 256 bucket slots a part (`_topk_slots`)
-    assert not dec.get("TMA_CARRY") and heuristic(dict(key, T=8), "h200")["TMA_CARRY"] == 1   # carried: 2..8 rows
+    assert dec["TMA_CARRY"] == dec["TMA_PRIV"] == 1    # batch 32: carried entries, private histograms
+    b8 = heuristic(dict(key, T=8), "h200")
+    assert b8["TMA_CARRY"] == 1 and not b8.get("TMA_PRIV")
     for L, parts in ((1 << 16, 64), (1 << 17, 128), (1 << 20, 256), (1 << 22, 256)):   # one row: BUCKET 3
         one = heuristic(dict(key, T=1, L=L), "h200")
         assert (one["BUCKET"], one["ZERO"], one["SELECT_PARTS"], one["MERGE_TILE"]) == (3, 1, parts, 2048), L

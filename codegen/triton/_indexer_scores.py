@@ -97,10 +97,10 @@ def _scores_kernel(q_ptr, w_ptr, qs_ptr, k_ptr, ks_ptr, k_sb, k_sr, s_sb, s_sr, 
 
 @triton.jit
 def _scores_tma_kernel(q_ptr, w_ptr, qs_ptr, k_desc, RPB, ks_ptr, s_sb, s_sr, tbl_ptr, req_ptr, MB, pos_ptr, sc_ptr,
-                       hist_ptr, NT, TOPK, SPLITS, HI: tl.constexpr, DI: tl.constexpr, HP: tl.constexpr,
+                       hist_ptr, priv_ptr, NT, TOPK, SPLITS, HI: tl.constexpr, DI: tl.constexpr, HP: tl.constexpr,
                        BLOCK_N: tl.constexpr, BOX: tl.constexpr, J: tl.constexpr, KEY_FMT: tl.constexpr,
                        DOT_DT: tl.constexpr, LOG_BS: tl.constexpr, IMPRECISE: tl.constexpr, PDL: tl.constexpr,
-                       CARRY: tl.constexpr = 0):
+                       CARRY: tl.constexpr = 0, PRIV: tl.constexpr = 0):
     """`_scores_kernel` with FP8 key tiles as bulk tensor copies (TMA): program (row, split) scores boxes split,
     split + SPLITS, ... of BOX positions (BOX <= block size: one page each) from `k_desc`, a 2-D descriptor over the
     pool's rows (row blk * RPB + offset, int32 coordinates). CARRY 0: the block-table entries of J boxes at a time are
@@ -109,7 +109,8 @@ def _scores_tma_kernel(q_ptr, w_ptr, qs_ptr, k_desc, RPB, ks_ptr, s_sb, s_sr, tb
     pipeliner issues it with the copy two boxes ahead of the dot (77 registers, 3 barriers a box instead of 93 and 9;
     carried two boxes ahead, the pipeliner no longer pipelines the copies). Either way the software pipeliner keeps
     num_stages - 1 copies in flight. Each box's scales are loaded one box ahead (the pipeliner copies ahead only loads
-    that reach a dot)."""
+    that reach a dot). PRIV 1: the program counts into a private 2048-bin histogram (`priv_ptr`, zero between launches)
+    and adds its nonzero bins to the row's once at the end, restoring zeros (no two programs' atomics on one address)."""
     pdl_enter(PDL)
     row = tl.program_id(0)
     ctx = (tl.load(pos_ptr + row) + 1).to(tl.int32)
@@ -117,6 +118,7 @@ def _scores_tma_kernel(q_ptr, w_ptr, qs_ptr, k_desc, RPB, ks_ptr, s_sb, s_sr, tb
         tblrow, qa, qb, wq = _row_query(q_ptr, w_ptr, qs_ptr, tbl_ptr, req_ptr, MB, row, HI, DI, HP, KEY_FMT, DOT_DT)
         srow = sc_ptr + row.to(tl.int64) * NT * BLOCK_N
         hrow = hist_ptr + row * 2048
+        crow = priv_ptr + (row * SPLITS + tl.program_id(1)).to(tl.int64) * 2048 if PRIV else hrow
         nbox = tl.cdiv(ctx, BOX)
         if CARRY:
             step = SPLITS * BOX
@@ -128,7 +130,7 @@ def _scores_tma_kernel(q_ptr, w_ptr, qs_ptr, k_desc, RPB, ks_ptr, s_sb, s_sr, tb
                 nxt = start + step
                 blk = tl.load(tblrow + (nxt >> LOG_BS), mask=nxt < ctx, other=0)   # (the next box's)
                 ks_next = _box_scales(ks_ptr, s_sb, s_sr, blk, nxt, ctx, BOX, LOG_BS)
-                _box_out(srow, hrow, start, ctx, _tile_sums(qa, qb, wq, kt, ks, KEY_FMT, DOT_DT, IMPRECISE), BOX)
+                _box_out(srow, crow, start, ctx, _tile_sums(qa, qb, wq, kt, ks, KEY_FMT, DOT_DT, IMPRECISE), BOX)
                 ks = ks_next
                 start = nxt
         else:
@@ -145,8 +147,11 @@ def _scores_tma_kernel(q_ptr, w_ptr, qs_ptr, k_desc, RPB, ks_ptr, s_sb, s_sr, tb
                     nxt = tl.where(j + 1 < cnt, start + SPLITS * BOX, ctx)   # (none: every lane masked)
                     ks_next = _box_scales(ks_ptr, s_sb, s_sr, tl.sum(tl.where(jj == j + 1, blks, 0), 0), nxt, ctx,
                                           BOX, LOG_BS)
-                    _box_out(srow, hrow, start, ctx, _tile_sums(qa, qb, wq, kt, ks, KEY_FMT, DOT_DT, IMPRECISE), BOX)
+                    _box_out(srow, crow, start, ctx, _tile_sums(qa, qb, wq, kt, ks, KEY_FMT, DOT_DT, IMPRECISE), BOX)
                     ks = ks_next
+        if PRIV:   # the private counts (read and zeroed atomically: distinct addresses) into the row's histogram
+            h = tl.atomic_xchg(crow + tl.arange(0, 2048), 0, sem="relaxed")
+            tl.atomic_add(hrow + tl.arange(0, 2048), h, mask=h > 0, sem="relaxed")
 
 
 @triton.jit
@@ -183,6 +188,24 @@ def _key_descriptor(k8, k_sb, k_sr, block_size, box):
     return TensorDescriptor(k8, [rows, di], [k_sr, 1], [box, di]), rpb
 
 
+_PRIVATE: dict = {}
+_PRIVATE_RETIRED: list = []
+
+
+def _private_counts(device, size):
+    """int32 per-program histograms (PRIV 1), one zeroed set per (device, stream), left at zero by each launch (made
+    before a graph capture by the warm-up, like `_gemv.tile_counters`; an outgrown set is kept alive)."""
+    import torch
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    buf = _PRIVATE.get(key)
+    if buf is None or buf.numel() < size:
+        if buf is not None:
+            _PRIVATE_RETIRED.append(buf)
+        buf = _PRIVATE[key] = torch.zeros(size, dtype=torch.int32, device=device)
+    return buf
+
+
 def scores_launch(args, cand, hist, n, NT, topk, cfg, common):
     """Step 1 of the module doc into `cand` (int32 [n, NT * BLOCK_N]) and `hist` (zeroed int32 [n, 2048]); `args`
     are `_score_kernel`'s leading operands (q, w, q_scale, pools, table, req, MB, pos). `indexer_topk` then runs
@@ -198,9 +221,10 @@ def scores_launch(args, cand, hist, n, NT, topk, cfg, common):
         desc, rpb = _key_descriptor(k8, k_sb, k_sr, 1 << common["LOG_BS"], box)
         if desc is not None:
             splits = max(1, min(int(cfg["SPLITS"]), NT * common["BLOCK_N"] // box))
-            _scores_tma_kernel[(n, splits)](q, w, qs, desc, rpb, ks, s_sb, s_sr, tbl, req, MB, pos, cand, hist, NT,
-                                            topk, splits, BOX=box, J=int(cfg.get("TMA_J", 128)),
-                                            CARRY=int(cfg.get("TMA_CARRY", 0)),
+            priv = _private_counts(hist.device, n * splits * 2048) if cfg.get("TMA_PRIV") else hist
+            _scores_tma_kernel[(n, splits)](q, w, qs, desc, rpb, ks, s_sb, s_sr, tbl, req, MB, pos, cand, hist, priv,
+                                            NT, topk, splits, BOX=box, J=int(cfg.get("TMA_J", 128)),
+                                            CARRY=int(cfg.get("TMA_CARRY", 0)), PRIV=int(cfg.get("TMA_PRIV", 0)),
                                             num_stages=int(cfg["TMA"]), **kw)
             return
     if int(cfg.get("TMA", 0)):   # no descriptor (or MXFP4 keys): the gathered tiles, GATHER_SPLITS programs per row

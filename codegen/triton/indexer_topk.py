@@ -67,8 +67,8 @@ API: `indexer_topk(...)` (positions: the IR op), `output="rows"` (the positions'
 padded: what attention kernels read), `key_format="mxfp4"`. Tunables: BLOCK_N, KT, SPLITS (programs
 per row), CAND, DOT, PREFETCH (score kernel: next tile in flight), num_warps / num_stages (score kernel),
 MERGE_TILE, MERGE_WARPS, FILTER / FILTER_PARTS, SCORES, BUCKET, SURV / SLOT_FEW (BUCKET 1: `_topk_slots`), TMA / TMA_J
-/ TMA_CARRY (SCORES 1 with FP8 keys: key tiles as pipelined bulk tensor copies, `_indexer_scores.scores_launch`),
-GATHER_SPLITS (their fallback's programs), ZERO (BUCKET 3 / BUCKET 1: no memset, `_topk_bucket_place` /
+/ TMA_CARRY / TMA_PRIV (SCORES 1 with FP8 keys: key tiles as pipelined bulk tensor copies,
+`_indexer_scores.scores_launch`), GATHER_SPLITS (their fallback's programs), ZERO (BUCKET 3 / BUCKET 1: no memset, `_topk_bucket_place` /
 `_topk_bucket`), SELECT / SELECT_PARTS / SELECT_RES (SELECT 2: SELECT_PARTS, SELECT_TILE, SELECT_WB, SELECT_WARPS:
 `_topk_fused.fused_launch`), HIST (score kernel: per-program first-digit histogram).
 Every kernel keeps the PDL contract (`_pdl`: `pdl_enter` first, the caches they read are written earlier in the
@@ -226,7 +226,13 @@ def heuristic(key: dict, target: str) -> dict:
     the score kernel with scalar block-table entries carried one box ahead (TMA_CARRY 1, `_indexer_scores`): batch 8 at
     128K 77.5 us vs 88.9 (the new default for 2..8 rows); batch 32 221.5 vs 222.4 (score pass alone 199.9 vs 171.8:
     not adopted there); other figures and the histogram atomics' cost in `_indexer_scores`. Batch 1 at 8K unchanged
-    (SELECT 2, 12.47 us)."""
+    (SELECT 2, 12.47 us).
+    Session 16, lead (one H200 call, benches/results/h200-2026-11-30-s16/attention_decode_indexer_priv.json, read 4.34
+    TB/s): TMA_PRIV 1 (each score program counts into a private 2048-bin histogram and adds its nonzero bins to the
+    row's once: no two programs' atomics on one address) with TMA_CARRY 1: batch 32 x 128K 197.7 us (64.6% of read;
+    score pass alone 162.3) vs 229.3 for the default of the round above in the same call (PDL off 210.1; score pass
+    170.6), PRIV alone 205.6, CARRY alone 236.3: the new default above 8 rows. Batch 8: 81.2 vs 81.1 (CARRY): not
+    taken there (its private histograms would add 5.4 MB of workspace for nothing)."""
     L, K, T = max(1, key["L"]), key["K"], max(1, key["T"])
     if target == "cpu":
         bn = 32 if L <= 256 else 128
@@ -250,8 +256,10 @@ def heuristic(key: dict, target: str) -> dict:
         cfg = dict(BLOCK_N=bn, KT=bn, SPLITS=max(1, min(nt // 2, 5 * 132 // T)), num_warps=4, num_stages=1, TMA=3,
                    GATHER_SPLITS=max(1, min(nt // 2, round(8 * 132 / T))), CAND=0, DOT=3, MERGE_TILE=1024, SCORES=1,
                    SELECT=1, BUCKET=1, SURV=1, ZERO=1, SELECT_PARTS=16, SELECT_RES=4096, MERGE_WARPS=8)
-        if 1 < T <= 8:   # the score kernel's table entries carried one box ahead (timed at batch 8)
+        if T > 1:   # the score kernel's table entries carried one box ahead (timed at batch 8 and 32)
             cfg["TMA_CARRY"] = 1
+        if T > 8:   # and its counts in per-program histograms, added to the row's once (batch 32; equal at 8)
+            cfg["TMA_PRIV"] = 1
         if T <= 1:   # one row: BUCKET 3 (no threshold program, no memset), a part per 1024 positions (32..256)
             del cfg["SURV"]
             cfg.update(BUCKET=3, ZERO=1, SELECT_RES=2048, MERGE_WARPS=4, MERGE_TILE=2048,
@@ -519,7 +527,7 @@ TUNABLES = (Tunable("BLOCK_N", (64, 128, 256)), Tunable("KT", (4, 8, 16, 32, 64)
             Tunable("FILTER_PARTS", (16, 32)), Tunable("SELECT", (0, 1, 2)))
 # DOT fixes the numerics (never searched); MERGE_WARPS, SELECT_PARTS / SELECT_RES / SELECT_TILE / SELECT_WB /
 # SELECT_WARPS (the space stays under the tuner's enumeration limit), HIST, SCORES, BUCKET and TMA / TMA_J only by an
-# explicit config (also TMA_CARRY, GATHER_SPLITS, ZERO, SURV and SLOT_FEW)
+# explicit config (also TMA_CARRY, TMA_PRIV, GATHER_SPLITS, ZERO, SURV and SLOT_FEW)
 
 TEMPLATES = [
     KernelTemplate(family="indexer_topk", backend="triton", ops=("indexer_topk",), launch=_launch, key_dims=_key,

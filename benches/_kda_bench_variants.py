@@ -54,7 +54,8 @@ COPY_VARIANTS = [(64, 0, 4, 0), (64, 0, 4, 1), (128, 0, 8, 0), (64, 3, 8, 0)]
 # s13: WK (warp-owned state columns), streaming state stores, EARLY with two blocks at B=64: all slower (numbers in
 # kda_decode.heuristic; the code removed); the hoisted one-token broadcasts (the default now) 88.70 vs 88.97
 # s16: the persistent TMA-ring Gluon kernel (`_kda_decode_gluon.py`, GLUON=1; its module docstring has the numbers of
-# the variants measured and removed: 2 stages, 4 columns a thread, the refill at a pair's end, 8 warps)
+# the variants measured and removed: round 1's whole-state boxes (2 / 3 stages, 4 columns a thread, the refill at a
+# pair's end, 8 warps), round 2's column halves in a 3-box ring with two programs per SM)
 _GLUON = [dec(1, 64, 32, early=0, gate_mm=1, gluon=1)]
 DECODE_CASES = [
     (B_DEC, H, 1, _GLUON + [dec(2, 64, gate_mm=1), dec(2, 64, early=0, gate_mm=1), dec(4, 32, gate_mm=1), dec(2, 64),

@@ -46,7 +46,7 @@ checks this: graph replays of a chain reading the state written two launches bac
 
 GLUON (CUDA sm_90+, fp32 pool, no kept states; the heuristic's choice for one-token steps from 2048 (request, head)
 pairs): the persistent Gluon kernel of `_kda_decode_gluon.py` instead (one program per SM looping over the pairs,
-the states streamed through a 3-buffer shared-memory ring by TMA), the gate GEMM before it.
+the states streamed as [D, D/2] column halves through a 6-box shared-memory ring by TMA), the gate GEMM before it.
 """
 
 from __future__ import annotations
@@ -348,7 +348,7 @@ def _gluon(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_bias
     T, P = q.shape
     H = A_log.numel()
     D = P // H
-    warps = max(warps, D // 32)  # one state column a thread
+    warps = max(warps, D // 64)  # one column of a state half a thread
     if state.shape[1:] != (H, D, D) or not (state.is_contiguous() and conv_state.is_contiguous()):
         raise ValueError(f"kda_decode: state pool {tuple(state.shape)} must be contiguous [S, {H}, {D}, {D}]")
     convs = [w if w.is_contiguous() else w.contiguous() for w in (q_conv, k_conv, v_conv)]
@@ -446,7 +446,10 @@ def heuristic(key, target):
     pairs, each [D, D] state loaded by TMA two pairs ahead into a 3-buffer ring and stored back by TMA), taken from
     R*H >= 2048 one-token pairs (where it was measured): B=64 H=32 86.78 (PDL off 86.15) vs this kernel's 87.85
     (87.30) in the same call, 1.365x the floor; its variants' numbers in its module docstring. B=1 (one pair a
-    program) H=12 10.55 vs 6.26, H=32 11.36 vs 7.06: not taken."""
+    program) H=12 10.55 vs 6.26, H=32 11.36 vs 7.06: not taken. Round 2 (kda_decode_gluon_r2.json; floor 64.69 at
+    4150 GB/s, copy ceiling 68.54): the Gluon kernel with [D, D/2] column-half boxes in a 6-box ring 86.91 (PDL off
+    88.34; f given 81.37) vs round 1's Gluon kernel 87.77 (removed) and this kernel's 87.43 (87.55) in the same
+    call: 1.344x the floor, a gain within the call-to-call spread (~1 us), kept."""
     D = key["D"]
     if str(target).startswith("cpu"):
         return {"BV": D, "WARPS": 4, "SPLIT": 1, "PREFETCH": 1, "GATE_MM": 0, "RB": 32, "MAXNREG": 0, "GEMV": 0,

@@ -143,7 +143,7 @@ def decode_run(mine, cfg, keep=False):
                               block_v=cfg["BV"], num_warps=cfg["WARPS"], split=cfg["SPLIT"],
                               prefetch=bool(cfg["PREFETCH"]), gate_mm=bool(cfg["GATE_MM"]), rank_block=cfg["RB"],
                               max_regs=cfg.get("MAXNREG", 0), gemv=bool(cfg.get("GEMV", 0)),
-                              early=bool(cfg.get("EARLY", 0)), gluon=bool(cfg.get("GLUON", 0)))
+                              early=bool(cfg.get("EARLY", 0)), gluon=int(cfg.get("GLUON", 0)))
 
 
 def fla_decode(ops, heads, with_gemm=False):

@@ -56,7 +56,10 @@ COPY_VARIANTS = [(64, 0, 4, 0), (64, 0, 4, 1), (128, 0, 8, 0), (64, 3, 8, 0)]
 # s16: the persistent TMA-ring Gluon kernel (`_kda_decode_gluon.py`, GLUON=1; its module docstring has the numbers of
 # the variants measured and removed: round 1's whole-state boxes (2 / 3 stages, 4 columns a thread, the refill at a
 # pair's end, 8 warps), round 2's column halves in a 3-box ring with two programs per SM)
-_GLUON = [dec(1, 64, 32, early=0, gate_mm=1, gluon=1)]
+# s16 round 3 (kda_decode._GLUON_VARIANTS): the gate f = f_a f_b^T inside the Gluon kernel (GLUON 2, the default; the
+# ring one box shorter for f_b's head rows) vs the gate GEMM first (GLUON 1); its rank loop at 4 / 16 groups an
+# iteration and the GEMM with the shorter ring were slower (numbers in kda_decode._GLUON_VARIANTS' comment)
+_GLUON = [dec(1, 64, 32, early=0, gate_mm=1, gluon=1), dec(1, 64, 32, early=0, gluon=2)]
 DECODE_CASES = [
     (B_DEC, H, 1, _GLUON + [dec(2, 64, gate_mm=1), dec(2, 64, early=0, gate_mm=1), dec(4, 32, gate_mm=1), dec(2, 64),
                             dec(1, 64, 32, early=0, gate_mm=1, warps=8), dec(1, 64, 32, early=0, gemv=1)] * SWEEP,

@@ -37,10 +37,11 @@ _SM90_BUILD = textwrap.dedent("""
     from tests.kda_decode_case import decode_operands
     target = GPUTarget("cuda", 90, 32)
     H, D = 2, 128      # CPU tensors stand in for CUDA ones (nothing is launched)
-    ops = decode_operands(torch.Generator().manual_seed(0), H, D, [1, 2], 16, 3)
+    ops = decode_operands(torch.Generator().manual_seed(0), H, D, [1, 2], D, 3)  # rank D, as in the model
     ops = [x.to(torch.bfloat16) if i in (0, 1, 2, 3, 4, 5, 7, 8, 11, 13) else x for i, x in enumerate(ops)]
     with Recorder(target) as rec:     # the softplus gate (the H200 bench runs the lower-bound one)
-        kda_decode(*ops, scale=D ** -0.5, lower_bound=None, norm_eps=1e-5, gluon=True)
+        kda_decode(*ops, scale=D ** -0.5, lower_bound=None, norm_eps=1e-5, gluon=2)  # the gate in the kernel
+        kda_decode(*ops, scale=D ** -0.5, lower_bound=None, norm_eps=1e-5, gluon=1)  # f by the GEMM before it
         kda_decode(*ops, scale=D ** -0.5, lower_bound=-5.0, norm_eps=1e-5, gluon=True, keep_states=True)
     seen = []
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -51,8 +52,10 @@ _SM90_BUILD = textwrap.dedent("""
             cubin = os.path.join(tempfile.mkdtemp(), "k.cubin")
             open(cubin, "wb").write(k.asm["cubin"])
             sass, ptx = subprocess.check_output([cuobjdump, "-sass", cubin], text=True), k.asm["ptx"]
-            seen.append(dict(name=fn.fn.__name__, nbuf=cx[fn.arg_names.index("NBUF"),],
+            ix = lambda n: cx[fn.arg_names.index(n),]  # noqa: E731
+            seen.append(dict(name=fn.fn.__name__, nbuf=ix("NBUF"), rk=ix("RK"),
                              tma_load=ptx.count("cp.async.bulk.tensor.2d.shared::"),
+                             tma_fb=ptx.count("cp.async.bulk.tensor.3d.shared::"),
                              tma_store=ptx.count("cp.async.bulk.tensor.2d.global.shared"),
                              store_wait=ptx.count("cp.async.bulk.wait_group.read"),
                              mbar_wait=ptx.count("mbarrier.try_wait.parity"), pdl=ptx.count("griddepcontrol.wait"),
@@ -76,22 +79,26 @@ def _compiled(tr36: bool) -> list:
 
 @pytest.mark.parametrize("tr36", [False, True])
 def test_gluon_launch_compiles_for_sm90_with_a_tma_ring(tr36):
-    """The launcher's GLUON launch recorded and compiled for sm_90 without spills; the PTX holds the prologue's
-    NBUF - 1 TMA loads + the refills (one a half: one-token and other pairs' paths), the halves' TMA stores (2 a
-    path), the store drains, the box waits and one PDL wait; shared memory holds the ring of [128, 64] fp32 boxes.
-    keep_states goes to the Triton kernel."""
+    """The launcher's GLUON launches (the gate in the kernel, and f given by the GEMM) recorded and compiled for sm_90
+    without spills; the PTX holds the prologue's NBUF - 1 TMA loads + the refills (one a half: one-token and other
+    pairs' paths), the halves' TMA stores (2 a path), the store drains, the box waits and one PDL wait; with the gate
+    in the kernel also f_b's head rows by one 3-d box (the prologue's and each path's next-pair load) and their two
+    waits, the ring one box shorter (NBUF 5); shared memory holds the ring of [128, 64] fp32 boxes (and f_b's
+    head rows). keep_states goes to the Triton kernel."""
     skip_without_triton36(tr36)
     seen = _compiled(tr36)
     want = "3.6" if tr36 else "3.7"
     g = [s for s in seen if s["name"] == "_kda_decode_gluon_kernel"]
-    assert len(g) == 1 and g[0]["triton"].startswith(want), seen
+    assert [(s["rk"], s["nbuf"]) for s in g] == [(128, 5), (0, 6)] and g[0]["triton"].startswith(want), seen
     assert [s["name"] for s in seen if s not in g] == ["_kda_decode_kernel"], seen  # kept states: Triton
     for s in g:
-        nb = s["nbuf"]
+        nb, inner = s["nbuf"], s["rk"] > 0
         assert s["local"] == 0, s
-        assert s["tma_load"] == nb - 1 + 4 and s["tma_store"] == 4 and s["store_wait"] == 5, s
-        assert s["mbar_wait"] >= 4 and s["pdl"] == 1, s
-        assert nb * 128 * 64 * 4 <= s["shared"] <= nb * 128 * 64 * 4 + 8192, s
+        assert s["tma_load"] == nb - 1 + 4 and s["tma_fb"] == 3 * inner, s
+        assert s["tma_store"] == 4 and s["store_wait"] == 5, s
+        assert s["mbar_wait"] >= 4 + 2 * inner and s["pdl"] == 1, s
+        ring = nb * 128 * 64 * 4 + 128 * s["rk"] * 2
+        assert ring <= s["shared"] <= ring + 8192, s
 
 
 def _two_pass(S, k, q, g, v, beta):
@@ -145,8 +152,9 @@ def test_heuristic_takes_gluon_at_large_batches_only():
     at the rank preset B=1 H=12 nor B=1 H=32, nor at 32 requests, nor in 8-token verification; never on CPU, nor in
     batch-invariant launches."""
     key = {"D": 128, "H": 32, "R": 64, "T": 64}
-    assert heuristic(key, "cuda")["GLUON"] == 1
-    assert heuristic({**key, "R": 256, "T": 256}, "cuda")["GLUON"] == 1
+    big = heuristic(key, "cuda")
+    assert big["GLUON"] == 2 and big["GATE_MM"] == 0   # the gate computed in the Gluon kernel
+    assert heuristic({**key, "R": 256, "T": 256}, "cuda")["GLUON"] == 2
     for other in ({"H": 12, "R": 1, "T": 1}, {"R": 1, "T": 1}, {"R": 32, "T": 32}, {"T": 512}):
         assert heuristic({**key, **other}, "cuda")["GLUON"] == 0, other
     assert heuristic(key, "cpu")["GLUON"] == 0
@@ -167,3 +175,32 @@ def test_batch_invariant_launch_never_takes_gluon(monkeypatch):
     kd._launch(a, {**attrs, "batch_invariant": True}, {})
     kd._launch(a, attrs, {"BV": 32, "WARPS": 4, "GLUON": 1})
     assert seen == [False, True]
+
+
+def test_gate_in_the_kernel_only_for_gluon_2_with_a_16_bit_f_b(monkeypatch):
+    """GLUON 2 hands f_a [T, r] and f_b to the Gluon launcher (the gate in the kernel) when `lowrank_ok` takes f_b
+    (16-bit, contiguous, r a multiple of 8 up to 2 D); GLUON 1, GATE_MM and other f_b get f = f_a f_b^T [T, P] from
+    the GEMM, equal to the float64 product to fp32 rounding."""
+    from codegen.triton import kda_decode as kd
+    from tests.kda_decode_case import decode_operands
+    H, D = 2, 64
+    ops = decode_operands(torch.Generator().manual_seed(int.from_bytes(os.urandom(2), "little")), H, D, [1, 2], D, 3)
+    low = [x.to(torch.bfloat16) if i in (7, 8) else x for i, x in enumerate(ops)]
+    seen = []
+    monkeypatch.setattr(glu, "usable", lambda state, keep: True)
+    monkeypatch.setattr(glu, "launch", lambda *a, **kw: seen.append((a[5], kw["f_b"], kw.get("un"))))
+    run = lambda o, **kw: kd.kda_decode(*o, scale=0.1, lower_bound=-5.0, norm_eps=1e-5, **kw)  # noqa: E731
+    run(low, gluon=2)
+    assert [(f.shape, fb is low[8], un) for f, fb, un in seen] == [((3, D), True, None)]
+    with pytest.raises(ValueError, match="GLUON 3"):
+        run(low, gluon=3)
+    seen.clear()
+    run(low, gluon=2, gate_mm=True)
+    run(low, gluon=1)
+    run(ops, gluon=2)  # fp32 f_b
+    run(low[:7] + [low[7][:, :12], low[8][:, :12].contiguous()] + low[9:], gluon=2)  # rank 12: not a multiple of 8
+    assert all(fb is None and f.shape == (3, H * D) and f.dtype == torch.float32 for f, fb, _ in seen), seen
+    want = low[7].double() @ low[8].double().T
+    assert torch.isfinite(seen[0][0]).all()
+    torch.testing.assert_close(seen[0][0].double(), want, rtol=1e-5, atol=1e-5)
+    assert glu.lowrank_ok(low[8], D) and not glu.lowrank_ok(low[8], 16) and not glu.lowrank_ok(low[8].float(), D)

@@ -1,6 +1,7 @@
-"""Fused KDA decode as a persistent Gluon kernel (Hopper TMA + mbarriers; config GLUON=1 of `kda_decode.py`, CUDA
+"""Fused KDA decode as a persistent Gluon kernel (Hopper TMA + mbarriers; config GLUON 1 / 2 of `kda_decode.py`, CUDA
 sm_90+ with an fp32 state pool, no kept states): the same op, operands and math as `_kda_decode_kernel` (module
-docstring of kda_decode.py), with the gate input f = f_a f_b^T given (the launcher's GEMM before the kernel).
+docstring of kda_decode.py), with the gate input f = f_a f_b^T given (the launcher's GEMM before the kernel), or
+(RK > 0: GLUON 2 of kda_decode.py) computed here from f_a [T, r] and f_b [P, r] (16-bit, `lowrank_ok`).
 
 Grid: G programs (one per SM), program c takes the (request, head) pairs p = c, c + G, c + 2G, ... (p = r H + h).
 Each pair's [D, D] fp32 state (64 KB at D = 128) moves as two column halves, [D, D/2] TMA boxes (32 KB) of a
@@ -24,10 +25,29 @@ pass 2 S = e^g S + k u^T (written back to the buffer), o = S^T (q scale). Gated 
 (one token: rows 1 .. K-1 of its loaded window; else each row read before it is overwritten). 255 registers, no
 spills, 196 KB shared memory (Triton 3.6, sm_90).
 
+The gate in the kernel (RK = r > 0; s16 round 3): the ring is one box shorter (NBUF - 1 = 5: 160 KB) to make room for
+the pair's f_b head rows [D, r] (32 KB at r = D = 128), moved by one TMA box of a descriptor over f_b viewed as
+[r/8, P, 8] into a [r/8, D, 8] buffer (one copy: Triton 3.6 wraps each TMA copy in CTA barriers, so 16 [D, 8] boxes
+cost 16 more bar.sync a pair) behind its own mbarrier: the prologue's for pair 0 before the PDL wait (a weight), then
+each pair's for the next pair once every thread has read the buffer (after the front's barrier; other token counts:
+after the pair's last token). f_a's row of token 0 is loaded a pair ahead with the other front inputs and stored
+(fp32, [r]) to shared memory before the previous pair's last barrier; then f[c] = sum_j f_b[h D + c, j] f_a[j], a
+thread per channel c reading its 16-byte rows of the [D, 8] groups (conflict-free) and summing the fp32 products of
+the bf16 operands in fp32, 8 ranks at a time, `UN` groups an iteration of a rolled loop (the whole rank unrolled
+spills: 17-26 local loads / stores). Verification tokens compute theirs the same way from f_b's buffer. The GEMM's
+cuBLAS sums in another order: the two differ by fp32 rounding (benches/bench_kda.py checks both against the kernel
+given f in float64). sm_90 builds (rank 128, both gates): Triton 3.6 255 registers, 3.7 248-249, no spills, 197 KB
+shared memory, 5 more bar.sync in the PTX than the GEMM path's.
+
 H200, session 16 (benches/bench_kda.py; B=64 H=32 D=128 one token, bf16 activations, fp32 state, µs per launch in a
 graph of launches on distinct pools, the gate GEMM included; every variant vs the unfused ops rel 0.0036 (out) /
 0.0018 (state) / 0.00096 (conv tails), vs the Triton kernel <= 1.1e-5, ragged steps with empty and 3-token requests
 exact on the untouched rows; PDL race check: 20 graph replays bitwise equal to PDL-off eager):
+  - round 3 (kda_decode_gluon_r3.json, the lead's call; floor 64.69, copy ceiling 68.51): the gate in the kernel
+    (GLUON 2, UN 8), the default: **84.98** (1.314x; PDL off 89.10; race-check chain 84.76, PDL off 89.26) vs the
+    GEMM and this kernel (GLUON 1) 87.22, the Triton kernel 89.46, fla 89.08 (+ its GEMM 92.16), f given 81.17; vs
+    the kernel given f in float64 out 1.6e-5, state 5.9e-8. Removed: UN 4 85.75, UN 16 (the rank unrolled, spills)
+    112.8, the GEMM with the 5-box ring 88.25.
   - round 2 (benches/results/h200-2026-11-30-s16/kda_decode_gluon_r2.json; floor 64.69 at 4150 GB/s, state copy
     ceiling 68.54): kept, the column halves in a 6-box ring, 86.91 (PDL off 88.34; race-check chain 88.17, PDL off
     87.56), f given 81.37 (1.258x the floor: the gate GEMM launch costs 5.5 us here), vs the round-1 kernel below
@@ -48,6 +68,7 @@ exact on the untouched rows; PDL race check: 20 graph replays bitwise equal to P
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -62,6 +83,7 @@ _barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # Triton 3.7 / 3.6
 
 
 NBUF = 6  # [D, D/2] boxes in the ring (module docstring: 3 boxes with two programs per SM measured slower)
+UN = 8  # [D, 8] f_b boxes an iteration of the in-kernel gate's rank loop
 
 
 def layouts(D: int, warps: int, rc: int, kwp: int = 4) -> dict:
@@ -138,9 +160,10 @@ def _meta(slots, cu, p, NP, H: gl.constexpr):
 @gluon.jit
 def _prefetch(q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, f, s_f, alog, dtb, bl, s_bl, gate, s_gt, h, bos, slot,
               H: gl.constexpr, D: gl.constexpr, KW: gl.constexpr, KWP: gl.constexpr, HAS_BIAS: gl.constexpr,
-              WL: gl.constexpr):
+              WL: gl.constexpr, RK: gl.constexpr, FA: gl.constexpr):
     """Token 0's front inputs of the pair (h, bos, slot: `_meta`, loaded a pair earlier), issued now and used a pair
-    later: the conv windows and taps, f, the output gate, the beta logit, A_log[h] and dt_bias."""
+    later: the conv windows and taps, f (RK > 0: the gate's low-rank input row f_a[bos] instead), the output gate,
+    the beta logit, A_log[h] and dt_bias."""
     P: gl.constexpr = H * D
     C3: gl.constexpr = 3 * H * D
     cst = cstate + slot * ((KW - 1) * C3)
@@ -154,8 +177,37 @@ def _prefetch(q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, f, s_f, alog, dtb, bl,
         bias = gl.load(dtb + ch)
     else:
         bias = gl.zeros([D], gl.float32, gl.SliceLayout(0, WL))
-    return (qx, qs, qt, kx, ks, kt, vx, vs, vt, gl.load(f + bos * s_f + ch), gl.load(gate + bos * s_gt + ch),
+    if RK > 0:
+        fx = gl.load(f + bos * s_f + gl.arange(0, RK, layout=FA))
+    else:
+        fx = gl.load(f + bos * s_f + ch)
+    return (qx, qs, qt, kx, ks, kt, vx, vs, vt, fx, gl.load(gate + bos * s_gt + ch),
             gl.load(bl + bos * s_bl + h), gl.load(alog + h), bias)
+
+
+@gluon.jit
+def _fb_load(fb_desc, fbuf, fbar, h, ok, D: gl.constexpr, RK: gl.constexpr):
+    """The head's gate up-projection rows f_b[h D : (h + 1) D, :] into `fbuf` [RK / 8, D, 8] by one TMA box of the
+    descriptor over f_b viewed as [RK / 8, P, 8] (rank groups of 8 outermost: a warp's 32 rows of one group are 512
+    contiguous bytes, read without bank conflicts; one copy: Triton 3.6 puts a CTA barrier around each)."""
+    mbarrier.expect(fbar, D * RK * 2, pred=ok)
+    tma.async_copy_global_to_shared(fb_desc, [0, (h * D).to(gl.int32), 0], fbar, fbuf, pred=ok)
+
+
+@gluon.jit
+def _lowrank_f(fbuf, fas, D: gl.constexpr, RK: gl.constexpr, FL: gl.constexpr, VW: gl.constexpr, UN: gl.constexpr,
+               FS2: gl.constexpr):
+    """f[c] = sum_j f_b[h D + c, j] f_a[j] (fp32 products of the bf16 operands, summed in fp32 8 ranks at a time; f_a
+    from fas [RK / 8, 8]): a thread per channel c, its [D, 8] box rows, into the channel layout; UN boxes an
+    iteration (a short loop: fewer registers than the whole rank unrolled)."""
+    acc = gl.zeros([D], gl.float32, gl.SliceLayout(1, FL))
+    fa8 = fas._reinterpret(gl.float32, [RK // 8, 8], fas.layout)
+    fb8 = fbuf._reinterpret(fbuf.dtype, [RK // 8, D, 8], FS2)
+    for b0 in range(0, RK // 8, UN):
+        for u in gl.static_range(UN):
+            fa = fa8.index(b0 + u).load(gl.SliceLayout(0, FL))
+            acc += gl.sum(fb8.index(b0 + u).load(FL).to(gl.float32) * gl.expand_dims(fa, 0), axis=1)
+    return gl.convert_layout(acc, VW)
 
 
 @gluon.jit
@@ -254,12 +306,14 @@ def _out(vecs, o0, o1, out, orow, h, norm_eps, D: gl.constexpr, DC: gl.constexpr
 
 
 @gluon.jit
-def _kda_decode_gluon_kernel(q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, f, s_f, alog, dtb, bl, s_bl, desc,
+def _kda_decode_gluon_kernel(q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, f, s_f, fb_desc, alog, dtb, bl, s_bl, desc,
                              gate, s_gt, onw, out, slots, cu, NP, scale, lower_bound, l2_eps, norm_eps,
                              H: gl.constexpr, D: gl.constexpr, KW: gl.constexpr, KWP: gl.constexpr,
                              GATE: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_NW: gl.constexpr,
                              NBUF: gl.constexpr, RW: gl.constexpr, PDL: gl.constexpr, CL: gl.constexpr,
-                             WL: gl.constexpr, SV: gl.constexpr, SS: gl.constexpr):
+                             WL: gl.constexpr, SV: gl.constexpr, SS: gl.constexpr, RK: gl.constexpr,
+                             FA: gl.constexpr, FL: gl.constexpr, FS: gl.constexpr,
+                             FS2: gl.constexpr, FAS: gl.constexpr, UN: gl.constexpr):
     P: gl.constexpr = H * D
     C3: gl.constexpr = 3 * H * D
     KM1: gl.constexpr = KW - 1
@@ -272,6 +326,11 @@ def _kda_decode_gluon_kernel(q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, f, s_f,
     vecs = gl.allocate_shared_memory(gl.float32, [8 * D], SV)  # 6 vectors used (a power of 2)
     for st in gl.static_range(NBUF):
         mbarrier.init(bars.index(st), count=1)
+    if RK > 0:  # the in-kernel gate: the pair's f_b rows (a weight: loaded before the PDL wait), a pair ahead
+        fbuf = gl.allocate_shared_memory(fb_desc.dtype, [RK // 8, D, 8], FS)
+        fbar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(fbar.index(0), count=1)
+        fas = gl.allocate_shared_memory(gl.float32, [RK], FAS)
     fence_async_shared()
     _barrier()
     for it in gl.static_range(NBUF - 1):  # the first NBUF - 1 items before the grid-dependency wait
@@ -279,6 +338,8 @@ def _kda_decode_gluon_kernel(q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, f, s_f,
         mbarrier.expect(bars.index(it), D * DC * 4, pred=p0 < NP)
         tma.async_copy_global_to_shared(desc, [_state_row(slots, p0, NP, H, D), (it % 2) * DC], bars.index(it),
                                    ring.index(it), pred=p0 < NP)
+    if RK > 0:
+        _fb_load(fb_desc, fbuf, fbar.index(0), pid % H, pid < NP, D, RK)
     dd = gl.arange(0, D, layout=VW)
     if HAS_NW:
         nw = gl.load(onw + dd).to(gl.float32)
@@ -290,21 +351,31 @@ def _kda_decode_gluon_kernel(q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, f, s_f,
     h1, bos1, n1, slot1 = _meta(slots, cu, pid + G, NP, H)
     qx, qs, qt, kx, ks, kt, vx, vs, vt, fx, z, bt, al, bias = _prefetch(
         q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, f, s_f, alog, dtb, bl, s_bl, gate, s_gt, h, bos, slot, H, D, KW,
-        KWP, HAS_BIAS, WL)
+        KWP, HAS_BIAS, WL, RK, FA)
+    if RK > 0:  # f_a's row of the pair's token 0 in vecs[6 D:] (stored a pair ahead, before a barrier)
+        fas.store(fx.to(gl.float32))
+        _barrier()
     for i in range(gl.cdiv(NP - pid, G)):
         m = 2 * i
         h2, bos2, n2, slot2 = _meta(slots, cu, pid + (i + 2) * G, NP, H)
         qx1, qs1, qt1, kx1, ks1, kt1, vx1, vs1, vt1, fx1, z1, bt1, al1, bias1 = _prefetch(
             q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, f, s_f, alog, dtb, bl, s_bl, gate, s_gt, h1, bos1, slot1, H, D,
-            KW, KWP, HAS_BIAS, WL)
+            KW, KWP, HAS_BIAS, WL, RK, FA)
         cst = cstate + slot * (KM1 * C3)
         ch = h * D + dd
         a_h = gl.exp(al.to(gl.float32))
         bias_v = bias.to(gl.float32)
         srow = ((slot * H + h) * D).to(gl.int32)
         if n == 1:
+            if RK > 0:
+                mbarrier.wait(fbar.index(0), i & 1)
+                f0 = _lowrank_f(fbuf, fas, D, RK, FL, VW, UN, FS2)
+            else:
+                f0 = fx
             _front(vecs, _silu_w(qx, qs, qt), _silu_w(kx, ks, kt), _silu_w(vx, vs, vt), _sig(z.to(gl.float32)) * nw,
-                   fx, a_h, bias_v, scale, lower_bound, l2_eps, GATE, D)
+                   f0, a_h, bias_v, scale, lower_bound, l2_eps, GATE, D)
+            if RK > 0:  # fbuf read by every thread (the front's barrier): the next pair's rows
+                _fb_load(fb_desc, fbuf, fbar.index(0), h1, pid + (i + 1) * G < NP, D, RK)
             beta = _sig(bt.to(gl.float32))
             _wait(bars, m, NBUF)
             o0 = _passes(ring.index(m % NBUF), vecs, beta, 0, RW, D, DC, CL)
@@ -318,6 +389,8 @@ def _kda_decode_gluon_kernel(q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, f, s_f,
             _barrier()
             _refill(desc, ring, bars, slots, pid, G, NP, m + 1, H, D, DC, NBUF)
             tma.async_copy_shared_to_global(desc, [srow, DC], ring.index((m + 1) % NBUF))
+            if RK > 0:  # the next pair's f_a row (this pair's was read before the front's barrier)
+                fas.store(fx1.to(gl.float32))
             _out(vecs, o0, o1, out, bos, h, norm_eps, D, DC, P, CL)
             ch2 = gl.expand_dims(h * D + gl.arange(0, D, layout=VW), 0)
             jj = gl.expand_dims(gl.arange(0, KWP, layout=gl.SliceLayout(1, WL)), 1)
@@ -331,20 +404,32 @@ def _kda_decode_gluon_kernel(q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, f, s_f,
             _refill(desc, ring, bars, slots, pid, G, NP, m, H, D, DC, NBUF)
             _wait(bars, m, NBUF)
             _wait(bars, m + 1, NBUF)
+            if RK > 0:
+                mbarrier.wait(fbar.index(0), i & 1)
             for t in range(n):
                 row = bos + t
+                if RK > 0:  # token t's f_a row into vecs[6 D:] (token t - 1's read before its front's barrier)
+                    fas.store(gl.load(f + row * s_f + gl.arange(0, RK, layout=FA)).to(gl.float32))
+                    _barrier()
+                    ft = _lowrank_f(fbuf, fas, D, RK, FL, VW, UN, FS2)
+                else:
+                    ft = gl.load(f + row * s_f + ch)
                 _front(vecs, _conv_silu(q, s_q, cst, C3, qw, bos, t, ch, KW, VW),
                        _conv_silu(k, s_k, cst + P, C3, kw, bos, t, ch, KW, VW),
                        _conv_silu(v, s_v, cst + 2 * P, C3, vw, bos, t, ch, KW, VW),
-                       _sig(gl.load(gate + row * s_gt + ch).to(gl.float32)) * nw, gl.load(f + row * s_f + ch), a_h,
+                       _sig(gl.load(gate + row * s_gt + ch).to(gl.float32)) * nw, ft, a_h,
                        bias_v, scale, lower_bound, l2_eps, GATE, D)
                 beta = _sig(gl.load(bl + row * s_bl + h).to(gl.float32))
                 o0 = _passes(ring.index(m % NBUF), vecs, beta, 0, RW, D, DC, CL)
                 o1 = _passes(ring.index((m + 1) % NBUF), vecs, beta, 1, RW, D, DC, CL)
                 _out(vecs, o0, o1, out, row, h, norm_eps, D, DC, P, CL)
             _tails(q, k, v, s_q, s_k, s_v, cst, C3, bos, n, ch, P, KM1)
+            if RK > 0:  # the next pair's f_a row; its f_b rows once every thread has passed the barrier below
+                fas.store(fx1.to(gl.float32))
             fence_async_shared()
             _barrier()
+            if RK > 0:
+                _fb_load(fb_desc, fbuf, fbar.index(0), h1, pid + (i + 1) * G < NP, D, RK)
             tma.async_copy_shared_to_global(desc, [srow, 0], ring.index(m % NBUF))
             tma.async_copy_shared_to_global(desc, [srow, DC], ring.index((m + 1) % NBUF))
             _refill(desc, ring, bars, slots, pid, G, NP, m + 1, H, D, DC, NBUF)
@@ -354,6 +439,8 @@ def _kda_decode_gluon_kernel(q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, f, s_f,
     tma.store_wait(0)
     for st in gl.static_range(NBUF):
         mbarrier.invalidate(bars.index(st))
+    if RK > 0:
+        mbarrier.invalidate(fbar.index(0))
 
 
 _SMS: dict = {}
@@ -387,20 +474,38 @@ def usable(state: torch.Tensor, keep_states: bool) -> bool:
     return target.backend == "cuda" and isinstance(target.arch, int) and target.arch >= 90
 
 
+def lowrank_ok(f_b, D: int) -> bool:
+    """The in-kernel gate takes f_b [P, r] (16-bit, contiguous, 16-byte aligned, r a multiple of 8 up to 2 D) whose
+    head rows [D, r] fit in shared memory beside the NBUF - 1 box ring."""
+    if f_b is None or f_b.dtype not in (torch.bfloat16, torch.float16) or f_b.dim() != 2 or not f_b.is_contiguous():
+        return False
+    rk = f_b.shape[1]
+    return rk % 8 == 0 and 8 <= rk <= 2 * D and f_b.data_ptr() % 16 == 0 and \
+        (NBUF - 1) * D * (D // 2) * 4 + D * rk * 2 <= 200 * 1024
+
+
 def launch(q, k, v, convs, conv_state, f, A_log, dt_bias, b, state, gate, o_norm_w, out, state_slot, cu_seqlens,
-           *, scale, lower_bound, l2_eps, norm_eps, warps=4, rc=16, launch_kw):
-    """One launch over all (request, head) pairs (q, k, v, f, b, gate: row views; f the whole gate input [T, P])."""
+           *, scale, lower_bound, l2_eps, norm_eps, warps=4, rc=16, launch_kw, f_b=None, un=UN, nbuf=None):
+    """One launch over all (request, head) pairs (q, k, v, f, b, gate: row views; f the whole gate input [T, P], or
+    with f_b ([P, r], `lowrank_ok`) f_a [T, r]: the gate computed in the kernel, the ring one box shorter)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     S, H, D = state.shape[0], state.shape[1], state.shape[-1]
     NP = state_slot.numel() * H
     KW = convs[0].shape[-1]
     lay = layouts(D, warps, rc, triton.next_power_of_2(KW))
     desc = TensorDescriptor.from_tensor(state.view(S * H * D, D), [D, D // 2], lay["SS"])
+    rk = f_b.shape[1] if f_b is not None else 0
+    nbuf = nbuf or (NBUF - 1 if f_b is not None else NBUF)
+    fs = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=3)
+    fb_desc = TensorDescriptor(f_b, [rk // 8, f_b.shape[0], 8], [8, rk, 1], [rk // 8, D, 8], fs) if rk else desc
     _kda_decode_gluon_kernel[(min(NP, _sm_count(q.device)),)](
-        q, k, v, q.stride(0), k.stride(0), v.stride(0), *convs, conv_state, f, f.stride(0), A_log,
+        q, k, v, q.stride(0), k.stride(0), v.stride(0), *convs, conv_state, f, f.stride(0), fb_desc, A_log,
         dt_bias if dt_bias is not None else A_log, b, b.stride(0), desc, gate, gate.stride(0),
         o_norm_w if o_norm_w is not None else A_log, out, state_slot, cu_seqlens, NP, float(scale),
         float(lower_bound) if lower_bound is not None else 0.0, float(l2_eps), float(norm_eps),
         H=H, D=D, KW=KW, KWP=triton.next_power_of_2(KW), GATE=1 if lower_bound is not None else 2,
-        HAS_BIAS=dt_bias is not None, HAS_NW=o_norm_w is not None, NBUF=NBUF, RW=rc * (warps // (D // 64)),
-        num_warps=warps, **lay, **launch_kw)
+        HAS_BIAS=dt_bias is not None, HAS_NW=o_norm_w is not None, NBUF=nbuf, RW=rc * (warps // (D // 64)),
+        num_warps=warps, RK=rk, FA=gl.BlockedLayout([1], [32], [warps], [0]),
+        FAS=gl.SwizzledSharedLayout(1, 1, 1, [0]), UN=max(1, math.gcd(un, rk // 8)),
+        FL=gl.BlockedLayout([1, 8], [32, 1], [warps, 1], [1, 0]), FS=fs,
+        FS2=gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2), **lay, **launch_kw)

@@ -46,7 +46,8 @@ checks this: graph replays of a chain reading the state written two launches bac
 
 GLUON (CUDA sm_90+, fp32 pool, no kept states; the heuristic's choice for one-token steps from 2048 (request, head)
 pairs): the persistent Gluon kernel of `_kda_decode_gluon.py` instead (one program per SM looping over the pairs,
-the states streamed as [D, D/2] column halves through a 6-box shared-memory ring by TMA), the gate GEMM before it.
+the states streamed as [D, D/2] column halves through a 6-box shared-memory ring by TMA), the gate GEMM before it
+(GLUON 1); GLUON 2, the default there, computes the gate in it (`_GLUON_VARIANTS`).
 """
 
 from __future__ import annotations
@@ -263,7 +264,7 @@ def kda_decode(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_
                state_slot, cu_seqlens, *, scale: float, lower_bound, norm_eps: float, l2_eps: float = 1e-6,
                keep_states: bool = False, block_v: int = 64, num_warps: int = 4, split: int = 1,
                prefetch: bool = True, group: int | None = None, gate_mm: bool = False, rank_block: int = 32,
-               max_regs: int = 0, gemv: bool = False, early: bool = False, gluon: bool = False):
+               max_regs: int = 0, gemv: bool = False, early: bool = False, gluon: int = 0):
     """The fused op `fused.kda_decode` (operands and results: see the module docstring).
 
     `f_b=None` takes `f_a` as the whole gate input f [T, P] (already up-projected). `split` programs share
@@ -277,10 +278,12 @@ def kda_decode(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_
     `early` (one [D, BV] block per program, BV = D/split) loads the weights, the step metadata and the program's
     state block before the PDL wait (the same results; the loads move only with PDL on). `gluon` runs the
     persistent TMA-ring kernel of `_kda_decode_gluon.py` where it is usable (CUDA sm_90+, fp32 pool, no kept states;
-    f = f_a f_b^T then always as one GEMM before it; `num_warps` its warps), else this kernel."""
+    `gluon` 2 computes f = f_a f_b^T inside it unless `gate_mm` (`_GLUON_VARIANTS`), 1 by one GEMM before it;
+    `num_warps` its warps), else this kernel."""
     if gluon and _glu.usable(state, keep_states):
         return _gluon(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_bias, b, state, gate,
-                      o_norm_w, state_slot, cu_seqlens, scale, lower_bound, norm_eps, l2_eps, num_warps)
+                      o_norm_w, state_slot, cu_seqlens, scale, lower_bound, norm_eps, l2_eps, num_warps, gate_mm,
+                      int(gluon))
     if gate_mm and f_b is not None:
         f_a, f_b = _gate_gemm(f_a, f_b), None
     T, P = q.shape
@@ -342,12 +345,18 @@ def kda_decode(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_
 
 
 def _gluon(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_bias, b, state, gate, o_norm_w,
-           state_slot, cu_seqlens, scale, lower_bound, norm_eps, l2_eps, warps):
-    """The persistent Gluon kernel (its module docstring) on the same operands; f = f_a f_b^T by one GEMM first."""
-    f = _gate_gemm(f_a, f_b) if f_b is not None else f_a
+           state_slot, cu_seqlens, scale, lower_bound, norm_eps, l2_eps, warps, gate_mm, variant=1):
+    """The persistent Gluon kernel (its module docstring) on the same operands; f = f_a f_b^T in the kernel, or by
+    one GEMM first with `gate_mm` or an f_b the kernel does not take (`_glu.lowrank_ok`)."""
     T, P = q.shape
     H = A_log.numel()
     D = P // H
+    if variant not in _GLUON_VARIANTS:
+        raise ValueError(f"kda_decode: GLUON {variant} is not a Gluon variant (1: the gate GEMM first, 2: the gate in "
+                         f"the kernel)")
+    var = _GLUON_VARIANTS[variant]
+    inner = var.get("inner", False) and f_b is not None and not gate_mm and _glu.lowrank_ok(f_b, D)
+    f = _gate_gemm(f_a, f_b) if f_b is not None and not inner else f_a
     warps = max(warps, D // 64)  # one column of a state half a thread
     if state.shape[1:] != (H, D, D) or not (state.is_contiguous() and conv_state.is_contiguous()):
         raise ValueError(f"kda_decode: state pool {tuple(state.shape)} must be contiguous [S, {H}, {D}, {D}]")
@@ -355,10 +364,19 @@ def _gluon(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_bias
     out = torch.empty(T, P, device=q.device, dtype=q.dtype)
     if state_slot.numel() > 0:
         _glu.launch(_rows(q, T, P, "q"), _rows(k, T, P, "k"), _rows(v, T, P, "v"), convs, conv_state,
-                    _rows(f, T, P, "f"), A_log, dt_bias, _rows(b, T, H, "b"), state, _rows(gate, T, P, "gate"),
-                    o_norm_w, out, state_slot, cu_seqlens, scale=scale, lower_bound=lower_bound, l2_eps=l2_eps,
-                    norm_eps=norm_eps, warps=warps, launch_kw=launch_kwargs())
+                    _rows(f, T, f_b.shape[1] if inner else P, "f_a" if inner else "f"), A_log, dt_bias,
+                    _rows(b, T, H, "b"), state, _rows(gate, T, P, "gate"), o_norm_w, out, state_slot, cu_seqlens,
+                    scale=scale, lower_bound=lower_bound, l2_eps=l2_eps, norm_eps=norm_eps, warps=warps,
+                    launch_kw=launch_kwargs(), f_b=f_b if inner else None,
+                    **{n: x for n, x in var.items() if n != "inner"})
     return out, conv_state, state
+
+
+# GLUON values: 1 the gate GEMM before the kernel; 2 the gate in the kernel (GATE_MM 0, an f_b `_glu.lowrank_ok`
+# takes; else the GEMM). s16 round 3 (H200, benches/results/h200-2026-11-30-s16/kda_decode_gluon_r3.json, B=64 H=32,
+# floor 64.69 us): 2 84.98 us vs 1 87.22; removed: the rank loop 4 / 16 groups an iteration (2: `_glu.UN`) 85.75 /
+# 112.8 (spills), the GEMM with the in-kernel gate's 5-box ring 88.25
+_GLUON_VARIANTS = {1: {}, 2: dict(inner=True)}
 
 
 # ---------------------------------------------------------------------------------- template
@@ -375,7 +393,7 @@ def _launch(a, attrs, config):
                       split=config.get("SPLIT", 1), prefetch=bool(config.get("PREFETCH", 1)), group=group,
                       gate_mm=bool(config.get("GATE_MM", 0)), rank_block=config.get("RB", 32),
                       max_regs=config.get("MAXNREG", 0), gemv=bool(config.get("GEMV", 0)),
-                      early=bool(config.get("EARLY", 0)), gluon=bool(config.get("GLUON", 0)))
+                      early=bool(config.get("EARLY", 0)), gluon=int(config.get("GLUON", 0)))
 
 
 def key_dims(a, attrs):
@@ -449,7 +467,10 @@ def heuristic(key, target):
     program) H=12 10.55 vs 6.26, H=32 11.36 vs 7.06: not taken. Round 2 (kda_decode_gluon_r2.json; floor 64.69 at
     4150 GB/s, copy ceiling 68.54): the Gluon kernel with [D, D/2] column-half boxes in a 6-box ring 86.91 (PDL off
     88.34; f given 81.37) vs round 1's Gluon kernel 87.77 (removed) and this kernel's 87.43 (87.55) in the same
-    call: 1.344x the floor, a gain within the call-to-call spread (~1 us), kept."""
+    call: 1.344x the floor, a gain within the call-to-call spread (~1 us), kept. Round 3 (kda_decode_gluon_r3.json,
+    floor 64.69, copy ceiling 68.51): GLUON 2, f = f_a f_b^T inside the Gluon kernel (f_b's head rows one TMA copy
+    into shared memory, a 5-box state ring), GATE_MM 0: 84.98 us (1.314x; PDL off 89.10) vs GLUON 1 (the GEMM, then
+    the kernel) 87.22, this kernel 89.46, fla 89.08 (+ its GEMM 92.16), f given 81.17; the default from 2048 pairs."""
     D = key["D"]
     if str(target).startswith("cpu"):
         return {"BV": D, "WARPS": 4, "SPLIT": 1, "PREFETCH": 1, "GATE_MM": 0, "RB": 32, "MAXNREG": 0, "GEMV": 0,
@@ -459,9 +480,10 @@ def heuristic(key, target):
         split *= 2
     one_token = key.get("T", key["R"]) <= key["R"]  # verification (8 tokens): per-program 8-row dots win
     bv = min(64, D // split)
+    gluon = one_token and key["R"] * key["H"] >= _GLUON_PAIRS   # the Gluon kernel computing the gate itself
     return {"BV": bv, "WARPS": 4, "SPLIT": split, "PREFETCH": 1, "RB": 128 if split > 1 else 32,
-            "GATE_MM": int(split == 1 and one_token), "MAXNREG": 0, "GEMV": 0, "EARLY": int(bv == D // split),
-            "GLUON": int(one_token and key["R"] * key["H"] >= _GLUON_PAIRS)}
+            "GATE_MM": int(split == 1 and one_token and not gluon), "MAXNREG": 0, "GEMV": 0,
+            "EARLY": int(bv == D // split), "GLUON": 2 if gluon else 0}
 
 
 def constraints(config, key, target):
@@ -481,6 +503,6 @@ TEMPLATES = [
         tunables=(Tunable("BV", (8, 16, 32, 64)), Tunable("WARPS", (2, 4, 8)), Tunable("SPLIT", (1, 2, 4, 8, 16)),
                   Tunable("PREFETCH", (0, 1)), Tunable("GATE_MM", (0, 1)), Tunable("RB", (32, 64, 128)),
                   Tunable("MAXNREG", (0, 128, 168)), Tunable("GEMV", (0, 1)), Tunable("EARLY", (0, 1)),
-                  Tunable("GLUON", (0, 1))),
+                  Tunable("GLUON", (0, 1, 2))),
         doc="fused KDA decode/verify: conv + SiLU + L2 + gate + recurrence + gated RMSNorm, per-token states"),
 ]

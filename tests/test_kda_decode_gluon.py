@@ -153,7 +153,7 @@ def test_heuristic_takes_gluon_at_large_batches_only():
     batch-invariant launches."""
     key = {"D": 128, "H": 32, "R": 64, "T": 64}
     big = heuristic(key, "cuda")
-    assert big["GLUON"] == 2 and big["GATE_MM"] == 0   # the gate computed in the Gluon kernel
+    assert big["GLUON"] == 2   # the gate computed in the Gluon kernel (GATE_MM: the Triton kernel's fallback)
     assert heuristic({**key, "R": 256, "T": 256}, "cuda")["GLUON"] == 2
     for other in ({"H": 12, "R": 1, "T": 1}, {"R": 1, "T": 1}, {"R": 32, "T": 32}, {"T": 512}):
         assert heuristic({**key, **other}, "cuda")["GLUON"] == 0, other
@@ -179,8 +179,8 @@ def test_batch_invariant_launch_never_takes_gluon(monkeypatch):
 
 def test_gate_in_the_kernel_only_for_gluon_2_with_a_16_bit_f_b(monkeypatch):
     """GLUON 2 hands f_a [T, r] and f_b to the Gluon launcher (the gate in the kernel) when `lowrank_ok` takes f_b
-    (16-bit, contiguous, r a multiple of 8 up to 2 D); GLUON 1, GATE_MM and other f_b get f = f_a f_b^T [T, P] from
-    the GEMM, equal to the float64 product to fp32 rounding."""
+    (16-bit, contiguous, r a multiple of 8 up to 2 D), with or without GATE_MM (the Triton kernel's switch); GLUON 1
+    and other f_b get f = f_a f_b^T [T, P] from the GEMM, equal to the float64 product to fp32 rounding."""
     from codegen.triton import kda_decode as kd
     from tests.kda_decode_case import decode_operands
     H, D = 2, 64
@@ -191,11 +191,11 @@ def test_gate_in_the_kernel_only_for_gluon_2_with_a_16_bit_f_b(monkeypatch):
     monkeypatch.setattr(glu, "launch", lambda *a, **kw: seen.append((a[5], kw["f_b"], kw.get("un"))))
     run = lambda o, **kw: kd.kda_decode(*o, scale=0.1, lower_bound=-5.0, norm_eps=1e-5, **kw)  # noqa: E731
     run(low, gluon=2)
-    assert [(f.shape, fb is low[8], un) for f, fb, un in seen] == [((3, D), True, None)]
+    run(low, gluon=2, gate_mm=True)
+    assert [(f.shape, fb is low[8], un) for f, fb, un in seen] == [((3, D), True, None)] * 2
     with pytest.raises(ValueError, match="GLUON 3"):
         run(low, gluon=3)
     seen.clear()
-    run(low, gluon=2, gate_mm=True)
     run(low, gluon=1)
     run(ops, gluon=2)  # fp32 f_b
     run(low[:7] + [low[7][:, :12], low[8][:, :12].contiguous()] + low[9:], gluon=2)  # rank 12: not a multiple of 8

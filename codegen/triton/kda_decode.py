@@ -278,12 +278,11 @@ def kda_decode(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_
     `early` (one [D, BV] block per program, BV = D/split) loads the weights, the step metadata and the program's
     state block before the PDL wait (the same results; the loads move only with PDL on). `gluon` runs the
     persistent TMA-ring kernel of `_kda_decode_gluon.py` where it is usable (CUDA sm_90+, fp32 pool, no kept states;
-    `gluon` 2 computes f = f_a f_b^T inside it unless `gate_mm` (`_GLUON_VARIANTS`), 1 by one GEMM before it;
-    `num_warps` its warps), else this kernel."""
+    `gluon` 2 computes f = f_a f_b^T inside it (an f_b `_glu.lowrank_ok` takes; else by the GEMM), 1 by one GEMM
+    before it (`_GLUON_VARIANTS`); `num_warps` its warps), else this kernel (with its own `gate_mm`)."""
     if gluon and _glu.usable(state, keep_states):
         return _gluon(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_bias, b, state, gate,
-                      o_norm_w, state_slot, cu_seqlens, scale, lower_bound, norm_eps, l2_eps, num_warps, gate_mm,
-                      int(gluon))
+                      o_norm_w, state_slot, cu_seqlens, scale, lower_bound, norm_eps, l2_eps, num_warps, int(gluon))
     if gate_mm and f_b is not None:
         f_a, f_b = _gate_gemm(f_a, f_b), None
     T, P = q.shape
@@ -345,9 +344,9 @@ def kda_decode(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_
 
 
 def _gluon(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_bias, b, state, gate, o_norm_w,
-           state_slot, cu_seqlens, scale, lower_bound, norm_eps, l2_eps, warps, gate_mm, variant=1):
+           state_slot, cu_seqlens, scale, lower_bound, norm_eps, l2_eps, warps, variant=1):
     """The persistent Gluon kernel (its module docstring) on the same operands; f = f_a f_b^T in the kernel, or by
-    one GEMM first with `gate_mm` or an f_b the kernel does not take (`_glu.lowrank_ok`)."""
+    one GEMM first (GLUON 1, or an f_b the kernel does not take: `_glu.lowrank_ok`)."""
     T, P = q.shape
     H = A_log.numel()
     D = P // H
@@ -355,7 +354,7 @@ def _gluon(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_bias
         raise ValueError(f"kda_decode: GLUON {variant} is not a Gluon variant (1: the gate GEMM first, 2: the gate in "
                          f"the kernel)")
     var = _GLUON_VARIANTS[variant]
-    inner = var.get("inner", False) and f_b is not None and not gate_mm and _glu.lowrank_ok(f_b, D)
+    inner = var.get("inner", False) and f_b is not None and _glu.lowrank_ok(f_b, D)
     f = _gate_gemm(f_a, f_b) if f_b is not None and not inner else f_a
     warps = max(warps, D // 64)  # one column of a state half a thread
     if state.shape[1:] != (H, D, D) or not (state.is_contiguous() and conv_state.is_contiguous()):
@@ -372,8 +371,8 @@ def _gluon(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_bias
     return out, conv_state, state
 
 
-# GLUON values: 1 the gate GEMM before the kernel; 2 the gate in the kernel (GATE_MM 0, an f_b `_glu.lowrank_ok`
-# takes; else the GEMM). s16 round 3 (H200, benches/results/h200-2026-11-30-s16/kda_decode_gluon_r3.json, B=64 H=32,
+# GLUON values: 1 the gate GEMM before the kernel; 2 the gate in the kernel (an f_b `_glu.lowrank_ok` takes; else
+# the GEMM). s16 round 3 (H200, benches/results/h200-2026-11-30-s16/kda_decode_gluon_r3.json, B=64 H=32,
 # floor 64.69 us): 2 84.98 us vs 1 87.22; removed: the rank loop 4 / 16 groups an iteration (2: `_glu.UN`) 85.75 /
 # 112.8 (spills), the GEMM with the in-kernel gate's 5-box ring 88.25
 _GLUON_VARIANTS = {1: {}, 2: dict(inner=True)}
@@ -482,8 +481,8 @@ def heuristic(key, target):
     bv = min(64, D // split)
     gluon = one_token and key["R"] * key["H"] >= _GLUON_PAIRS   # the Gluon kernel computing the gate itself
     return {"BV": bv, "WARPS": 4, "SPLIT": split, "PREFETCH": 1, "RB": 128 if split > 1 else 32,
-            "GATE_MM": int(split == 1 and one_token and not gluon), "MAXNREG": 0, "GEMV": 0,
-            "EARLY": int(bv == D // split), "GLUON": 2 if gluon else 0}
+            "GATE_MM": int(split == 1 and one_token), "MAXNREG": 0, "GEMV": 0, "EARLY": int(bv == D // split),
+            "GLUON": 2 if gluon else 0}   # (GATE_MM: the Triton kernel's, where the Gluon kernel is not usable)
 
 
 def constraints(config, key, target):

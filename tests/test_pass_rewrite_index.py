@@ -88,7 +88,10 @@ def test_the_indexed_passes_leave_their_index_exact(preset, monkeypatch):
         monkeypatch.setattr(mod, "Index", Recorded)
         if hasattr(mod, "rewrite_each"):
             monkeypatch.setattr(mod, "rewrite_each", checked_each)
-    _, module, _ = tiny_model(preset)
+    from k31c.model.build import build_module
+    from k31c.model.presets import get_preset
+
+    module = build_module(get_preset(preset))   # its own module: the passes change it (tiny_model's is shared)
     ctx = PassContext(options={"tp": 2, "dcp": 2})
     for _, names in PHASES:
         for name in names:

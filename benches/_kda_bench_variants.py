@@ -59,14 +59,21 @@ COPY_VARIANTS = [(64, 0, 4, 0), (64, 0, 4, 1), (128, 0, 8, 0), (64, 3, 8, 0)]
 # s16 round 3 (kda_decode._GLUON_VARIANTS): the gate f = f_a f_b^T inside the Gluon kernel (GLUON 2, the default; the
 # ring one box shorter for f_b's head rows) vs the gate GEMM first (GLUON 1); its rank loop at 4 / 16 groups an
 # iteration and the GEMM with the shorter ring were slower (numbers in kda_decode._GLUON_VARIANTS' comment)
-_GLUON = [dec(1, 64, 32, early=0, gate_mm=1, gluon=1), dec(1, 64, 32, early=0, gluon=2)]
+# s17: GLUON 3, the in-kernel gate on a head-aligned grid (`_kda_decode_gluon.grid`: 128 programs at B=64 H=32, each
+# loading its head's f_b rows once instead of 32 KB a pair)
+_GLUON = [dec(1, 64, 32, early=0, gate_mm=1, gluon=1), dec(1, 64, 32, early=0, gluon=2),
+          dec(1, 64, 32, early=0, gluon=3)]
 DECODE_CASES = [
     (B_DEC, H, 1, _GLUON + [dec(2, 64, gate_mm=1), dec(2, 64, early=0, gate_mm=1), dec(4, 32, gate_mm=1), dec(2, 64),
                             dec(1, 64, 32, early=0, gate_mm=1, warps=8), dec(1, 64, 32, early=0, gemv=1)] * SWEEP,
      [dec(1, 64, 32, early=0, gate_mm=1)]),
     (1, H_RANK, 1, _ONE_BLOCK + [dec(8, 16, early=0)] * SWEEP, [dec(4, 32)]),
     (1, H, 1, _ONE_BLOCK + [dec(2, 64)] * SWEEP, [dec(4, 32)]),
-    (B_DEC, H, 8, [], [dec(1, 64, 32, early=0)])]
+    (B_DEC, H, 8, [], [dec(1, 64, 32, early=0)]),
+    # s17: below the Gluon kernel's 2048 pairs, GLUON 3 vs the heuristic's Triton kernel: the rank preset at batch 64
+    # (768 pairs, 132 programs of one head each) and 32 requests of 32 heads (1024 pairs, 128 programs)
+    (B_DEC, H_RANK, 1, _GLUON[2:], []),
+    (B_DEC // 2, H, 1, _GLUON[2:], [])]
 
 
 def state_configs():

@@ -267,7 +267,7 @@ def time_decode(qlens):
         record(f"decode_B{B}_H{heads}_q{qlen}", **res)
         # the race check runs the fastest Gluon candidate of each gate mode (its state and f_b loads precede the PDL
         # wait), else the fastest EARLY one
-        early = [[p for p in times if p[2].get("GLUON") and (p[2]["GLUON"] == 2) == inner]
+        early = [[p for p in times if p[2].get("GLUON") and (p[2]["GLUON"] >= 2) == inner]
                  for inner in (True, False)]
         early = [g for g in early if g] or [[p for p in times if p[2].get("EARLY")]]
         STATE.setdefault("best_decode", {})[(B, heads, qlen)] = \

@@ -39,10 +39,14 @@ _SM90_BUILD = textwrap.dedent("""
     H, D = 2, 128      # CPU tensors stand in for CUDA ones (nothing is launched)
     ops = decode_operands(torch.Generator().manual_seed(0), H, D, [1, 2], D, 3)  # rank D, as in the model
     ops = [x.to(torch.bfloat16) if i in (0, 1, 2, 3, 4, 5, 7, 8, 11, 13) else x for i, x in enumerate(ops)]
+    # 27 requests of 5 heads: 135 pairs on the recorder's 132 SMs, so GLUON 2's programs change heads (f_b per pair)
+    wide = decode_operands(torch.Generator().manual_seed(1), 5, D, [1] * 27, D, 27)
+    wide = [x.to(torch.bfloat16) if i in (0, 1, 2, 3, 4, 5, 7, 8, 11, 13) else x for i, x in enumerate(wide)]
     with Recorder(target) as rec:     # the softplus gate (the H200 bench runs the lower-bound one)
         kda_decode(*ops, scale=D ** -0.5, lower_bound=None, norm_eps=1e-5, gluon=2)  # the gate in the kernel
         kda_decode(*ops, scale=D ** -0.5, lower_bound=None, norm_eps=1e-5, gluon=1)  # f by the GEMM before it
         kda_decode(*ops, scale=D ** -0.5, lower_bound=-5.0, norm_eps=1e-5, gluon=True, keep_states=True)
+        kda_decode(*wide, scale=D ** -0.5, lower_bound=None, norm_eps=1e-5, gluon=2)
     seen = []
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     for spec in rec.specs.values():
@@ -53,7 +57,7 @@ _SM90_BUILD = textwrap.dedent("""
             open(cubin, "wb").write(k.asm["cubin"])
             sass, ptx = subprocess.check_output([cuobjdump, "-sass", cubin], text=True), k.asm["ptx"]
             ix = lambda n: cx[fn.arg_names.index(n),]  # noqa: E731
-            seen.append(dict(name=fn.fn.__name__, nbuf=ix("NBUF"), rk=ix("RK"),
+            seen.append(dict(name=fn.fn.__name__, nbuf=ix("NBUF"), rk=ix("RK"), fb_once=ix("FB_ONCE"),
                              tma_load=ptx.count("cp.async.bulk.tensor.2d.shared::"),
                              tma_fb=ptx.count("cp.async.bulk.tensor.3d.shared::"),
                              tma_store=ptx.count("cp.async.bulk.tensor.2d.global.shared"),
@@ -82,19 +86,20 @@ def test_gluon_launch_compiles_for_sm90_with_a_tma_ring(tr36):
     """The launcher's GLUON launches (the gate in the kernel, and f given by the GEMM) recorded and compiled for sm_90
     without spills; the PTX holds the prologue's NBUF - 1 TMA loads + the refills (one a half: one-token and other
     pairs' paths), the halves' TMA stores (2 a path), the store drains, the box waits and one PDL wait; with the gate
-    in the kernel also f_b's head rows by one 3-d box (the prologue's and each path's next-pair load) and their two
-    waits, the ring one box shorter (NBUF 5); shared memory holds the ring of [128, 64] fp32 boxes (and f_b's
-    head rows). keep_states goes to the Triton kernel."""
+    in the kernel also f_b's head rows by one 3-d box (the prologue's, and where a program's pairs change heads each
+    path's next-pair load) and their waits, the ring one box shorter (NBUF 5); shared memory holds the ring of
+    [128, 64] fp32 boxes (and f_b's head rows). keep_states goes to the Triton kernel."""
     skip_without_triton36(tr36)
     seen = _compiled(tr36)
     want = "3.6" if tr36 else "3.7"
     g = [s for s in seen if s["name"] == "_kda_decode_gluon_kernel"]
-    assert [(s["rk"], s["nbuf"]) for s in g] == [(128, 5), (0, 6)] and g[0]["triton"].startswith(want), seen
+    assert [(s["rk"], s["nbuf"], s["fb_once"]) for s in g] == [(128, 5, True), (0, 6, False), (128, 5, False)] and \
+        g[0]["triton"].startswith(want), seen
     assert [s["name"] for s in seen if s not in g] == ["_kda_decode_kernel"], seen  # kept states: Triton
     for s in g:
         nb, inner = s["nbuf"], s["rk"] > 0
         assert s["local"] == 0, s
-        assert s["tma_load"] == nb - 1 + 4 and s["tma_fb"] == 3 * inner, s
+        assert s["tma_load"] == nb - 1 + 4 and s["tma_fb"] == inner * (1 if s["fb_once"] else 3), s
         assert s["tma_store"] == 4 and s["store_wait"] == 5, s
         assert s["mbar_wait"] >= 4 + 2 * inner and s["pdl"] == 1, s
         ring = nb * 128 * 64 * 4 + 128 * s["rk"] * 2
@@ -147,15 +152,33 @@ def test_usable_only_on_cuda_sm90_with_an_fp32_pool():
     assert glu.rows_fit(3, 2, 128) and not glu.rows_fit(1 << 17, 128, 128)
 
 
+def test_head_grid_gives_each_program_one_head_without_more_pairs_a_program():
+    """`grid`: one program per SM (at most one per pair); the head-aligned grid (GLUON 3) only where it keeps
+    ceil(pairs / programs), and then every program's pairs c + i G share head c % H (checked by listing them)."""
+    for NP, H, sms, head_grid in [(2048, 32, 132, True), (2048, 32, 132, False), (32, 32, 132, True),
+                                  (135, 5, 132, True), (135, 5, 132, False), (2100, 32, 132, True),
+                                  (384, 12, 132, True), (400, 3, 132, False), (7, 8, 4, True)]:
+        G, one_head = glu.grid(NP, H, sms, head_grid)
+        assert 1 <= G <= min(NP, sms)
+        per = -(-NP // min(NP, sms))
+        assert -(-NP // G) == per, (NP, H, G)  # never more pairs a program than one program per SM gives
+        heads = [{p % H for p in range(c, NP, G)} for c in range(G)]
+        assert one_head == all(len(x) == 1 for x in heads), (NP, H, G, one_head)
+    assert glu.grid(2048, 32, 132, True) == (128, True) and glu.grid(2048, 32, 132, False) == (132, False)
+    assert glu.grid(135, 5, 132, True) == (130, True) and glu.grid(2100, 32, 132, True) == (132, False)
+
+
 def test_heuristic_takes_gluon_at_large_batches_only():
-    """CUDA: GLUON for one-token steps from 2048 (request, head) pairs (B=64 H=32: measured faster on the H200), not
-    at the rank preset B=1 H=12 nor B=1 H=32, nor at 32 requests, nor in 8-token verification; never on CPU, nor in
-    batch-invariant launches."""
+    """CUDA: GLUON 3 for one-token steps from 768 (request, head) pairs (B=64 H=32, B=32 H=32 and the rank preset's
+    B=64 H=12: measured faster on the H200), not at the rank preset B=1 H=12 or B=32 H=12, nor B=1 H=32, nor at 16
+    requests of 32 heads, nor in 8-token verification; never on CPU, nor in batch-invariant launches."""
     key = {"D": 128, "H": 32, "R": 64, "T": 64}
     big = heuristic(key, "cuda")
-    assert big["GLUON"] == 2   # the gate computed in the Gluon kernel (GATE_MM: the Triton kernel's fallback)
-    assert heuristic({**key, "R": 256, "T": 256}, "cuda")["GLUON"] == 2
-    for other in ({"H": 12, "R": 1, "T": 1}, {"R": 1, "T": 1}, {"R": 32, "T": 32}, {"T": 512}):
+    assert big["GLUON"] == 3   # the gate in the Gluon kernel, head-aligned grid (GATE_MM: the Triton kernel's fallback)
+    for more in ({"R": 256, "T": 256}, {"R": 32, "T": 32}, {"H": 12}):
+        assert heuristic({**key, **more}, "cuda")["GLUON"] == 3, more
+    for other in ({"H": 12, "R": 1, "T": 1}, {"H": 12, "R": 32, "T": 32}, {"R": 1, "T": 1}, {"R": 16, "T": 16},
+                  {"T": 512}):
         assert heuristic({**key, **other}, "cuda")["GLUON"] == 0, other
     assert heuristic(key, "cpu")["GLUON"] == 0
 
@@ -178,9 +201,10 @@ def test_batch_invariant_launch_never_takes_gluon(monkeypatch):
 
 
 def test_gate_in_the_kernel_only_for_gluon_2_with_a_16_bit_f_b(monkeypatch):
-    """GLUON 2 hands f_a [T, r] and f_b to the Gluon launcher (the gate in the kernel) when `lowrank_ok` takes f_b
-    (16-bit, contiguous, r a multiple of 8 up to 2 D), with or without GATE_MM (the Triton kernel's switch); GLUON 1
-    and other f_b get f = f_a f_b^T [T, P] from the GEMM, equal to the float64 product to fp32 rounding."""
+    """GLUON 2 / 3 hand f_a [T, r] and f_b to the Gluon launcher (the gate in the kernel; 3 on the head-aligned grid)
+    when `lowrank_ok` takes f_b (16-bit, contiguous, r a multiple of 8 up to 2 D), with or without GATE_MM (the Triton
+    kernel's switch); GLUON 1 and other f_b get f = f_a f_b^T [T, P] from the GEMM, equal to the float64 product to
+    fp32 rounding."""
     from codegen.triton import kda_decode as kd
     from tests.kda_decode_case import decode_operands
     H, D = 2, 64
@@ -188,13 +212,14 @@ def test_gate_in_the_kernel_only_for_gluon_2_with_a_16_bit_f_b(monkeypatch):
     low = [x.to(torch.bfloat16) if i in (7, 8) else x for i, x in enumerate(ops)]
     seen = []
     monkeypatch.setattr(glu, "usable", lambda state, keep: True)
-    monkeypatch.setattr(glu, "launch", lambda *a, **kw: seen.append((a[5], kw["f_b"], kw.get("un"))))
+    monkeypatch.setattr(glu, "launch", lambda *a, **kw: seen.append((a[5], kw["f_b"], kw.get("head_grid", False))))
     run = lambda o, **kw: kd.kda_decode(*o, scale=0.1, lower_bound=-5.0, norm_eps=1e-5, **kw)  # noqa: E731
     run(low, gluon=2)
     run(low, gluon=2, gate_mm=True)
-    assert [(f.shape, fb is low[8], un) for f, fb, un in seen] == [((3, D), True, None)] * 2
-    with pytest.raises(ValueError, match="GLUON 3"):
-        run(low, gluon=3)
+    run(low, gluon=3)  # the same, on the head-aligned grid
+    assert [(f.shape, fb is low[8], hg) for f, fb, hg in seen] == [((3, D), True, False)] * 2 + [((3, D), True, True)]
+    with pytest.raises(ValueError, match="GLUON 4"):
+        run(low, gluon=4)
     seen.clear()
     run(low, gluon=1)
     run(ops, gluon=2)  # fp32 f_b

@@ -1,9 +1,11 @@
 """Fused KDA decode as a persistent Gluon kernel (Hopper TMA + mbarriers; config GLUON 1 / 2 of `kda_decode.py`, CUDA
 sm_90+ with an fp32 state pool, no kept states): the same op, operands and math as `_kda_decode_kernel` (module
 docstring of kda_decode.py), with the gate input f = f_a f_b^T given (the launcher's GEMM before the kernel), or
-(RK > 0: GLUON 2 of kda_decode.py) computed here from f_a [T, r] and f_b [P, r] (16-bit, `lowrank_ok`).
+(RK > 0: GLUON 2 / 3 of kda_decode.py) computed here from f_a [T, r] and f_b [P, r] (16-bit, `lowrank_ok`).
 
-Grid: G programs (one per SM), program c takes the (request, head) pairs p = c, c + G, c + 2G, ... (p = r H + h).
+Grid: G programs (one per SM, `grid`), program c takes the (request, head) pairs p = c, c + G, c + 2G, ... (p = r H +
+h); GLUON 3's head-aligned grid makes G a multiple of H where that adds no pair to any program (FB_ONCE: every pair of
+program c has head c % H).
 Each pair's [D, D] fp32 state (64 KB at D = 128) moves as two column halves, [D, D/2] TMA boxes (32 KB) of a
 descriptor over the pool viewed as [S H D, D] (unswizzled; int32 row coordinates (slot H + h) D, column 0 or D/2):
 items m = 2 i + half of the program's i-th pair, through a ring of NBUF = 6 box buffers (192 KB, one mbarrier each)
@@ -26,25 +28,36 @@ pass 2 S = e^g S + k u^T (written back to the buffer), o = S^T (q scale). Gated 
 spills, 196 KB shared memory (Triton 3.6, sm_90).
 
 The gate in the kernel (RK = r > 0; s16 round 3): the ring is one box shorter (NBUF - 1 = 5: 160 KB) to make room for
-the pair's f_b head rows [D, r] (32 KB at r = D = 128), moved by one TMA box of a descriptor over f_b viewed as
-[r/8, P, 8] into a [r/8, D, 8] buffer (one copy: Triton 3.6 wraps each TMA copy in CTA barriers, so 16 [D, 8] boxes
-cost 16 more bar.sync a pair) behind its own mbarrier: the prologue's for pair 0 before the PDL wait (a weight), then
-each pair's for the next pair once every thread has read the buffer (after the front's barrier; other token counts:
-after the pair's last token). f_a's row of token 0 is loaded a pair ahead with the other front inputs and stored
-(fp32, [r]) to shared memory before the previous pair's last barrier; then f[c] = sum_j f_b[h D + c, j] f_a[j], a
-thread per channel c reading its 16-byte rows of the [D, 8] groups (conflict-free) and summing the fp32 products of
-the bf16 operands in fp32, 8 ranks at a time, `UN` groups an iteration of a rolled loop (the whole rank unrolled
-spills: 17-26 local loads / stores). Verification tokens compute theirs the same way from f_b's buffer. The GEMM's
-cuBLAS sums in another order: the two differ by fp32 rounding (benches/bench_kda.py checks both against the kernel
-given f in float64). sm_90 builds (rank 128, both gates): Triton 3.6 255 registers, 3.7 248-249, no spills, 197 KB
-shared memory, 5 more bar.sync in the PTX than the GEMM path's.
+the pair's f_b head rows [D, r] (32 KB at r = D = 128), moved by one TMA box of a descriptor over f_b viewed as [r/8, P,
+8] into a [r/8, D, 8] buffer (one copy: Triton 3.6 wraps each TMA copy in CTA barriers, so 16 [D, 8] boxes cost 16 more
+bar.sync a pair) behind its own mbarrier: the prologue's for pair 0 before the PDL wait (a weight), then each pair's for
+the next pair once every thread has read the buffer (after the front's barrier; other token counts: after the pair's
+last token); with FB_ONCE (the program's pairs share one head) only the prologue's, waited on (parity 0, completed)
+before every pair's gate. f_a's row of token 0 is loaded a pair ahead with the other front inputs and stored (fp32, [r])
+to shared memory before the previous pair's last barrier; then f[c] = sum_j f_b[h D + c, j] f_a[j], a thread per channel
+c reading its 16-byte rows of the [D, 8] groups (conflict-free) and summing the fp32 products of the bf16 operands in
+fp32, 8 ranks at a time, `UN` groups an iteration of a rolled loop (the whole rank unrolled spills: 17-26 local loads /
+stores). Verification tokens compute theirs the same way from f_b's buffer. The GEMM's cuBLAS sums in another order: the
+two differ by fp32 rounding (benches/bench_kda.py checks both against the kernel given f in float64). sm_90 builds (rank
+128, both gates): Triton 3.6 255 registers, 3.7 248-249, no spills, 197 KB shared memory, 5 more bar.sync in the PTX
+than the GEMM path's.
+
+H200, session 17 (benches/results/h200-2026-12-01-s17/kda_decode_head_grid.json, the same bench and checks; floor
+64.37 us, copy ceiling 69.47): GLUON 3, the gate in the kernel on the head-aligned grid (128 programs of 16 pairs at
+B=64 H=32, f_b's head rows loaded once a program instead of 32 KB a pair: 64 MB less moved into shared memory a
+step), the default: **80.60** (1.252x; PDL off 85.19; race-check chain 79.31, PDL off 84.54) vs GLUON 2 85.16, GLUON 1
+87.81, the Triton kernel 87.64, fla 87.97 (+ its GEMM 91.01), f given 79.04; ragged steps (B=8: 256 pairs, also on
+the head grid) and B=64 vs the unfused ops and vs f in float64 as GLUON 2's. A second call
+(kda_decode_head_grid_call2.json): 80.93 (1.271x of 63.66) vs GLUON 2 85.83; below 2048 pairs vs the Triton kernel:
+B=64 H=12 (768 pairs) 32.76 vs 36.35, B=32 H=32 43.06 vs 46.48.
 
 H200, session 16 (benches/bench_kda.py; B=64 H=32 D=128 one token, bf16 activations, fp32 state, µs per launch in a
 graph of launches on distinct pools, the gate GEMM included; every variant vs the unfused ops rel 0.0036 (out) /
 0.0018 (state) / 0.00096 (conv tails), vs the Triton kernel <= 1.1e-5, ragged steps with empty and 3-token requests
 exact on the untouched rows; PDL race check: 20 graph replays bitwise equal to PDL-off eager):
   - round 3 (kda_decode_gluon_r3.json, the lead's call; floor 64.69, copy ceiling 68.51): the gate in the kernel
-    (GLUON 2, UN 8), the default: **84.98** (1.314x; PDL off 89.10; race-check chain 84.76, PDL off 89.26) vs the
+    (GLUON 2, UN 8; f_b reloaded each pair), the default until s17: **84.98**
+    (1.314x; PDL off 89.10; race-check chain 84.76, PDL off 89.26) vs the
     GEMM and this kernel (GLUON 1) 87.22, the Triton kernel 89.46, fla 89.08 (+ its GEMM 92.16), f given 81.17; vs
     the kernel given f in float64 out 1.6e-5, state 5.9e-8. Removed: UN 4 85.75, UN 16 (the rank unrolled, spills)
     112.8, the GEMM with the 5-box ring 88.25.
@@ -313,7 +326,7 @@ def _kda_decode_gluon_kernel(q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, f, s_f,
                              NBUF: gl.constexpr, RW: gl.constexpr, PDL: gl.constexpr, CL: gl.constexpr,
                              WL: gl.constexpr, SV: gl.constexpr, SS: gl.constexpr, RK: gl.constexpr,
                              FA: gl.constexpr, FL: gl.constexpr, FS: gl.constexpr,
-                             FS2: gl.constexpr, FAS: gl.constexpr, UN: gl.constexpr):
+                             FS2: gl.constexpr, FAS: gl.constexpr, UN: gl.constexpr, FB_ONCE: gl.constexpr):
     P: gl.constexpr = H * D
     C3: gl.constexpr = 3 * H * D
     KM1: gl.constexpr = KW - 1
@@ -368,13 +381,13 @@ def _kda_decode_gluon_kernel(q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, f, s_f,
         srow = ((slot * H + h) * D).to(gl.int32)
         if n == 1:
             if RK > 0:
-                mbarrier.wait(fbar.index(0), i & 1)
+                mbarrier.wait(fbar.index(0), 0 if FB_ONCE else i & 1)
                 f0 = _lowrank_f(fbuf, fas, D, RK, FL, VW, UN, FS2)
             else:
                 f0 = fx
             _front(vecs, _silu_w(qx, qs, qt), _silu_w(kx, ks, kt), _silu_w(vx, vs, vt), _sig(z.to(gl.float32)) * nw,
                    f0, a_h, bias_v, scale, lower_bound, l2_eps, GATE, D)
-            if RK > 0:  # fbuf read by every thread (the front's barrier): the next pair's rows
+            if RK > 0 and not FB_ONCE:  # fbuf read by every thread (the front's barrier): the next pair's rows
                 _fb_load(fb_desc, fbuf, fbar.index(0), h1, pid + (i + 1) * G < NP, D, RK)
             beta = _sig(bt.to(gl.float32))
             _wait(bars, m, NBUF)
@@ -405,7 +418,7 @@ def _kda_decode_gluon_kernel(q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, f, s_f,
             _wait(bars, m, NBUF)
             _wait(bars, m + 1, NBUF)
             if RK > 0:
-                mbarrier.wait(fbar.index(0), i & 1)
+                mbarrier.wait(fbar.index(0), 0 if FB_ONCE else i & 1)
             for t in range(n):
                 row = bos + t
                 if RK > 0:  # token t's f_a row into vecs[6 D:] (token t - 1's read before its front's barrier)
@@ -428,7 +441,7 @@ def _kda_decode_gluon_kernel(q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, f, s_f,
                 fas.store(fx1.to(gl.float32))
             fence_async_shared()
             _barrier()
-            if RK > 0:
+            if RK > 0 and not FB_ONCE:
                 _fb_load(fb_desc, fbuf, fbar.index(0), h1, pid + (i + 1) * G < NP, D, RK)
             tma.async_copy_shared_to_global(desc, [srow, 0], ring.index(m % NBUF))
             tma.async_copy_shared_to_global(desc, [srow, DC], ring.index((m + 1) % NBUF))
@@ -484,10 +497,26 @@ def lowrank_ok(f_b, D: int) -> bool:
         (NBUF - 1) * D * (D // 2) * 4 + D * rk * 2 <= 200 * 1024
 
 
+def grid(NP: int, H: int, sms: int, head_grid: bool) -> tuple[int, bool]:
+    """(programs, every program's pairs share one head). One program per SM, at most NP; with `head_grid` the largest
+    multiple of H below that where it takes no more pairs a program (ceil(NP / G) unchanged: B=64 H=32 on 132 SMs,
+    128 programs of 16 pairs): program c's pairs c + i G then all have head c % H, so the in-kernel gate loads f_b's
+    head rows once, before the loop, instead of 32 KB a pair."""
+    g = min(NP, sms)
+    if NP <= g:
+        return g, True
+    gh = (g // H) * H
+    if head_grid and gh > 0 and -(-NP // gh) == -(-NP // g):
+        return gh, True
+    return g, g % H == 0
+
+
 def launch(q, k, v, convs, conv_state, f, A_log, dt_bias, b, state, gate, o_norm_w, out, state_slot, cu_seqlens,
-           *, scale, lower_bound, l2_eps, norm_eps, warps=4, rc=16, launch_kw, f_b=None, un=UN, nbuf=None):
+           *, scale, lower_bound, l2_eps, norm_eps, warps=4, rc=16, launch_kw, f_b=None, un=UN, nbuf=None,
+           head_grid=False):
     """One launch over all (request, head) pairs (q, k, v, f, b, gate: row views; f the whole gate input [T, P], or
-    with f_b ([P, r], `lowrank_ok`) f_a [T, r]: the gate computed in the kernel, the ring one box shorter)."""
+    with f_b ([P, r], `lowrank_ok`) f_a [T, r]: the gate computed in the kernel, the ring one box shorter;
+    `head_grid`: `grid`'s head-aligned program count, f_b's rows loaded once a program)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     S, H, D = state.shape[0], state.shape[1], state.shape[-1]
     NP = state_slot.numel() * H
@@ -498,7 +527,8 @@ def launch(q, k, v, convs, conv_state, f, A_log, dt_bias, b, state, gate, o_norm
     nbuf = nbuf or (NBUF - 1 if f_b is not None else NBUF)
     fs = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=3)
     fb_desc = TensorDescriptor(f_b, [rk // 8, f_b.shape[0], 8], [8, rk, 1], [rk // 8, D, 8], fs) if rk else desc
-    _kda_decode_gluon_kernel[(min(NP, _sm_count(q.device)),)](
+    G, fb_once = grid(NP, H, _sm_count(q.device), head_grid)
+    _kda_decode_gluon_kernel[(G,)](
         q, k, v, q.stride(0), k.stride(0), v.stride(0), *convs, conv_state, f, f.stride(0), fb_desc, A_log,
         dt_bias if dt_bias is not None else A_log, b, b.stride(0), desc, gate, gate.stride(0),
         o_norm_w if o_norm_w is not None else A_log, out, state_slot, cu_seqlens, NP, float(scale),
@@ -508,4 +538,5 @@ def launch(q, k, v, convs, conv_state, f, A_log, dt_bias, b, state, gate, o_norm
         num_warps=warps, RK=rk, FA=gl.BlockedLayout([1], [32], [warps], [0]),
         FAS=gl.SwizzledSharedLayout(1, 1, 1, [0]), UN=max(1, math.gcd(un, rk // 8)),
         FL=gl.BlockedLayout([1, 8], [32, 1], [warps, 1], [1, 0]), FS=fs,
-        FS2=gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2), **lay, **launch_kw)
+        FS2=gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2), FB_ONCE=fb_once and rk > 0,
+        **lay, **launch_kw)

@@ -44,10 +44,11 @@ every program of the previous kernel has passed its own wait, i.e. after the ker
 completed. Activations, conv tails and split counters / partials are read after the wait. benches/bench_kda.py
 checks this: graph replays of a chain reading the state written two launches back equal PDL-off eager runs.
 
-GLUON (CUDA sm_90+, fp32 pool, no kept states; the heuristic's choice for one-token steps from 2048 (request, head)
+GLUON (CUDA sm_90+, fp32 pool, no kept states; the heuristic's choice for one-token steps from 768 (request, head)
 pairs): the persistent Gluon kernel of `_kda_decode_gluon.py` instead (one program per SM looping over the pairs,
 the states streamed as [D, D/2] column halves through a 6-box shared-memory ring by TMA), the gate GEMM before it
-(GLUON 1); GLUON 2, the default there, computes the gate in it (`_GLUON_VARIANTS`).
+(GLUON 1); GLUON 2 computes the gate in it, GLUON 3 (the default there) too, on a grid of programs that each keep
+one head (`_kda_decode_gluon.grid`; `_GLUON_VARIANTS`).
 """
 
 from __future__ import annotations
@@ -352,7 +353,7 @@ def _gluon(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_bias
     D = P // H
     if variant not in _GLUON_VARIANTS:
         raise ValueError(f"kda_decode: GLUON {variant} is not a Gluon variant (1: the gate GEMM first, 2: the gate in "
-                         f"the kernel)")
+                         f"the kernel, 3: the gate in the kernel on a head-aligned grid)")
     var = _GLUON_VARIANTS[variant]
     inner = var.get("inner", False) and f_b is not None and _glu.lowrank_ok(f_b, D)
     f = _gate_gemm(f_a, f_b) if f_b is not None and not inner else f_a
@@ -374,8 +375,9 @@ def _gluon(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_bias
 # GLUON values: 1 the gate GEMM before the kernel; 2 the gate in the kernel (an f_b `_glu.lowrank_ok` takes; else
 # the GEMM). s16 round 3 (H200, benches/results/h200-2026-11-30-s16/kda_decode_gluon_r3.json, B=64 H=32,
 # floor 64.69 us): 2 84.98 us vs 1 87.22; removed: the rank loop 4 / 16 groups an iteration (2: `_glu.UN`) 85.75 /
-# 112.8 (spills), the GEMM with the in-kernel gate's 5-box ring 88.25
-_GLUON_VARIANTS = {1: {}, 2: dict(inner=True)}
+# 112.8 (spills), the GEMM with the in-kernel gate's 5-box ring 88.25; 3 the gate in the kernel on the head-aligned
+# grid (`_glu.grid`), s17 (h200-2026-12-01-s17/kda_decode_head_grid.json, floor 64.37): 80.60 vs 2 85.16, 1 87.81
+_GLUON_VARIANTS = {1: {}, 2: dict(inner=True), 3: dict(inner=True, head_grid=True)}
 
 
 # ---------------------------------------------------------------------------------- template
@@ -403,7 +405,7 @@ def key_dims(a, attrs):
 
 _MIN_PROGRAMS = 128  # a split grid aims at up to ~one program per SM (H200: 132 SMs) ...
 _MAX_SPLIT = 4       # ... with at most 4 programs per head (each repeats the head's conv, L2 norms and gate)
-_GLUON_PAIRS = 2048  # (request, head) pairs from which one-token steps take the Gluon kernel (B=64 H=32 measured)
+_GLUON_PAIRS = 768  # (request, head) pairs from which one-token steps take the Gluon kernel (768, 1024, 2048 measured)
 
 
 def heuristic(key, target):
@@ -469,7 +471,13 @@ def heuristic(key, target):
     call: 1.344x the floor, a gain within the call-to-call spread (~1 us), kept. Round 3 (kda_decode_gluon_r3.json,
     floor 64.69, copy ceiling 68.51): GLUON 2, f = f_a f_b^T inside the Gluon kernel (f_b's head rows one TMA copy
     into shared memory, a 5-box state ring), GATE_MM 0: 84.98 us (1.314x; PDL off 89.10) vs GLUON 1 (the GEMM, then
-    the kernel) 87.22, this kernel 89.46, fla 89.08 (+ its GEMM 92.16), f given 81.17; the default from 2048 pairs."""
+    the kernel) 87.22, this kernel 89.46, fla 89.08 (+ its GEMM 92.16), f given 81.17. s17 (benches/results/
+    h200-2026-12-01-s17/kda_decode_head_grid.json; floor 64.37, copy ceiling 69.47): GLUON 3, GLUON 2 on a
+    head-aligned grid (128 programs at B=64 H=32, each loading its head's f_b rows once instead of 32 KB a pair):
+    80.60 us (1.252x; PDL off 85.19) vs GLUON 2 85.16, GLUON 1 87.81, this kernel 87.64, fla 87.97 (+ its GEMM
+    91.01), f given 79.04; below 2048 pairs (kda_decode_head_grid_call2.json, the heuristic's Triton kernel in
+    parentheses): the rank preset's B=64 H=12 (768 pairs, 132 programs of one head) 32.76 (36.35; fla 37.38),
+    B=32 H=32 (1024 pairs, 128 programs) 43.06 (46.48; fla 46.82): the default from 768 pairs."""
     D = key["D"]
     if str(target).startswith("cpu"):
         return {"BV": D, "WARPS": 4, "SPLIT": 1, "PREFETCH": 1, "GATE_MM": 0, "RB": 32, "MAXNREG": 0, "GEMV": 0,
@@ -482,7 +490,7 @@ def heuristic(key, target):
     gluon = one_token and key["R"] * key["H"] >= _GLUON_PAIRS   # the Gluon kernel computing the gate itself
     return {"BV": bv, "WARPS": 4, "SPLIT": split, "PREFETCH": 1, "RB": 128 if split > 1 else 32,
             "GATE_MM": int(split == 1 and one_token), "MAXNREG": 0, "GEMV": 0, "EARLY": int(bv == D // split),
-            "GLUON": 2 if gluon else 0}   # (GATE_MM: the Triton kernel's, where the Gluon kernel is not usable)
+            "GLUON": 3 if gluon else 0}   # (GATE_MM: the Triton kernel's, where the Gluon kernel is not usable)
 
 
 def constraints(config, key, target):
@@ -502,6 +510,6 @@ TEMPLATES = [
         tunables=(Tunable("BV", (8, 16, 32, 64)), Tunable("WARPS", (2, 4, 8)), Tunable("SPLIT", (1, 2, 4, 8, 16)),
                   Tunable("PREFETCH", (0, 1)), Tunable("GATE_MM", (0, 1)), Tunable("RB", (32, 64, 128)),
                   Tunable("MAXNREG", (0, 128, 168)), Tunable("GEMV", (0, 1)), Tunable("EARLY", (0, 1)),
-                  Tunable("GLUON", (0, 1, 2))),
+                  Tunable("GLUON", (0, 1, 2, 3))),
         doc="fused KDA decode/verify: conv + SiLU + L2 + gate + recurrence + gated RMSNorm, per-token states"),
 ]

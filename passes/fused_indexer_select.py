@@ -44,7 +44,7 @@ _TOPK_REQ, _TOPK_BASE = 6, 7             # indexer_topk operand positions: token
 
 
 def _check_readers(fn: Function, topk: Node, sel: Value, index: Index) -> list[Node]:
-    readers = list(index.users.get(id(sel), []))
+    readers = index.readers(sel)
     if any(v is sel for v in fn.outputs):
         raise PassError(f"{NAME}: in @{fn.name}, the selection {sel.ref} is returned: its positions cannot be "
                         f"replaced by pool rows")
@@ -76,11 +76,10 @@ def _rewrite(fn: Function, topk: Node, index: Index) -> bool:
     rows.producer = convert
     fn.nodes.insert(fn.nodes.index(topk) + 1, convert)
     index.add(convert)
-    for r in {id(r): r for r in readers}.values():
-        index.drop(r)
-        r.inputs[_MLA_SEL] = rows
+    for r in readers:
+        with index.rewired(r):
+            r.inputs[_MLA_SEL] = rows
         r.attrs["selection_kind"] = "rows"
-        index.add(r)
     fuse(fn, [topk, convert], FUSED_OP, {"topk": topk.attrs["topk"], "block_size": bs, "emits": "rows",
                                          "key_format": topk.attrs.get("key_format", "fp8")}, index=index)
     return True

@@ -88,11 +88,6 @@ def _head(prod: dict, v, l2: bool):
     return (nodes + [rs, sl], sl) if sl else (None, None)
 
 
-def _readers(index: Index, v: Value) -> list[Node]:
-    """The top-level nodes reading `v`, each once."""
-    return list({id(n): n for n in index.users.get(id(v), ())}.values())
-
-
 def _match(kda: Node, index: Index):
     prod = index.made_by
     heads = [_head(prod, kda.inputs[i], l2) for i, l2 in ((0, True), (1, True), (2, False))]
@@ -112,10 +107,10 @@ def _match(kda: Node, index: Index):
     qkv, cw = _op(prod, conv.inputs[0], "concat"), _op(prod, conv.inputs[1], "concat")
     if not (qkv and cw and len(qkv.inputs) == 3 and len(cw.inputs) == 3 and all(w.is_param for w in cw.inputs)):
         return None
-    readers = _readers(index, kda.outputs[0])
+    readers = index.readers(kda.outputs[0])
     norm = readers[0] if len(readers) == 1 and readers[0].op == "gated_rms_norm" else None
     grs = _op(prod, norm.inputs[1], "reshape") if norm and norm.inputs[0] is kda.outputs[0] else None
-    out_rs = _readers(index, norm.output) if norm is not None else []
+    out_rs = index.readers(norm.output) if norm is not None else []
     if grs is None or len(out_rs) != 1 or out_rs[0].op != "reshape":
         return None
     nodes = [qkv, cw, conv, *(n for hn, _ in heads for n in hn), f, g, beta, kda, grs, norm, out_rs[0]]
@@ -144,9 +139,8 @@ def _keep_states(fn: Function, node: Node, pool: Value, index: Index) -> Value:
     op = OPS[node.op]
     kept_type = op.infer(op.bind([v.type for v in node.inputs]), op.full_attrs(node.attrs))[2]
     kept = Value(index.fresh_name(f"{pool.name}.per_token"), kept_type, node)
-    index.drop(node)
-    node.outputs.append(kept)
-    index.add(node)
+    with index.rewired(node):
+        node.outputs.append(kept)
     fn.outputs.append(kept)
     return kept
 

@@ -17,6 +17,8 @@ full-size model (10k nodes a function) the rebuilt use lists made the per-node p
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from ir.core import Function, Node, Value
 
 from .base import PassError
@@ -66,6 +68,17 @@ class Index:
 
     def single_user(self, v: Value) -> Node | None:
         return single_user(self.fn, v, self.users)
+
+    def readers(self, v: Value) -> list[Node]:
+        """The top-level nodes reading `v`, each once (a node reading it twice is listed once), in index order."""
+        return list({id(n): n for n in self.users.get(id(v), ())}.values())
+
+    @contextmanager
+    def rewired(self, node: Node):
+        """`drop` the node, let the pass change its inputs or outputs in place inside the block, then `add` it."""
+        self.drop(node)
+        yield node
+        self.add(node)
 
     def drop(self, node: Node):
         """Forget `node` as a reader of its inputs and as the producer of its outputs: call before a pass changes

@@ -131,14 +131,13 @@ def _gather_context(fn: Function, mla: Node, comm: dict, ws_table: Value, index:
         (t,) = gop.infer(gop.bind([v.type for v in inputs]), gop.full_attrs(attrs))
         gather = Node("dcp_gather_context", inputs, attrs)
         gather.outputs = [Value(index.fresh_name(pool.name + ".ws"), t, gather)]
-        for n in list({id(r): r for r in index.users.get(id(pool), ())}.values()):
+        for n in index.readers(pool):
             if n.op not in READERS:
                 raise PassError(f"{NAME}: {n.op} reads the cache pool {pool.ref} in @{fn.name}; only {READERS} "
                                 f"can read the gathered workspace")
             bt = get_op(n.op).operand_index("block_table")
-            index.drop(n)
-            n.inputs = [gather.output if v is pool else ws_table if i == bt else v for i, v in enumerate(n.inputs)]
-            index.add(n)
+            with index.rewired(n):
+                n.inputs = [gather.output if v is pool else ws_table if i == bt else v for i, v in enumerate(n.inputs)]
         fn.nodes.insert(fn.nodes.index(write) + 1, gather)
         index.add(gather)
 

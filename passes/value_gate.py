@@ -73,12 +73,11 @@ def _rewrite(fn: Function, mla: Node, index: Index) -> bool:
     dv, kv = int(out.type.shape[2]), int(kv_b.type.shape[1])
     latent = Value(index.fresh_name(out.name + ".latent"), out.type.with_shape((out.type.shape[0], heads, kv)), mla)
     mla.attrs["form"] = "latent"
-    index.drop(mla)
-    mla.outputs = [latent]
+    with index.rewired(mla):
+        mla.outputs = [latent]
     proj = Node("mla_value_proj", [latent, kv_b], {"nope_dim": dn}, [out])
     out.producer = proj
     fn.nodes.insert(fn.nodes.index(mla) + 1, proj)
-    index.add(mla)
     index.add(proj)
     fused = fuse(fn, [proj, rs, sig, mul], FUSED_OP, {"heads": heads, "nope_dim": dn, "v_head_dim": dv}, index=index)
     order_signature(fused, [latent, kv_b, sig.inputs[0]])

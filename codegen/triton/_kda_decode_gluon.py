@@ -512,8 +512,7 @@ def grid(NP: int, H: int, sms: int, head_grid: bool) -> tuple[int, bool]:
 
 
 def launch(q, k, v, convs, conv_state, f, A_log, dt_bias, b, state, gate, o_norm_w, out, state_slot, cu_seqlens,
-           *, scale, lower_bound, l2_eps, norm_eps, warps=4, rc=16, launch_kw, f_b=None, un=UN, nbuf=None,
-           head_grid=False):
+           *, scale, lower_bound, l2_eps, norm_eps, warps=4, rc=16, launch_kw, f_b=None, head_grid=False):
     """One launch over all (request, head) pairs (q, k, v, f, b, gate: row views; f the whole gate input [T, P], or
     with f_b ([P, r], `lowrank_ok`) f_a [T, r]: the gate computed in the kernel, the ring one box shorter;
     `head_grid`: `grid`'s head-aligned program count, f_b's rows loaded once a program)."""
@@ -524,7 +523,7 @@ def launch(q, k, v, convs, conv_state, f, A_log, dt_bias, b, state, gate, o_norm
     lay = layouts(D, warps, rc, triton.next_power_of_2(KW))
     desc = TensorDescriptor.from_tensor(state.view(S * H * D, D), [D, D // 2], lay["SS"])
     rk = f_b.shape[1] if f_b is not None else 0
-    nbuf = nbuf or (NBUF - 1 if f_b is not None else NBUF)
+    nbuf = NBUF - 1 if f_b is not None else NBUF
     fs = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=3)
     fb_desc = TensorDescriptor(f_b, [rk // 8, f_b.shape[0], 8], [8, rk, 1], [rk // 8, D, 8], fs) if rk else desc
     G, fb_once = grid(NP, H, _sm_count(q.device), head_grid)
@@ -536,7 +535,7 @@ def launch(q, k, v, convs, conv_state, f, A_log, dt_bias, b, state, gate, o_norm
         H=H, D=D, KW=KW, KWP=triton.next_power_of_2(KW), GATE=1 if lower_bound is not None else 2,
         HAS_BIAS=dt_bias is not None, HAS_NW=o_norm_w is not None, NBUF=nbuf, RW=rc * (warps // (D // 64)),
         num_warps=warps, RK=rk, FA=gl.BlockedLayout([1], [32], [warps], [0]),
-        FAS=gl.SwizzledSharedLayout(1, 1, 1, [0]), UN=max(1, math.gcd(un, rk // 8)),
+        FAS=gl.SwizzledSharedLayout(1, 1, 1, [0]), UN=max(1, math.gcd(UN, rk // 8)),
         FL=gl.BlockedLayout([1, 8], [32, 1], [warps, 1], [1, 0]), FS=fs,
         FS2=gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2), FB_ONCE=fb_once and rk > 0,
         **lay, **launch_kw)

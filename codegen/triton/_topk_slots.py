@@ -194,10 +194,11 @@ def _slot_place_kernel(sv_ptr, ns_ptr, th_ptr, poff_ptr, out_ptr, tbl_ptr, req_p
             cnt = _collect_vals(k, off + o < n, prefix, pmask, orow, cnt, tblrow, TOPK, ROWS_OUT, LOG_BS)
 
 
-def slots_select(cand, hist, out, tbl, req, MB, pos, NT, topk, cfg, bn, parts, rows_out, log_bs, pdl, stop_after=None,
-                 zero=False):
+def slots_select(cand, hist, sv, poff, th, out, tbl, req, MB, pos, NT, topk, cfg, bn, parts, rows_out, log_bs, pdl,
+                 stop_after=None, zero=False):
     """Steps 1-3 of the module doc over `cand` (int32 scores [n, NT * BLOCK_N]) with `hist` (their first-digit
-    histogram). Config: MERGE_TILE (the parts' tile, <= 32768), SELECT_RES (PARTS x CAP bucket slots, a power of two
+    histogram), into the caller's survivor rows `sv` (int64 [n, NT * BLOCK_N]), part offsets `poff` (int32 [n, parts])
+    and thresholds `th` (int64 [n, 2]). Config: MERGE_TILE (the parts' tile, <= 32768), SELECT_RES (PARTS x CAP bucket slots, a power of two
     >= PARTS), MERGE_WARPS (the threshold program's warps), PLACE_TILE (the placement's first step). `stop_after`
     "bucket" / "threshold": stop after that launch (bench breakdown). `zero` (ZERO 1): the threshold program leaves
     hist at zero."""
@@ -207,12 +208,9 @@ def slots_select(cand, hist, out, tbl, req, MB, pos, NT, topk, cfg, bn, parts, r
         raise ValueError(f"slots_select: config {cfg} needs MERGE_TILE <= 32768, SELECT_RES a power of two >= "
                          f"SELECT_PARTS")
     cap = res // parts
-    sv = torch.empty(n, NT * bn, dtype=torch.int64, device=dev)
     slots = torch.empty(n, res, dtype=torch.int64, device=dev)
     cnts = torch.empty(2, n, parts, dtype=torch.int32, device=dev)
     rad = torch.empty(n, 4, dtype=torch.int64, device=dev)
-    poff = torch.empty(n, parts, dtype=torch.int32, device=dev)
-    th = torch.empty(n, 2, dtype=torch.int64, device=dev)
     _slot_parts_kernel[(n, parts)](cand, hist, sv, cnts[0], cnts[1], slots, rad, pos, NT, topk, BLOCK_N=bn,
                                    PARTS=parts, TILE=tile, CAP=cap, num_warps=4, **pdl)
     if stop_after == "bucket":

@@ -338,7 +338,7 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_tab
     KP = _pow2(topk)
     KW = WORK_ROW_FACTOR * KP    # work row: top-k plus the survivors of rescored tiles (second merge)
     per_row = 8 * (2 * NT * kt + NT + max_ovf * bn + KW + 2) + 4 * (max_ovf + 1 + 2 * 2048 + 1024 + 1) - \
-        4 * NT * kt * scores + 8 * NT * kt * bool(cfg.get("SURV"))   # SCORES: the row is int32; SURV: survivors
+        4 * NT * kt * scores   # SCORES: the row is int32 (SURV's survivors: the second row, `src`)
     chunk = max(1, min(T, WORKSPACE_BYTES // per_row))
     # DOT 0 / 3: both sides exact in bf16 / fp16, fp32 accumulation (SPEC §5.6). DOT 1 / 2: FP8 keys x FP8 queries on
     # the tensor cores, which sum the products of one 32-deep MMA step with ~14-bit alignment (not exact
@@ -434,8 +434,8 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_tab
                 bucket_place_select(cand, (hist, *ws[1:]), src, oc, tbl, rc, MB, pc, NT, topk, cfg, bn, sparts,
                                     output == "rows", log_bs, pdl, zero_ws, stop_after)
             elif bucket and cfg.get("SURV"):   # the parts keep their survivors, no atomics (`_topk_slots`)
-                slots_select(cand, hist, oc, tbl, rc, MB, pc, NT, topk, cfg, bn, sparts, output == "rows", log_bs, pdl,
-                             stop_after, zero_ws)
+                slots_select(cand, hist, src, poff, th, oc, tbl, rc, MB, pc, NT, topk, cfg, bn, sparts, output == "rows",
+                             log_bs, pdl, stop_after, zero_ws)
             elif bucket:
                 bucket_select(cand, hist, ncomp, src, poff, th, oc, tbl, rc, MB, pc, NT, topk, cfg, bn, sparts,
                               output == "rows", log_bs, pdl, stop_after, zero_ws)

@@ -279,8 +279,8 @@ def kda_decode(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_
     `early` (one [D, BV] block per program, BV = D/split) loads the weights, the step metadata and the program's
     state block before the PDL wait (the same results; the loads move only with PDL on). `gluon` runs the
     persistent TMA-ring kernel of `_kda_decode_gluon.py` where it is usable (CUDA sm_90+, fp32 pool, no kept states;
-    `gluon` 2 computes f = f_a f_b^T inside it (an f_b `_glu.lowrank_ok` takes; else by the GEMM), 1 by one GEMM
-    before it (`_GLUON_VARIANTS`); `num_warps` its warps), else this kernel (with its own `gate_mm`)."""
+    `gluon` 2 computes f = f_a f_b^T inside it (an f_b `_glu.lowrank_ok` takes; else by the GEMM), 3 the same on
+    the head-aligned grid (`_glu.grid`), 1 by one GEMM before it (`_GLUON_VARIANTS`); `num_warps` its warps), else this kernel (with its own `gate_mm`)."""
     if gluon and _glu.usable(state, keep_states):
         return _gluon(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_bias, b, state, gate,
                       o_norm_w, state_slot, cu_seqlens, scale, lower_bound, norm_eps, l2_eps, num_warps, int(gluon))
@@ -355,7 +355,7 @@ def _gluon(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_bias
         raise ValueError(f"kda_decode: GLUON {variant} is not a Gluon variant (1: the gate GEMM first, 2: the gate in "
                          f"the kernel, 3: the gate in the kernel on a head-aligned grid)")
     var = _GLUON_VARIANTS[variant]
-    inner = var.get("inner", False) and f_b is not None and _glu.lowrank_ok(f_b, D)
+    inner = var["inner"] and f_b is not None and _glu.lowrank_ok(f_b, D)
     f = _gate_gemm(f_a, f_b) if f_b is not None and not inner else f_a
     warps = max(warps, D // 64)  # one column of a state half a thread
     if state.shape[1:] != (H, D, D) or not (state.is_contiguous() and conv_state.is_contiguous()):
@@ -367,8 +367,7 @@ def _gluon(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_bias
                     _rows(f, T, f_b.shape[1] if inner else P, "f_a" if inner else "f"), A_log, dt_bias,
                     _rows(b, T, H, "b"), state, _rows(gate, T, P, "gate"), o_norm_w, out, state_slot, cu_seqlens,
                     scale=scale, lower_bound=lower_bound, l2_eps=l2_eps, norm_eps=norm_eps, warps=warps,
-                    launch_kw=launch_kwargs(), f_b=f_b if inner else None,
-                    **{n: x for n, x in var.items() if n != "inner"})
+                    launch_kw=launch_kwargs(), f_b=f_b if inner else None, head_grid=var["head_grid"])
     return out, conv_state, state
 
 
@@ -377,7 +376,8 @@ def _gluon(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_bias
 # floor 64.69 us): 2 84.98 us vs 1 87.22; removed: the rank loop 4 / 16 groups an iteration (2: `_glu.UN`) 85.75 /
 # 112.8 (spills), the GEMM with the in-kernel gate's 5-box ring 88.25; 3 the gate in the kernel on the head-aligned
 # grid (`_glu.grid`), s17 (h200-2026-12-01-s17/kda_decode_head_grid.json, floor 64.37): 80.60 vs 2 85.16, 1 87.81
-_GLUON_VARIANTS = {1: {}, 2: dict(inner=True), 3: dict(inner=True, head_grid=True)}
+_GLUON_VARIANTS = {1: dict(inner=False, head_grid=False), 2: dict(inner=True, head_grid=False),
+                   3: dict(inner=True, head_grid=True)}
 
 
 # ---------------------------------------------------------------------------------- template

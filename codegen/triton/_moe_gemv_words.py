@@ -151,17 +151,6 @@ def _gate_up_v2_kernel(z_ptr, ids_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, E,
                        ACT: tl.constexpr, HAS_BETA2: tl.constexpr, GN: tl.constexpr, BQ4: tl.constexpr,
                        ASM: tl.constexpr, PREF: tl.constexpr, XV: tl.constexpr, EVEN: tl.constexpr,
                        HX: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr):
-    _gate_up_v2_tile(tl.program_id(0), z_ptr, ids_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, E, INTER, NQ, stride_z,
-                     stride_we, stride_wn, stride_se, stride_sn, stride_h, beta1, beta2, NP, TOPK, ACT, HAS_BETA2, GN,
-                     BQ4, ASM, PREF, XV, EVEN, HX, DT, PDL)
-
-
-@triton.jit
-def _gate_up_v2_tile(tile, z_ptr, ids_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, E, INTER, NQ, stride_z, stride_we,
-                     stride_wn, stride_se, stride_sn, stride_h, beta1, beta2, NP, TOPK: tl.constexpr,
-                     ACT: tl.constexpr, HAS_BETA2: tl.constexpr, GN: tl.constexpr, BQ4: tl.constexpr,
-                     ASM: tl.constexpr, PREF: tl.constexpr, XV: tl.constexpr, EVEN: tl.constexpr,
-                     HX: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr):
     """h[p, rows] = act(W1_e z_t, W3_e z_t) for tile (row block rb, pair p), pair fastest; w1 and w3 are read
     in one pass per step (x loaded once); a pair of another rank (e outside [0, E)) writes nothing. HX: h is
     stored as fp32 values of DT (rounded as the reference's h) in _word_cols' XV=2 order, n -> (n % 8)·I/8 + n // 8.
@@ -170,8 +159,8 @@ def _gate_up_v2_tile(tile, z_ptr, ids_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr
     EARLY: tl.constexpr = PREF == 2
     if not EARLY:
         pdl_enter(PDL)      # which expert to read is the router's output: no weight is known before the wait
-    p = tile % NP
-    rn = (tile // NP) * GN + tl.arange(0, GN)
+    p = tl.program_id(0) % NP
+    rn = (tl.program_id(0) // NP) * GN + tl.arange(0, GN)
     n_ok = rn < INTER
     e, w_off, s_off, live = _pair_rows(ids_ptr, p, E, rn, n_ok, stride_we, stride_wn, stride_se, stride_sn)
     w1_rows, s1_rows, w3_rows, s3_rows = w1_ptr + w_off, s1_ptr + s_off, w3_ptr + w_off, s3_ptr + s_off
@@ -207,16 +196,6 @@ def _down_v2_kernel(h_ptr, wt_ptr, ids_ptr, w2_ptr, s2_ptr, o_ptr, cnt_ptr, y_pt
                     stride_wn, stride_se, stride_sn, stride_y, NP, TOPK: tl.constexpr, DT: tl.constexpr,
                     GN: tl.constexpr, BQ4: tl.constexpr, ASM: tl.constexpr, PREF: tl.constexpr, XV: tl.constexpr,
                     EVEN: tl.constexpr, PDL: tl.constexpr):
-    _down_v2_tile(tl.program_id(0), h_ptr, wt_ptr, ids_ptr, w2_ptr, s2_ptr, o_ptr, cnt_ptr, y_ptr, E, ELL, NQ,
-                  stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_y, NP, TOPK, DT, GN, BQ4, ASM, PREF,
-                  XV, EVEN, PDL)
-
-
-@triton.jit
-def _down_v2_tile(tile, h_ptr, wt_ptr, ids_ptr, w2_ptr, s2_ptr, o_ptr, cnt_ptr, y_ptr, E, ELL, NQ, stride_h,
-                  stride_we, stride_wn, stride_se, stride_sn, stride_y, NP, TOPK: tl.constexpr, DT: tl.constexpr,
-                  GN: tl.constexpr, BQ4: tl.constexpr, ASM: tl.constexpr, PREF: tl.constexpr, XV: tl.constexpr,
-                  EVEN: tl.constexpr, PDL: tl.constexpr):
     """Tile (row block rb, pair p = t·K + j), pair fastest: o = rnd(W2_e h_p) on the rows (fp32 workspace o [P, ℓ]);
     then the tile counts itself in on counter (t, rb) (acq_rel); the last of token t's K slots to arrive adds
     y[t, rows] = Σ_j w[t,j] · o[t·K+j, rows] in slot order (slots of another rank's experts add 0), whichever
@@ -227,8 +206,8 @@ def _down_v2_tile(tile, h_ptr, wt_ptr, ids_ptr, w2_ptr, s2_ptr, o_ptr, cnt_ptr, 
     EARLY: tl.constexpr = PREF == 2
     if not EARLY:
         pdl_enter(PDL)
-    p = tile % NP
-    rb = tile // NP
+    p = tl.program_id(0) % NP
+    rb = tl.program_id(0) // NP
     t = p // TOPK
     rn = rb * GN + tl.arange(0, GN)
     n_ok = rn < ELL

@@ -39,23 +39,8 @@ def _packed_glu_kernel(x_ptr, w_ptr, s_ptr, y_ptr, a_ptr, M, P, I, K, G0, U0,
                        PRECISION: tl.constexpr, EVEN_K: tl.constexpr, GEMV: tl.constexpr, LOOP_STAGES: tl.constexpr,
                        ACT: tl.constexpr, HAS_B2: tl.constexpr, CDT: tl.constexpr, SMALL: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    packed_glu_tile(tl.program_id(0), x_ptr, w_ptr, s_ptr, y_ptr, a_ptr, M, P, I, K, G0, U0, stride_xm, stride_xk,
-                    stride_wn, stride_wk, stride_ym, stride_am, stride_sn, stride_sk, beta1, beta2, SCALE_MODE,
-                    SCALE_GN, SCALE_GK, DOT_DTYPE, ACC_DTYPE, X_SPLITS, PRECISION, EVEN_K, GEMV, LOOP_STAGES, ACT,
-                    HAS_B2, CDT, SMALL, BLOCK_M, BLOCK_N, BLOCK_K, PDL)
-
-
-@triton.jit
-def packed_glu_tile(pid, x_ptr, w_ptr, s_ptr, y_ptr, a_ptr, M, P, I, K, G0, U0,
-                    stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_am, stride_sn, stride_sk,
-                    beta1, beta2, SCALE_MODE: tl.constexpr, SCALE_GN: tl.constexpr, SCALE_GK: tl.constexpr,
-                    DOT_DTYPE: tl.constexpr, ACC_DTYPE: tl.constexpr, X_SPLITS: tl.constexpr,
-                    PRECISION: tl.constexpr, EVEN_K: tl.constexpr, GEMV: tl.constexpr, LOOP_STAGES: tl.constexpr,
-                    ACT: tl.constexpr, HAS_B2: tl.constexpr, CDT: tl.constexpr, SMALL: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """Program `pid` of the launch (module doc: plain tiles, then pair tiles, per BLOCK_M row block); also
-    one branch of a horizontally fused launch (`_moe_shared_hfuse.py`)."""
     HALF: tl.constexpr = BLOCK_N // 2
+    pid = tl.program_id(0)
     plain_tiles = tl.cdiv(P, BLOCK_N)
     per_m = plain_tiles + tl.cdiv(I, HALF)
     t = pid % per_m

@@ -17,6 +17,11 @@ Measured (one JSON document, stdout and $OUT/runtime_gpu.json, saved after every
 - graph replay vs eager logits on the same state (the capture check: pad rows, scratch, side stream), the
   graph replayed --check-replays times against the eager step run with programmatic dependent launch off;
 - pdl: the decode graph's device time with programmatic dependent launch on and off (alternated twice);
+- graph_configs: kernel configs chosen inside the decode graph (GRAPH_CONFIGS: per label, overrides of the configs
+  the tuning store resolves for batch-1 buckets; each setting's graph captured and its replay timed behind a sleep,
+  --graph-rounds rounds alternated): what a kernel costs in the step depends on what runs beside it, which a
+  kernel timed alone does not see (session 18 chose the batch-1 defaults of four families this way);
+- pdl_plain_sweep: each launch of the batch-1 step captured without its programmatic edge, one at a time;
 - trace: the decode graph of batch 1 and 8 kernel by kernel under the profiler (benches/_graph_trace.py:
   durations, idle gaps, two-stream time), and batch 1's graph as a DOT dump ($OUT/graph_b1.dot);
 - where the decode graph's start stall comes from (cuda_graphs.py, "Metadata"): `ahead` (replays timed behind a ~1 ms
@@ -35,6 +40,7 @@ Contexts are cache contents written at random (a decode step's cost does not dep
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -132,6 +138,28 @@ def step_bytes(rt, cfg, weights, batch: int, ctx: int) -> dict:
         else:  # index keys and their scales: the whole context
             cache += ctx * row * batch
     return {"weight_bytes": int(w), "cache_bytes": int(cache), "total_bytes": int(w + cache)}
+
+
+# graph_configs: bucket filters on a family's kernel key (batch-1 decode buckets), then groups of settings timed
+# against each other: group -> {label: {family: config overrides}}
+_T1 = lambda k: k.get("T", k.get("M", k.get("R", 0))) == 1  # noqa: E731
+GRAPH_MATCH = {"kda_decode": lambda k: k["R"] == 1 and k.get("T", 1) == 1}   # else _T1
+
+
+def _overrides(o) -> list:
+    """A family's entry of a GRAPH_CONFIGS setting as a list of overrides (one dict, or a list of them)."""
+    return [] if o is None else [o] if isinstance(o, dict) else list(o)
+
+
+# session 18's batch-1 choices are the defaults now; "before" restores the configs they replaced
+_BEFORE = {"moe_latent_tail": {"G_warps": 4}, "moe_grouped_gemm": {"GN2": 8, "GK2": 1024, "GKS": 8, "GNW": 2},
+           "attn_res_mix_norm": {"num_warps": 8}, "kda_decode": {"WARPS": 4}}
+GRAPH_CONFIGS = {  # group -> {label: {family: overrides (or a list of them, "_key": the bucket)}}, batch-1 buckets;
+    # session 18's searches (benches/results/h200-2026-12-01-s18/README.md) ran groups of ~10 labels each like these
+    "b1": {"before": _BEFORE,
+           "mla_packed_bn8": {"packed_gemm": {"_key": {"N": 3808}, "BLOCK_N": 8}},
+           "moe_gluon_down_k4w2": {"moe_grouped_gemm": {"GLUON": 2, "GKS2": 4, "GNW2": 2}}},
+}
 
 
 AHEAD_CYCLES = 2_000_000  # `torch.cuda._sleep` cycles before a replay timed as device time only: ~1 ms on the H200
@@ -241,6 +269,7 @@ def main():
                     help="torch.compile attempts in order: strict (fails on the reference: the KDA reference's "
                          "nonzero has a data-dependent shape), suppress (failing frames run eagerly)")
     ap.add_argument("--sections", default="graph_check,decode,reference_peer,prefill,torch_compile_peer")
+    ap.add_argument("--graph-rounds", type=int, default=2, help="graph_configs: rounds of its alternation")
     ap.add_argument("--decode-variants", default="graphs,graphs_no_pdl,eager",
                     help=f"decode section variants, of {','.join(DECODE_VARIANTS)}")
     ap.add_argument("--check-batch", type=int, default=8,
@@ -412,9 +441,10 @@ def main():
             out.append(s_.elapsed_time(e_) * 1e3)
         return sorted(out)[n // 2], g, W
 
-    def record_replay(rt, ctx, b, name, rnd):
+    def record_replay(rt, ctx, b, name, rnd, ahead_cycles=0):
         """One measurement: the median device time of batch b's graph replay (replay_us), recorded and printed."""
-        m = {"name": name, "context": ctx, "batch": b, "round": rnd, "replay_us": replay_us(rt, b)[0]}
+        m = {"name": name, "context": ctx, "batch": b, "round": rnd,
+             "replay_us": replay_us(rt, b, ahead_cycles=ahead_cycles)[0], "ahead_cycles": ahead_cycles}
         reset(rt, ctx)
         doc["measurements"].append(m)
         print(json.dumps(m), flush=True)
@@ -431,19 +461,21 @@ def main():
                 st["tuning"].forget()
         return before
 
-    def alternate(name: str, switch, settings=(("on", True), ("off", False)), at=lambda b: b <= 8):
+    def alternate(name: str, switch, settings=(("on", True), ("off", False)), at=lambda b: b <= 8, rounds=2,
+                  ahead_cycles=0):
         """The device time of the same decode graph captured under each of `settings` (label, value: `switch(rt,
-        value)` before the capture; default on / off), alternated twice per batch of `at` (default <= 8) at the first
-        context (drift shows as a difference between the rounds); the first setting is restored after."""
+        value)` before the capture; default on / off), alternated `rounds` times (default 2) per batch of `at` (default <= 8) at the first
+        context (drift shows as a difference between the rounds); the first setting is restored after. ahead_cycles:
+        each replay behind a sleep (`replay_us`: device time only, whatever the host's speed)."""
         ctx = contexts[0]
         rt = runtime(ctx, max(b for b in batches if at(b)))
         try:
             for b in [x for x in batches if at(x)]:
-                for rnd in range(2):
+                for rnd in range(rounds):
                     for label, value in settings:
                         switch(rt, value)
                         rt.drop_graphs()
-                        record_replay(rt, ctx, b, f"graph_replay_{name}_{label}", rnd)
+                        record_replay(rt, ctx, b, f"graph_replay_{name}_{label}", rnd, ahead_cycles)
         finally:
             switch(rt, settings[0][1])
         del rt
@@ -544,6 +576,27 @@ def main():
         finally:
             set_heuristic("moe_grouped_gemm", base)
 
+    @contextlib.contextmanager
+    def pdl_counted():
+        """`_pdl._enabled` replaced by a PdlWindow (every launch programmatic until its window is set), restored
+        after."""
+        calls = PdlWindow(0, 10 ** 9)
+        before = _pdl._enabled
+        _pdl._enabled = calls
+        try:
+            yield calls
+        finally:
+            _pdl._enabled = before
+
+    def launches_per_step(calls, rt, ctx, b) -> int:
+        """The decode step's `launch_kwargs` calls at batch b, counted over a fresh capture (warm-up x2 + capture)."""
+        calls.window(0, 10 ** 9, 10 ** 9)
+        rt.drop_graphs()
+        rt.replays.clear()
+        rt.decode({f"r{i}": 3 for i in range(b)})
+        reset(rt, ctx)
+        return calls.n // 3
+
     @rep.section
     def pdl_window():
         """Which programmatic launches make the decode graph's second kernel start ~7 µs late: the graph captured
@@ -553,23 +606,11 @@ def main():
         if not cuda:
             return doc["notes"].append("pdl_window: needs a cuda device (PDL)")
         ctx = contexts[0]
-        calls = PdlWindow(0, 10 ** 9)
-        before = _pdl._enabled
-        _pdl._enabled = calls
-
-        def per_step(rt, b):
-            calls.window(0, 10 ** 9, 10 ** 9)
-            rt.drop_graphs()
-            rt.replays.clear()
-            rt.decode({f"r{i}": 3 for i in range(b)})  # warm-up x2 + capture: 3 steps
-            reset(rt, ctx)
-            doc["notes"].append(f"pdl_window batch {b}: {calls.n} launch_kwargs calls in a capture (3 steps)")
-            return calls.n // 3
-
-        try:
+        with pdl_counted() as calls:
             for b, rounds, plains in ((1, 2, ((), (1,), (0, 1), (1, 2), (0,), (2,))), (8, 1, ((), (1,)))):
                 rt = runtime(ctx, b)
-                per = per_step(rt, b)
+                per = launches_per_step(calls, rt, ctx, b)
+                doc["notes"].append(f"pdl_window batch {b}: {per} launch_kwargs calls a step")
                 for rnd in range(rounds):
                     for plain in plains:
                         calls.window(0, per, per, plain)
@@ -578,8 +619,28 @@ def main():
                         doc["notes"].append(f"pdl_window batch {b} plain {plain}: {calls.on} of {calls.n} on")
                 del rt
                 torch.cuda.empty_cache()
-        finally:
-            _pdl._enabled = before
+
+    @rep.section
+    def pdl_plain_sweep():
+        """Each launch of the batch-1 decode step (its index among the step's `_pdl.launch_kwargs` calls) captured
+        without its programmatic edge, one at a time, vs every launch programmatic: graph replay device time (behind
+        a sleep), --graph-rounds rounds alternated. A launch that gains when plain holds SM slots while it waits that
+        the kernel before it could use (the routed experts' LATE, _moe_gemv_words.py)."""
+        if not cuda:
+            return doc["notes"].append("pdl_plain_sweep: needs a cuda device (PDL)")
+        ctx = contexts[0]
+        with pdl_counted() as calls:
+            rt = runtime(ctx, 1)
+            per = launches_per_step(calls, rt, ctx, 1)
+            doc["notes"].append(f"pdl_plain_sweep: {per} launch_kwargs calls a step")
+            for rnd in range(args.graph_rounds):
+                for plain in ((), *((i,) for i in range(per))):
+                    calls.window(0, per, per, plain)
+                    rt.drop_graphs()
+                    record_replay(rt, ctx, 1, f"graph_replay_plain_{'_'.join(map(str, plain)) or 'none'}", rnd,
+                                  AHEAD_CYCLES)
+            del rt
+            torch.cuda.empty_cache()
 
     @rep.section
     def head_sleep():
@@ -678,6 +739,39 @@ def main():
             return cfg
         alternate("mla", lambda rt, h: set_heuristic("mla_sparse", h), (("default", base), ("orient2", orient2)),
                   at=lambda b: b >= 8)
+
+    @rep.section
+    def graph_configs():
+        """Kernel configs chosen inside the decode graph: per group of GRAPH_CONFIGS, batch 1 at the first context, the
+        graph captured under each setting (family -> overrides of the config the tuning store resolves, record or
+        heuristic, where GRAPH_MATCH holds for the bucket's key) and its replay timed (device time: behind a sleep),
+        alternated --graph-rounds times with the unchanged configs (`alternate`). Session 18 chose the batch-1
+        defaults of moe_grouped_gemm, moe_latent_tail, attn_res_mix_norm and kda_decode this way."""
+        if not cuda or "tuning" not in st:
+            return doc["notes"].append("graph_configs: needs a cuda device and a tuning store (--records)")
+        pol = st["tuning"]
+        resolve = pol.config
+        current: dict = {}
+
+        def config(t, key):
+            c = resolve(t, key)
+            if not GRAPH_MATCH.get(t.family, _T1)(key):
+                return c
+            for over in _overrides(current.get(t.family)):  # each a config override, "_key": the bucket it is for
+                if all(key.get(k) == v for k, v in over.get("_key", {}).items()):
+                    c = {**c, **{k: v for k, v in over.items() if k != "_key"}}
+            return c
+
+        def switch(rt, setting):
+            current.clear()
+            current.update(setting)
+        pol.config = config
+        try:
+            for group, settings in GRAPH_CONFIGS.items():
+                alternate(f"cfg_{group}", switch, (("resolved", {}), *settings.items()), at=lambda b: b == 1,
+                          rounds=args.graph_rounds, ahead_cycles=AHEAD_CYCLES)
+        finally:
+            del pol.config
 
     def compare_artifacts(name: str, disabled: dict):
         """The default artifact and one compiled per entry of `disabled` (label -> passes turned off), each
@@ -991,6 +1085,7 @@ def main():
         sections = {"graph_check": graph_check, "decode": decode, "pdl": pdl, "late": late, "absorb": absorb, "attn_early": attn_early, "trace_late": trace_late, "overlap": overlap,
                     "priority": priority, "schedule": schedule, "nodes": nodes, "trace_start": trace_start,
                     "ahead": ahead, "carveout": carveout, "pdl_window": pdl_window, "gluon": gluon, "head_sleep": head_sleep, "mla_orient": mla_orient, "l2fetch": l2fetch,
+                    "graph_configs": graph_configs, "pdl_plain_sweep": pdl_plain_sweep,
                     "trace": trace, "host": host,
                     "engine_decode": engine_decode,
                     "reference_peer": reference_peer,

@@ -44,9 +44,13 @@ def test_attn_res_prefetched_bank_rows(prefetch):
 
 
 def test_attn_res_heuristic_prefetches_at_decode_width():
-    cfg = attn_res.heuristic({"T": 1, "d": 7168, "n": 4, "bi": 0}, "h200")
+    cfg = attn_res.heuristic({"T": 8, "d": 7168, "n": 4, "bi": 0}, "h200")
     assert cfg["num_warps"] == 8 and cfg["PREFETCH"] == 2  # the H200's best at d=7168 (bank 2: 4.17 µs)
-    assert not attn_res.constraints(cfg, {"T": 1, "d": 7168, "n": 4}, "h200")
+    assert not attn_res.constraints(cfg, {"T": 8, "d": 7168, "n": 4}, "h200")
+    one = attn_res.heuristic({"T": 1, "d": 7168, "n": 4, "bi": 0}, "h200")  # a one-token step: 16 warps (in-graph)
+    assert one == {**cfg, "num_warps": 16} and not attn_res.constraints(one, {"T": 1, "d": 7168, "n": 4}, "h200")
+    cpu = [attn_res.heuristic({"T": t, "d": 7168, "n": 4, "bi": 0}, "cpu") for t in (1, 8)]
+    assert cpu[0] == cpu[1]  # the one-token rule is the GPU's
     assert attn_res.constraints({**cfg, "BLOCK_R": 16, "BLOCK_D": 8192, "num_warps": 4, "PREFETCH": 4},
                                 {"d": 7168}, "h200")
 

@@ -300,7 +300,12 @@ def _down_gluon_kernel(h_ptr, wt_ptr, ids_ptr, w2_ptr, s2_ptr, o_ptr, cnt_ptr, y
 
 
 # the measured best (module doc), for the heuristic to set on CUDA sm_90+ (off it, `usable` refuses them anyway):
-GLUON_T1 = {"GLUON": 1, "GKS": 8, "GNW": 2}                        # T=1 top-2: 23.28-23.77 vs 24.45 us (GV=2)
+# T=1 top-2, the op alone (session 14): KS 8 x NWT 2 23.28-23.77 us vs GV=2 24.45. Inside the rank decode graph
+# (session 18, benches/bench_runtime_gpu.py --sections graph_configs, batch 1, medians of 6-8 captures): KS 4 x NWT 4
+# with the GV=2 down kernel on 4-row x 512-column steps (GLUON_T1_DOWN) is what the step runs fastest: the
+# moe_grouped_gemm part of the -20 us below (KS 4 x NWT 4 alone 545.0 vs 554.0 us; KS 2 x 4 549.8, KS 4 x 2 549.0).
+GLUON_T1 = {"GLUON": 1, "GKS": 4, "GNW": 4}
+GLUON_T1_DOWN = {"GN2": 4, "GK2": 512}  # the down kernel (_moe_gemv_words GV=2) beside GLUON_T1: 549.0 vs 554.3 us
 GLUON_T8 = {"GLUON": 2, "GKS": 4, "GNW": 4, "GKS2": 2, "GNW2": 4}  # T=8 top-2: 105.8-107.9 vs 149.8 us
 
 

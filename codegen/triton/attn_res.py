@@ -251,14 +251,20 @@ def heuristic(key: dict, target: str) -> dict:
     """BLOCK_D = next power of two >= d; rows per program so a tile holds ~4096 values (interpreter:
     ~32768); about one warp per 512 values of the tile (at most 8 for one row a program); every bank row
     prefetched (up to MAX_PREFETCH) while the live rows (prefetched + prefix + running sum + weights) stay
-    within ~160 fp32 registers a thread. No dependence on T."""
+    within ~160 fp32 registers a thread. On a GPU a one-token step's row (T = 1) takes 16 warps (below)."""
     bd = pow2_bucket(key["d"])
     br = max(1, min(16, (32768 if target == "cpu" else 4096) // bd))
-    # one row per program: at most 8 warps (H200, d=7168, T=1, session 6: 8 warps 4.01 / 4.17 µs with 1 / 2
-    # bank rows vs 16 warps 4.01 / 4.75)
+    # one row per program (H200, d=7168, T=1): session 6, the kernel alone, 8 warps 4.01 / 4.17 µs with 1 / 2 bank
+    # rows vs 16 warps 4.01 / 4.75; session 18, inside the rank decode graph (benches/bench_runtime_gpu.py
+    # --sections graph_configs, 8 mixes a step, medians of 6-8 captures): 16 warps 553.2 vs 554.3 us a step alone,
+    # part of the -20 us set (_moe_gemv_gluon.GLUON_T1); 4 warps 572.3, 32 warps as 16. So: 16 warps for a
+    # one-token step's row of d >= 4096 on a GPU (other batches: not measured, unchanged).
+    # (PREFETCH stays what 8 warps hold: the measured setting.)
     cfg = {"BLOCK_R": br, "BLOCK_D": bd, "num_warps": max(1, min(8 if br == 1 else 16, br * bd // 512))}
     vpt = max(1, _values_per_thread(cfg))
     cfg["PREFETCH"] = max(0, min(MAX_PREFETCH, key["n"] - 1, 160 // vpt - 3))
+    if key.get("T") == 1 and br == 1 and bd >= 4096 and target != "cpu":
+        cfg["num_warps"] = 16
     return cfg
 
 

@@ -96,7 +96,7 @@ from codegen.triton._moe_configs import (BATCH_INVARIANT_CONFIG, DECODE_MAXNREG,
 from codegen.triton._moe_host import (DEQ_MODES, _BYTE_DECODE, _TL, _fit_bk, _int16_view,  # noqa: F401
                                       _kernel_weight, _weight, max_tiles, scale_words, storage, target_cc)
 from codegen.triton._moe_gemv import gemv_experts, gemv_supported
-from codegen.triton._moe_gemv_gluon import GLUON_T1, GLUON_T8
+from codegen.triton._moe_gemv_gluon import GLUON_T1, GLUON_T1_DOWN, GLUON_T8
 from codegen.triton import _moe_down_gluon as gd_gluon, _moe_grouped_gluon as gg_gluon
 from codegen.triton._moe_splits import _combine_splits_kernel, _glu_splits_kernel, combine_pairs  # noqa: F401
 from codegen.triton._moe_tiles import (MX_ASM16, MX_ASM16I, MX_BYTES16, _glu, _k_range, _load_bt, _locate_tile,
@@ -387,7 +387,8 @@ def heuristic(key: dict, target=None) -> dict:
     step, batch 8, 1078.4-1080.5 vs 1096.6-1100.5 us; batch 1 no gain, 555.9-564.2 vs 557.0-564.0,
     benches/results/h200-2026-11-30-s12/runtime_moe_sched.json). On CUDA sm_90+ with MXFP4 weights and bf16
     activations the inner products run on the tensor cores (Gluon, _moe_gemv_gluon.py; session 14, H200, the op
-    alone): T=1 the gate-up (GLUON_T1: 23.28-23.77 vs 24.45 us), T >= 2 both kernels (GLUON_T8, measured at T=8:
+    alone): T=1 the gate-up (GLUON_T1, its tiles and the GV=2 down kernel's chosen inside the rank decode graph in
+    session 18, see _moe_gemv_gluon.GLUON_T1), T >= 2 both kernels (GLUON_T8, measured at T=8:
     105.8-107.9 vs 149.8 us; T=2..7 not measured); in the rank decode graph (runtime_gluon.json) batch 1
     552.4-555.7 vs 552.8-554.6 us (the experts are not what bounds it), batch 8 1065.2-1066.9 vs 1068.0-1070.7.
     Dense expert weights run the GV=1 kernels with the
@@ -442,7 +443,7 @@ def heuristic(key: dict, target=None) -> dict:
         elif key["T"] > 1:          # the gate-up not resident while it waits for z (LATE, _moe_gemv_words.py)
             cfg["LATE"] = 1
         if cc is not None and cc >= 90 and key["MX"] and key["BF16"]:   # tensor-core GEMVs (_moe_gemv_gluon.py)
-            cfg.update(GLUON_T1 if key["T"] == 1 else GLUON_T8)
+            cfg.update({**GLUON_T1, **GLUON_T1_DOWN} if key["T"] == 1 else GLUON_T8)
         return cfg
     tiles = max_tiles(key["T"] * key["K"], key["E"], cfg["BM"])
     full = tiles * -(-key["I"] // cfg["BN"]) >= 2 * GPU_SLOTS

@@ -188,14 +188,18 @@ GEMV_OFF = {"U_GEMV": 0, "G_BN": 16, "G_BK": 512, "G_warps": 4}
 
 
 def heuristic(key: dict, target=None) -> dict:
-    """T = 1 (not batch-invariant): the one-launch dot-free GEMV, 16 output rows × 512 K per step and
-    4 warps a program (d / 16 programs: ~3 per SM at d = 7168, ~48 KB of W in flight per SM).
+    """T = 1 (not batch-invariant): the one-launch dot-free GEMV, 16 output rows × 256 K per step and
+    8 warps a program (d / 16 programs: ~3 per SM at d = 7168).
     Decode (T <= 64): BM covers the batch, narrow BN for > 1 wave over d; prefill: 128×128 tiles."""
     if key.get("BI"):
         cfg = dict(U_BATCH_INVARIANT)
     elif key["T"] == 1:
-        # H200, session 6 (L=3584, N=7168, bf16): G_BK 256 16.2 µs, 512 17.9, G_BN 8 17.0, 8 warps x 32 rows 17.2
-        cfg = {**U_BATCH_INVARIANT, "U_GEMV": 1, "G_BN": 16, "G_BK": 256, "G_warps": 4}
+        # H200, session 6 (L=3584, N=7168, bf16): G_BK 256 16.2 µs, 512 17.9, G_BN 8 17.0, 8 warps x 32 rows 17.2.
+        # Session 18, inside the rank decode graph (benches/bench_runtime_gpu.py --sections graph_configs, batch 1,
+        # medians of 8 captures): 8 warps 550.7 vs 4 warps 554.0 us a step (3 tails); 8 warps with G_BN 8 571.1,
+        # with G_BK 512 557.9, G_BK 128 571.2; 2 warps 558.8. (Alone, as a graph of itself, 4 warps is as fast: what
+        # the tail costs in the step depends on what runs beside it.)
+        cfg = {**U_BATCH_INVARIANT, "U_GEMV": 1, "G_BN": 16, "G_BK": 256, "G_warps": 8}
     elif key["T"] <= 64:
         cfg = {"U_BM": max(16, pow2_bucket(key["T"])), "U_BN": 32, "U_BK": 128, "U_warps": 4, "U_stages": 4,
                "U_group": 8}

@@ -520,10 +520,8 @@ def _zeroed_check():
     from codegen.triton import _topk_fused
     if not SMOKE:
         torch.cuda.synchronize()
-    from codegen.triton import _gemv   # (BUCKET 3 + ZERO: words of the stream's shared counter set)
-    from codegen.triton import _indexer_scores   # (TMA_PRIV: the score programs' private histograms)
-    bufs = list(_topk_fused._ZEROED.values()) + _topk_fused._RETIRED + list(_gemv._COUNTERS.values()) + \
-        list(_indexer_scores._PRIVATE.values())
+    from codegen.triton import _gemv   # (BUCKET 3 + ZERO, TMA_PRIV's private histograms: the stream's counter set)
+    bufs = list(_topk_fused._ZEROED.values()) + _topk_fused._RETIRED + list(_gemv._COUNTERS.values())
     return {"ok": all(int(b.abs().sum()) == 0 for b in bufs), "buffers": len(bufs)}
 
 

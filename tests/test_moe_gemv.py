@@ -205,9 +205,12 @@ def test_heuristic_picks_gemv_for_few_pairs_and_falls_back_on_odd_storage():
         assert cfg["PATH"] == "gemv" and cfg["GV"] == 2 and cfg["GMMA"] == 0 and te.constraints(cfg, key, tgt) == [], cfg
         cfg8 = te.heuristic(te.bucket({**key, "T": 8}), tgt)       # 16 pairs (H200: 168.3 us vs the MMA step's 204)
         assert cfg8["PATH"] == "gemv" and cfg8["GV"] == 2 and te.constraints(cfg8, key, tgt) == [], cfg8
-    # on the H200 the measured tiles (4 x 1024 on 2 warps, down 8 x 1024 on 1: T=1 27.7 us, T=8 168.3 us)
-    for t in (1, 8):
-        assert {k: te.heuristic(te.bucket({**key, "T": t}), h200)[k] for k in gg.GEMV_T1} == gg.GEMV_T1
+    # on the H200 the measured tiles (4 x 1024 on 2 warps, down 8 x 1024 on 1: T=1 27.7 us, T=8 168.3 us); at T=1
+    # the down kernel's steps chosen inside the decode graph, beside the Gluon gate-up (session 18)
+    from codegen.triton._moe_gemv_gluon import GLUON_T1, GLUON_T1_DOWN
+    for t, want in ((1, {**gg.GEMV_T1, **GLUON_T1_DOWN}), (8, gg.GEMV_T1)):
+        assert {k: te.heuristic(te.bucket({**key, "T": t}), h200)[k] for k in gg.GEMV_T1} == want
+    assert {k: te.heuristic(te.bucket(key), h200)[k] for k in GLUON_T1} == GLUON_T1
     assert te.heuristic(te.bucket(key), h200)["GASM"] == 1 and te.constraints({**cfg, "GASM": 1}, key, None)
     assert te.heuristic(te.bucket({**key, "T": 64, "K": 16}), h200)["PATH"] == "grouped"
     bi = {**key, "BI": 1}

@@ -70,6 +70,7 @@ import os
 import triton
 import triton.language as tl
 
+from ._gemv import tile_counters
 from ._indexer_tiles import _row_query, _tile_load, _tile_sums
 from ._pdl import _target_supports, pdl_enter
 from ._topk_select import _ord_digit0, _score_ord
@@ -188,22 +189,11 @@ def _key_descriptor(k8, k_sb, k_sr, block_size, box):
     return TensorDescriptor(k8, [rows, di], [k_sr, 1], [box, di]), rpb
 
 
-_PRIVATE: dict = {}
-_PRIVATE_RETIRED: list = []
-
-
-def _private_counts(device, size):
-    """int32 per-program histograms (PRIV 1), one zeroed set per (device, stream), left at zero by each launch (made
-    before a graph capture by the warm-up, like `_gemv.tile_counters`; an outgrown set is kept alive)."""
-    import torch
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
-    buf = _PRIVATE.get(key)
-    if buf is None or buf.numel() < size:
-        if buf is not None:
-            _PRIVATE_RETIRED.append(buf)
-        buf = _PRIVATE[key] = torch.zeros(size, dtype=torch.int32, device=device)
-    return buf
+def _private_counts(device, n: int, size: int):
+    """int32 per-program histograms (PRIV 1) from the stream's zeroed counter set (`_gemv.tile_counters`), past the
+    n * 2050 values indexer_topk may take from the same set for the rows' histograms and counts; each launch leaves
+    them at zero."""
+    return tile_counters(device, n * 2050 + size)[n * 2050:n * 2050 + size]
 
 
 def scores_launch(args, cand, hist, n, NT, topk, cfg, common):
@@ -221,7 +211,7 @@ def scores_launch(args, cand, hist, n, NT, topk, cfg, common):
         desc, rpb = _key_descriptor(k8, k_sb, k_sr, 1 << common["LOG_BS"], box)
         if desc is not None:
             splits = max(1, min(int(cfg["SPLITS"]), NT * common["BLOCK_N"] // box))
-            priv = _private_counts(hist.device, n * splits * 2048) if cfg.get("TMA_PRIV") else hist
+            priv = _private_counts(hist.device, n, n * splits * 2048) if cfg.get("TMA_PRIV") else hist
             _scores_tma_kernel[(n, splits)](q, w, qs, desc, rpb, ks, s_sb, s_sr, tbl, req, MB, pos, cand, hist, priv,
                                             NT, topk, splits, BOX=box, J=int(cfg.get("TMA_J", 128)),
                                             CARRY=int(cfg.get("TMA_CARRY", 0)), PRIV=int(cfg.get("TMA_PRIV", 0)),

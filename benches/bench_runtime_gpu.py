@@ -270,6 +270,9 @@ def main():
                          "nonzero has a data-dependent shape), suppress (failing frames run eagerly)")
     ap.add_argument("--sections", default="graph_check,decode,reference_peer,prefill,torch_compile_peer")
     ap.add_argument("--graph-rounds", type=int, default=2, help="graph_configs: rounds of its alternation")
+    ap.add_argument("--pdl-plain-sets", default="",
+                    help="pdl_plain_sweep: sets of launch indices captured plain together, e.g. '10,12;15,16' "
+                         "(default: each launch alone)")
     ap.add_argument("--decode-variants", default="graphs,graphs_no_pdl,eager",
                     help=f"decode section variants, of {','.join(DECODE_VARIANTS)}")
     ap.add_argument("--check-batch", type=int, default=8,
@@ -623,7 +626,7 @@ def main():
     @rep.section
     def pdl_plain_sweep():
         """Each launch of the batch-1 decode step (its index among the step's `_pdl.launch_kwargs` calls) captured
-        without its programmatic edge, one at a time, vs every launch programmatic: graph replay device time (behind
+        without its programmatic edge, one at a time (or the sets of --pdl-plain-sets), vs every launch programmatic: graph replay device time (behind
         a sleep), --graph-rounds rounds alternated. A launch that gains when plain holds SM slots while it waits that
         the kernel before it could use (the routed experts' LATE, _moe_gemv_words.py)."""
         if not cuda:
@@ -633,8 +636,10 @@ def main():
             rt = runtime(ctx, 1)
             per = launches_per_step(calls, rt, ctx, 1)
             doc["notes"].append(f"pdl_plain_sweep: {per} launch_kwargs calls a step")
+            sets = [tuple(int(i) for i in x.split(",")) for x in args.pdl_plain_sets.split(";") if x] or \
+                [(i,) for i in range(per)]
             for rnd in range(args.graph_rounds):
-                for plain in ((), *((i,) for i in range(per))):
+                for plain in ((), *sets):
                     calls.window(0, per, per, plain)
                     rt.drop_graphs()
                     record_replay(rt, ctx, 1, f"graph_replay_plain_{'_'.join(map(str, plain)) or 'none'}", rnd,

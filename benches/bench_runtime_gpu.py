@@ -467,8 +467,9 @@ def main():
     def alternate(name: str, switch, settings=(("on", True), ("off", False)), at=lambda b: b <= 8, rounds=2,
                   ahead_cycles=0):
         """The device time of the same decode graph captured under each of `settings` (label, value: `switch(rt,
-        value)` before the capture; default on / off), alternated `rounds` times (default 2) per batch of `at` (default <= 8) at the first
-        context (drift shows as a difference between the rounds); the first setting is restored after. ahead_cycles:
+        value)` before the capture; default on / off), alternated `rounds` times (default 2) per batch of `at`
+        (default <= 8) at the first context (drift shows as a difference between the rounds); the first setting is
+        restored after. ahead_cycles:
         each replay behind a sleep (`replay_us`: device time only, whatever the host's speed)."""
         ctx = contexts[0]
         rt = runtime(ctx, max(b for b in batches if at(b)))
@@ -626,7 +627,8 @@ def main():
     @rep.section
     def pdl_plain_sweep():
         """Each launch of the batch-1 decode step (its index among the step's `_pdl.launch_kwargs` calls) captured
-        without its programmatic edge, one at a time (or the sets of --pdl-plain-sets), vs every launch programmatic: graph replay device time (behind
+        without its programmatic edge, one at a time (or the sets of --pdl-plain-sets), vs every launch
+        programmatic: graph replay device time (behind
         a sleep), --graph-rounds rounds alternated. A launch that gains when plain holds SM slots while it waits that
         the kernel before it could use (the routed experts' LATE, _moe_gemv_words.py)."""
         if not cuda:

@@ -183,6 +183,15 @@ def test_heuristic_takes_gluon_at_large_batches_only():
     assert heuristic(key, "cpu")["GLUON"] == 0
 
 
+def test_heuristic_warps_of_small_one_token_steps():
+    """8 warps for a one-token step of at most 16 (request, head) pairs (the rank preset's B=1, chosen inside its decode
+    graph), 4 for larger steps and for 8-token verification."""
+    one = {"D": 128, "H": 12, "R": 1, "T": 1}
+    assert heuristic(one, "cuda")["WARPS"] == 8
+    for other in ({"T": 8}, {"R": 2, "T": 2}, {"H": 32}):
+        assert heuristic({**one, **other}, "cuda")["WARPS"] == 4, other
+
+
 def test_batch_invariant_launch_never_takes_gluon(monkeypatch):
     """The template's batch-invariant launch fixes GLUON 0 (its cuBLAS gate GEMM would make sums batch-dependent),
     even where the CUDA heuristic takes it; a plain launch passes the config's GLUON through."""

@@ -488,10 +488,10 @@ def heuristic(key, target):
     one_token = key.get("T", key["R"]) <= key["R"]  # verification (8 tokens): per-program 8-row dots win
     bv = min(64, D // split)
     gluon = one_token and key["R"] * key["H"] >= _GLUON_PAIRS   # the Gluon kernel computing the gate itself
-    # 8 warps where the grid is a few (request, head) pairs: inside the rank decode graph at batch 1 (H=12, session 18,
-    # benches/bench_runtime_gpu.py --sections graph_configs, medians of 6-8 captures) 532.1 / 532.6 vs 534.0 / 535.9
-    # us a step with 4 (alone 7.12 vs 6.24 us, session 12: the kernel's latency hides behind its neighbours')
-    warps = 8 if key["R"] * key["H"] <= 16 else 4
+    # 8 warps for a one-token step of a few (request, head) pairs: inside the rank decode graph at batch 1 (H=12,
+    # session 18, benches/bench_runtime_gpu.py --sections graph_configs, medians of 6-8 captures) 532.1 / 532.6 vs
+    # 534.0 / 535.9 us a step with 4 (alone 7.12 vs 6.24 us, session 12: its latency hides behind its neighbours')
+    warps = 8 if one_token and key["R"] * key["H"] <= 16 else 4   # (verification steps: not measured, unchanged)
     return {"BV": bv, "WARPS": warps, "SPLIT": split, "PREFETCH": 1, "RB": 128 if split > 1 else 32,
             "GATE_MM": int(split == 1 and one_token), "MAXNREG": 0, "GEMV": 0, "EARLY": int(bv == D // split),
             "GLUON": 3 if gluon else 0}   # (GATE_MM: the Triton kernel's, where the Gluon kernel is not usable)

@@ -189,11 +189,15 @@ def _key_descriptor(k8, k_sb, k_sr, block_size, box):
     return TensorDescriptor(k8, [rows, di], [k_sr, 1], [box, di]), rpb
 
 
+ROW_COUNTS = 2048 + 2  # a row's words at the head of the zeroed counter set: first-digit histogram, two counts
+
+
 def _private_counts(device, n: int, size: int):
     """int32 per-program histograms (PRIV 1) from the stream's zeroed counter set (`_gemv.tile_counters`), past the
-    n * 2050 values indexer_topk may take from the same set for the rows' histograms and counts; each launch leaves
-    them at zero."""
-    return tile_counters(device, n * 2050 + size)[n * 2050:n * 2050 + size]
+    n * ROW_COUNTS words indexer_topk may take from the same set for the rows' histograms and counts; each launch
+    leaves them at zero."""
+    head = n * ROW_COUNTS
+    return tile_counters(device, head + size)[head:head + size]
 
 
 def scores_launch(args, cand, hist, n, NT, topk, cfg, common):

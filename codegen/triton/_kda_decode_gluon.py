@@ -365,7 +365,7 @@ def _kda_decode_gluon_kernel(q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, f, s_f,
     qx, qs, qt, kx, ks, kt, vx, vs, vt, fx, z, bt, al, bias = _prefetch(
         q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, f, s_f, alog, dtb, bl, s_bl, gate, s_gt, h, bos, slot, H, D, KW,
         KWP, HAS_BIAS, WL, RK, FA)
-    if RK > 0:  # f_a's row of the pair's token 0 in vecs[6 D:] (stored a pair ahead, before a barrier)
+    if RK > 0:  # f_a's row of the pair's token 0 in `fas` (stored a pair ahead, before a barrier)
         fas.store(fx.to(gl.float32))
         _barrier()
     for i in range(gl.cdiv(NP - pid, G)):
@@ -421,7 +421,7 @@ def _kda_decode_gluon_kernel(q, k, v, s_q, s_k, s_v, qw, kw, vw, cstate, f, s_f,
                 mbarrier.wait(fbar.index(0), 0 if FB_ONCE else i & 1)
             for t in range(n):
                 row = bos + t
-                if RK > 0:  # token t's f_a row into vecs[6 D:] (token t - 1's read before its front's barrier)
+                if RK > 0:  # token t's f_a row into `fas` (token t - 1's read before its front's barrier)
                     fas.store(gl.load(f + row * s_f + gl.arange(0, RK, layout=FA)).to(gl.float32))
                     _barrier()
                     ft = _lowrank_f(fbuf, fas, D, RK, FL, VW, UN, FS2)

@@ -198,8 +198,8 @@ def slots_select(cand, hist, sv, poff, th, out, tbl, req, MB, pos, NT, topk, cfg
                  stop_after=None, zero=False):
     """Steps 1-3 of the module doc over `cand` (int32 scores [n, NT * BLOCK_N]) with `hist` (their first-digit
     histogram), into the caller's survivor rows `sv` (int64 [n, NT * BLOCK_N]), part offsets `poff` (int32 [n, parts])
-    and thresholds `th` (int64 [n, 2]). Config: MERGE_TILE (the parts' tile, <= 32768), SELECT_RES (PARTS x CAP bucket slots, a power of two
-    >= PARTS), MERGE_WARPS (the threshold program's warps), PLACE_TILE (the placement's first step). `stop_after`
+    and thresholds `th` (int64 [n, 2]). Config: MERGE_TILE (the parts' tile, <= 32768), SELECT_RES (PARTS x CAP
+    bucket slots, a power of two >= PARTS), MERGE_WARPS (the threshold program's warps), PLACE_TILE (the placement's first step). `stop_after`
     "bucket" / "threshold": stop after that launch (bench breakdown). `zero` (ZERO 1): the threshold program leaves
     hist at zero."""
     n, dev = cand.shape[0], cand.device

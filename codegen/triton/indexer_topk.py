@@ -86,7 +86,7 @@ import triton.language as tl
 
 from ..kernel import KernelTemplate, Tunable, pow2_bucket
 from ._paging import context_bound, paging_args, pool_strides
-from ._indexer_scores import scores_launch
+from ._indexer_scores import ROW_COUNTS, scores_launch
 from ._indexer_tiles import _rescore_kernel, _score_kernel
 from ._pdl import launch_kwargs
 from ._topk_bucket import bucket_select
@@ -390,8 +390,8 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_tab
             ws = bucket_workspace(dev, n, zero_ws)
             views = [ws[0], ws[3].view(n, 1), ws[2].view(n, 1), ws[3].view(n, 1)]   # (no overflow: novf stays 0)
         elif bucket == 1 and zero_ws:   # hist, bucket counts, novf (never written: stays 0) from the zeroed set
-            buf = tile_counters(dev, n * 2050)
-            nb1, z1 = buf[n * 2048:n * 2049].view(n, 1), buf[n * 2049:n * 2050].view(n, 1)
+            buf = tile_counters(dev, n * ROW_COUNTS)
+            nb1, z1 = buf[n * 2048:n * 2049].view(n, 1), buf[n * 2049:n * ROW_COUNTS].view(n, 1)
             views = [buf[:n * 2048].view(n, 2048), z1, nb1, z1]
         else:
             seg = [2048, 1] + [2048] * (filt or (sel_mode and not bucket)) + [1, 1] * sel_mode
@@ -434,8 +434,8 @@ def indexer_topk(q, q_scale, w, keys, key_scale, token_pos, token_req, block_tab
                 bucket_place_select(cand, (hist, *ws[1:]), src, oc, tbl, rc, MB, pc, NT, topk, cfg, bn, sparts,
                                     output == "rows", log_bs, pdl, zero_ws, stop_after)
             elif bucket and cfg.get("SURV"):   # the parts keep their survivors, no atomics (`_topk_slots`)
-                slots_select(cand, hist, src, poff, th, oc, tbl, rc, MB, pc, NT, topk, cfg, bn, sparts, output == "rows",
-                             log_bs, pdl, stop_after, zero_ws)
+                slots_select(cand, hist, src, poff, th, oc, tbl, rc, MB, pc, NT, topk, cfg, bn, sparts,
+                             output == "rows", log_bs, pdl, stop_after, zero_ws)
             elif bucket:
                 bucket_select(cand, hist, ncomp, src, poff, th, oc, tbl, rc, MB, pc, NT, topk, cfg, bn, sparts,
                               output == "rows", log_bs, pdl, stop_after, zero_ws)

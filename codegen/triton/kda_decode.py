@@ -280,7 +280,8 @@ def kda_decode(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_
     state block before the PDL wait (the same results; the loads move only with PDL on). `gluon` runs the
     persistent TMA-ring kernel of `_kda_decode_gluon.py` where it is usable (CUDA sm_90+, fp32 pool, no kept states;
     `gluon` 2 computes f = f_a f_b^T inside it (an f_b `_glu.lowrank_ok` takes; else by the GEMM), 3 the same on
-    the head-aligned grid (`_glu.grid`), 1 by one GEMM before it (`_GLUON_VARIANTS`); `num_warps` its warps), else this kernel (with its own `gate_mm`)."""
+    the head-aligned grid (`_glu.grid`), 1 by one GEMM before it (`_GLUON_VARIANTS`); `num_warps` its warps), else
+    this kernel (with its own `gate_mm`)."""
     if gluon and _glu.usable(state, keep_states):
         return _gluon(q, k, v, q_conv, k_conv, v_conv, conv_state, f_a, f_b, A_log, dt_bias, b, state, gate,
                       o_norm_w, state_slot, cu_seqlens, scale, lower_bound, norm_eps, l2_eps, num_warps, int(gluon))
@@ -487,11 +488,12 @@ def heuristic(key, target):
         split *= 2
     one_token = key.get("T", key["R"]) <= key["R"]  # verification (8 tokens): per-program 8-row dots win
     bv = min(64, D // split)
-    gluon = one_token and key["R"] * key["H"] >= _GLUON_PAIRS   # the Gluon kernel computing the gate itself
+    pairs = key["R"] * key["H"]
+    gluon = one_token and pairs >= _GLUON_PAIRS   # the Gluon kernel computing the gate itself
     # 8 warps for a one-token step of a few (request, head) pairs: inside the rank decode graph at batch 1 (H=12,
     # session 18, benches/bench_runtime_gpu.py --sections graph_configs, medians of 6-8 captures) 532.1 / 532.6 vs
     # 534.0 / 535.9 us a step with 4 (alone 7.12 vs 6.24 us, session 12: its latency hides behind its neighbours')
-    warps = 8 if one_token and key["R"] * key["H"] <= 16 else 4   # (verification steps: not measured, unchanged)
+    warps = 8 if one_token and pairs <= 16 else 4   # (verification steps: not measured, unchanged)
     return {"BV": bv, "WARPS": warps, "SPLIT": split, "PREFETCH": 1, "RB": 128 if split > 1 else 32,
             "GATE_MM": int(split == 1 and one_token), "MAXNREG": 0, "GEMV": 0, "EARLY": int(bv == D // split),
             "GLUON": 3 if gluon else 0}   # (GATE_MM: the Triton kernel's, where the Gluon kernel is not usable)

@@ -24,10 +24,14 @@ import sys
 import tempfile
 import time
 
+from .graph_tune_cli import add_in_graph_args
+from .graph_tune_cli import problems as in_graph_problems
+
 EPILOG = """examples:
   k31c tune build/tiny --kernel rms_norm --trials 12
   k31c tune build/h200 --trials 40 --timeout-s 30 --plot /tmp/tune-plots
   k31c tune --target h200 --model k31-tiny --kernel gemm --store /tmp/h200.jsonl
+  k31c tune build/h200 --in-graph --batch 1 --context 8192 --rounds 4     # configs chosen inside the decode step
 
 An interrupted tune resumes where it stopped: run the same command again (studies are kept in
 --study-db; finished trials are not re-run, measured configs are not re-timed)."""
@@ -61,10 +65,11 @@ def add_tune_args(p: argparse.ArgumentParser):
     p.add_argument("--seed", type=int, default=0, help="sampler and capture seed (default 0)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_in_graph_args(p)
 
 
 def _problems(args) -> list[str]:
-    out = []
+    out = in_graph_problems(args)
     if bool(args.artifact) == bool(args.target):
         out.append("give an artifact directory or --target T (not both)")
     if args.bucket is not None and not args.kernel:
@@ -103,6 +108,10 @@ def main(args) -> int:
         if rc:
             return rc
     try:
+        if args.in_graph:
+            from .graph_tune_cli import run
+
+            return run(args, path, update=args.artifact is not None, command=command_line(args, path))
         return _tune(args, path, update=args.artifact is not None,
                      device="cuda" if torch.cuda.is_available() else "cpu")
     finally:
@@ -193,7 +202,14 @@ def command_line(args, path: str) -> str:
     for name in ("bucket", "shapes"):
         if getattr(args, name):
             parts += [f"--{name}", getattr(args, name)]
-    parts += ["--trials", str(args.trials), "--seed", str(args.seed)]
+    if getattr(args, "in_graph", False):
+        parts.append("--in-graph")
+        for name in ("batch", "context", "rounds", "min_gain_us", "try_", "passes", "tol"):
+            if getattr(args, name) is not None:
+                parts += ["--" + name.rstrip("_").replace("_", "-"), str(getattr(args, name))]
+    else:
+        parts += ["--trials", str(args.trials)]
+    parts += ["--seed", str(args.seed)]
     return " ".join(shlex.quote(p) for p in parts)
 
 

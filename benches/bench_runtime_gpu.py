@@ -21,6 +21,8 @@ Measured (one JSON document, stdout and $OUT/runtime_gpu.json, saved after every
   the tuning store resolves for batch-1 buckets; each setting's graph captured and its replay timed behind a sleep,
   --graph-rounds rounds alternated): what a kernel costs in the step depends on what runs beside it, which a
   kernel timed alone does not see (session 18 chose the batch-1 defaults of four families this way);
+- graph_tune: `k31c tune --in-graph`'s coordinate descent (autotune_cache/graph_tune.py) over the batch-1 step's
+  tunable sites, records of what it accepts to --graph-tune-store;
 - pdl_plain_sweep: each launch of the batch-1 step captured without its programmatic edge, one at a time;
 - trace: the decode graph of batch 1 and 8 kernel by kernel under the profiler (benches/_graph_trace.py:
   durations, idle gaps, two-stream time), and batch 1's graph as a DOT dump ($OUT/graph_b1.dot);
@@ -57,6 +59,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if not torch.cuda.is_available():  # before triton's first import: its own @jit helpers must be interpreted too
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from autotune_cache.graph_tune import SLEEP_CYCLES, fill_random  # noqa: E402,F401  (bench_parallel_gpu imports it here)
+from autotune_cache.graph_tune import replay_us as graph_replay_us  # noqa: E402
 from benches._report import BenchReport, copy_bandwidth_GBps  # noqa: E402
 
 
@@ -101,17 +105,6 @@ def device_weights(cfg, device, seed: int = 0) -> dict:
     return out
 
 
-def fill_random(rt, lengths: dict, seed: int = 1):
-    """Admit requests of the given context lengths over random cache rows and states (finite values)."""
-    g = torch.Generator(rt.device).manual_seed(seed)
-    for rid, n in lengths.items():
-        rt.add_request(rid, n[1])
-        rt.requests[rid].length = n[0]
-    for name, t in rt.pools.items():
-        x = torch.randn(t.shape, generator=g, device=rt.device) * (0.05 if name in rt.state_pools else 0.5)
-        t.copy_(x.abs() + 0.5 if name.startswith("index_scales") else x)  # key scales positive
-
-
 def step_bytes(rt, cfg, weights, batch: int, ctx: int) -> dict:
     """The bytes a decode step must move at least (see module doc)."""
     from ir.packed import PackedMXFP4
@@ -154,15 +147,26 @@ def _overrides(o) -> list:
 # session 18's batch-1 choices are the defaults now; "before" restores the configs they replaced
 _BEFORE = {"moe_latent_tail": {"G_warps": 4}, "moe_grouped_gemm": {"GN2": 8, "GK2": 1024, "GKS": 8, "GNW": 2},
            "attn_res_mix_norm": {"num_warps": 8}, "kda_decode": {"WARPS": 4}}
+# session 19's graph_tune records (the rank step's router, dense gate/up, MLA packed projection, shared-expert down):
+# "before_s19" restores the kernel-alone records they replaced
+_BEFORE_S19 = {"routed_gemm": {"_key": {"N": 112}, "num_stages": 1},
+               "packed_glu_gemm": {"_key": {"N": 8448}, "BLOCK_K": 512},
+               "packed_gemm": {"_key": {"N": 3808}, "BLOCK_N": 32},
+               "gemm": {"_key": {"K": 3072, "N": 7168}, "BLOCK_K": 256}}
 GRAPH_CONFIGS = {  # group -> {label: {family: overrides (or a list of them, "_key": the bucket)}}, batch-1 buckets;
     # session 18's searches (benches/results/h200-2026-12-01-s18/README.md) ran groups of ~10 labels each like these
-    "b1": {"before": _BEFORE,
-           "mla_packed_bn8": {"packed_gemm": {"_key": {"N": 3808}, "BLOCK_N": 8}},
-           "moe_gluon_down_k4w2": {"moe_grouped_gemm": {"GLUON": 2, "GKS2": 4, "GNW2": 2}}},
+    "b1": {"before_s19": _BEFORE_S19, "before_s18_s19": {**_BEFORE, **_BEFORE_S19}},
 }
 
 
-AHEAD_CYCLES = 2_000_000  # `torch.cuda._sleep` cycles before a replay timed as device time only: ~1 ms on the H200
+# graph_tune: family -> config overrides tried at each of its sites besides the neighbours (knobs of the batch-1 Gluon
+# experts and the MLA packed projection's 8-row tile, which the declared tunables do not reach)
+GRAPH_TUNE_TRIES = {
+    "moe_grouped_gemm": [{"GKS": 2}, {"GKS": 8}, {"GNW": 2}, {"GNW": 8}, {"GN2": 2}, {"GN2": 8}, {"GK2": 256},
+                         {"GK2": 1024}, {"GLUON": 2, "GKS2": 4, "GNW2": 2}],
+    "packed_gemm": [{"BLOCK_N": 8}]}
+
+AHEAD_CYCLES = SLEEP_CYCLES  # `torch.cuda._sleep` cycles before a replay timed as device time only: ~1 ms on the H200
 
 class PdlWindow:
     """Stands in for `_pdl._enabled` (read once per `launch_kwargs` call): true for the calls whose index within a
@@ -269,7 +273,12 @@ def main():
                     help="torch.compile attempts in order: strict (fails on the reference: the KDA reference's "
                          "nonzero has a data-dependent shape), suppress (failing frames run eagerly)")
     ap.add_argument("--sections", default="graph_check,decode,reference_peer,prefill,torch_compile_peer")
-    ap.add_argument("--graph-rounds", type=int, default=2, help="graph_configs: rounds of its alternation")
+    ap.add_argument("--graph-rounds", type=int, default=2,
+                    help="graph_configs: rounds of its alternation; graph_tune: confirming pairs")
+    ap.add_argument("--graph-tune-budget-s", type=float, default=300, help="graph_tune: no new candidate after this")
+    ap.add_argument("--graph-tune-min-gain-us", type=float, default=1.0, help="graph_tune: step time a change must save")
+    ap.add_argument("--graph-tune-kernels", default="", help="graph_tune: only these families (comma-separated)")
+    ap.add_argument("--graph-tune-store", default="", help="graph_tune: write the accepted configs' records here")
     ap.add_argument("--pdl-plain-sets", default="",
                     help="pdl_plain_sweep: sets of launch indices captured plain together, e.g. '10,12;15,16' "
                          "(default: each launch alone)")
@@ -432,16 +441,7 @@ def main():
         rt.decode(toks)  # captures the bucket's graph and fills its static inputs
         (B, W), = rt.replays
         g = rt.graphs[(B, W)]
-        out = []
-        for _ in range(n):
-            s_, e_ = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            if ahead_cycles:
-                torch.cuda._sleep(ahead_cycles)
-            s_.record()
-            g.graph.replay()
-            e_.record()
-            e_.synchronize()
-            out.append(s_.elapsed_time(e_) * 1e3)
+        out = graph_replay_us(g.graph, n, ahead_cycles)
         return sorted(out)[n // 2], g, W
 
     def record_replay(rt, ctx, b, name, rnd, ahead_cycles=0):
@@ -780,6 +780,40 @@ def main():
         finally:
             del pol.config
 
+    @rep.section
+    def graph_tune():
+        """`k31c tune --in-graph`'s search (autotune_cache/graph_tune.py) on the rank preset: batch 1 at the first
+        context, every tunable site of the step (--graph-tune-kernels: only these families; GRAPH_TUNE_TRIES: more
+        candidates), --graph-rounds confirming pairs, --graph-tune-budget-s; records to --graph-tune-store."""
+        from autotune_cache import graph_tune as gt
+        from autotune_cache.records import CacheStore, Environment
+
+        if not cuda or "tuning" not in st:
+            return doc["notes"].append("graph_tune: needs a cuda device and a tuning store (--records)")
+        ctx = contexts[0]
+        rt = runtime(ctx, 1)
+        reset(rt, ctx)
+        timer = gt.StepTimer(rt, 1, cfg.vocab_size)
+        fams = [f for f in args.graph_tune_kernels.split(",") if f]
+        sites = [s_ for s_ in gt.step_sites(timer.launches({})) if s_.template.tunables and (not fams or s_.family in fams)]
+        t0 = time.perf_counter()
+        say = lambda m: print(m, flush=True)  # noqa: E731
+        chosen, trials = gt.search(sites, gt.timed_measure(timer), target="h200", tries=GRAPH_TUNE_TRIES,
+                                   rounds=args.graph_rounds, min_gain_us=args.graph_tune_min_gain_us,
+                                   deadline=t0 + args.graph_tune_budget_s, say=say)
+        fin = gt.final(gt.timed_measure(timer), chosen, max(args.graph_rounds, 4))
+        recs = gt.records_for(sites, chosen, trials, created_by="bench_runtime_gpu.py --sections graph_tune",
+                              env=Environment.current())
+        if args.graph_tune_store:
+            CacheStore(args.graph_tune_store).put_many(recs)
+        doc["graph_tune"] = {"context": ctx, "batch": 1, "seconds": time.perf_counter() - t0,
+                             "sites": [{"bid": s_.bid, "config": s_.config, "launches": s_.launches} for s_ in sites],
+                             "trials": [t.to_json() for t in trials], "accepted": chosen, "final": fin,
+                             "store": args.graph_tune_store, "records": [r.key for r in recs]}
+        print(json.dumps({"graph_tune_final": fin, "accepted": chosen}, default=str), flush=True)
+        del rt
+        torch.cuda.empty_cache()
+
     def compare_artifacts(name: str, disabled: dict):
         """The default artifact and one compiled per entry of `disabled` (label -> passes turned off), each
         captured in this run, every batch at the first context, two rounds (device time of the graph replay)."""
@@ -1092,7 +1126,7 @@ def main():
         sections = {"graph_check": graph_check, "decode": decode, "pdl": pdl, "late": late, "absorb": absorb, "attn_early": attn_early, "trace_late": trace_late, "overlap": overlap,
                     "priority": priority, "schedule": schedule, "nodes": nodes, "trace_start": trace_start,
                     "ahead": ahead, "carveout": carveout, "pdl_window": pdl_window, "gluon": gluon, "head_sleep": head_sleep, "mla_orient": mla_orient, "l2fetch": l2fetch,
-                    "graph_configs": graph_configs, "pdl_plain_sweep": pdl_plain_sweep,
+                    "graph_configs": graph_configs, "graph_tune": graph_tune, "pdl_plain_sweep": pdl_plain_sweep,
                     "trace": trace, "host": host,
                     "engine_decode": engine_decode,
                     "reference_peer": reference_peer,

@@ -70,6 +70,7 @@ class Executor(Interpreter):
                 self._kernel[id(module.function(c.function).nodes[c.index])] = c.template
         self.calls: Counter = Counter()  # family -> launches
         self.misses: Counter = Counter()  # bucket_id -> launches that used the heuristic
+        self.launch_log: list | None = None  # when a list: (template, key, bucket id, config, op) of each launch
         self._packed: dict[str, PackedMXFP4] = {}
         self._checked: dict = {}  # (value, shape, dtype, env) -> symbols the check bound (see _check)
         self._side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -166,6 +167,8 @@ class Executor(Interpreter):
                 config = t.heuristic(key, self.target)
                 self.misses[bid] += 1
         self.calls[t.family] += 1
+        if self.launch_log is not None:  # `k31c tune --in-graph` lists a step's sites this way
+            self.launch_log.append((t, key, bid, config, n.op))
         try:
             out = t.launch(a, attrs, config)
         except Exception as e:

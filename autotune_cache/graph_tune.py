@@ -17,8 +17,10 @@ How:
      config it launched (the artifact's tuned config, a record of the store, or the declared heuristic), in
      launch order;
   3. coordinate descent over the sites (`search`), `passes` times: a site's candidates are its neighbours
-     (each declared tunable one step along its value list, legal per the template's constraints:
-     `neighbours`) and the `--try` overrides of its family. Per candidate:
+     (each declared tunable `span` steps along its value list, default 1, 0: the whole list; legal per the
+     template's constraints: `neighbours`), the `--try` overrides of its family and, where kernels launch with
+     programmatic dependent launch, the launch without it (`_plain`, k31c/runtime/executor.py PLAIN: whether a
+     kernel should overlap its predecessor is a property of the step, like its tile sizes). Per candidate:
        - screen: the step timed once with it and once with the incumbent configs;
        - check: the step's logits with it vs with the incumbent, from the same state: finite, relative L2
          error <= `tol` (else rejected and named);
@@ -31,10 +33,12 @@ How:
      artifact, kernels/configs.json (source "tuned") so its loader uses them before the store's records.
 
 Measured (H200, rank preset, batch 1, 8K; session 19, benches/results/h200-2026-12-01-s19/): over the kernel-alone
-records, 23 sites and 202 candidates a pass, ~1-2 minutes: the router at num_stages 2 instead of its record's 1
-(-11.6 µs, its three launches), the dense gate/up at BLOCK_K 256 (-2.1), the MLA packed projection at BLOCK_N 8
-(-1.4), the shared expert's down at BLOCK_K 512 (-1.1): 529.7 -> 519.9 µs a step in one call. A 0.5 µs bar accepted
-noise (a tunable the launched path never reads passed 6 pairs), hence the 1 µs default.
+records, 23 sites and ~200 candidates a pass (~1 minute; every value of every tunable: ~400, ~4 minutes), six
+records changed: the router at num_stages 2 instead of its record's 1 (-11.6 µs over its three launches), the dense
+gate/up at BLOCK_K 256, the MLA and KDA packed projections at BLOCK_N 8 / 2 warps, the shared expert's down at
+BLOCK_K 512, the KDA decode in Gluon (GLUON 3): 530.2 -> 513.6 µs a step in one call (1.285x -> 1.244x the byte
+floor at that call's 4204 GB/s). No site gained launched without PDL. A 0.5 µs bar accepted noise (a tunable the
+launched path never reads passed 6 pairs), hence the 1 µs default.
 
 A step's time (`StepTimer`): on cuda the bucket's graph is captured under the configs and `replays` replays
 are timed, each behind a ~1 ms `torch.cuda._sleep`, so the events see device time only, not the host's
@@ -54,7 +58,10 @@ from typing import Callable
 
 import torch
 
+from k31c.runtime.executor import PLAIN
+
 SLEEP_CYCLES = 2_000_000  # `torch.cuda._sleep` before a timed replay: ~1 ms on the H200
+LAUNCH_TRIES = ({PLAIN: 1},)  # tried at every site where kernels launch with PDL (the executor's launch option)
 
 
 @dataclass
@@ -117,16 +124,18 @@ def replay_us(graph, n: int, sleep_cycles: int = SLEEP_CYCLES) -> list[float]:
     return out
 
 
-def neighbours(template, key: dict, config: dict, target: str) -> list[dict]:
-    """Configs one step away from `config` along one declared tunable (its value list's order), legal per the
-    template's constraints. Tunables the config leaves unset, or sets outside their list, are not moved."""
+def neighbours(template, key: dict, config: dict, target: str, span: int = 1) -> list[dict]:
+    """Configs up to `span` steps away from `config` along one declared tunable (its value list's order; span 0:
+    anywhere on the list), nearest first, legal per the template's constraints. Tunables the config leaves unset,
+    or sets outside their list, are not moved."""
     out = []
     for tun in template.tunables:
         vals = list(tun.values)
         if tun.name not in config or config[tun.name] not in vals:
             continue
         i = vals.index(config[tun.name])
-        for j in (i - 1, i + 1):
+        reach = span or len(vals)
+        for j in sorted((j for j in range(i - reach, i + reach + 1) if j != i), key=lambda j: (abs(j - i), j)):
             if 0 <= j < len(vals):
                 cand = {**config, tun.name: vals[j]}
                 if not _illegal(template, cand, key, target):
@@ -135,8 +144,8 @@ def neighbours(template, key: dict, config: dict, target: str) -> list[dict]:
 
 
 def _illegal(template, config: dict, key: dict, target: str) -> list[str]:
-    try:
-        return list(template.constraints(config, key, target))
+    try:  # the executor's launch option is not the template's to judge
+        return list(template.constraints({k: v for k, v in config.items() if k != PLAIN}, key, target))
     except Exception as e:  # a constraint that raises makes the config illegal (as in search.py)
         return [f"{type(e).__name__}: {e}"]
 
@@ -230,6 +239,15 @@ def step_sites(launch_log: list) -> list[Site]:
     return list(sites.values())
 
 
+def pdl_launches(rt) -> bool:
+    """Whether the runtime's kernels launch with programmatic dependent launch (CUDA sm_90+, PDL on)."""
+    if rt.device.type != "cuda":
+        return False
+    from codegen.triton import _pdl
+
+    return bool(_pdl.launch_kwargs().get("PDL"))
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double().cpu(), b.double().cpu()
     if not bool(torch.isfinite(a).all()):
@@ -238,10 +256,11 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def search(sites: list[Site], measure: Callable, *, target: str, tries: dict | None = None, rounds: int = 4,
-           min_gain_us: float = 1.0, tol: float = 1e-2, passes: int = 1, deadline: float | None = None,
-           say: Callable = lambda m: None) -> tuple[dict, list[Trial]]:
+           min_gain_us: float = 1.0, tol: float = 1e-2, passes: int = 1, span: int = 1, launch_tries=(),
+           deadline: float | None = None, say: Callable = lambda m: None) -> tuple[dict, list[Trial]]:
     """Coordinate descent (module doc, step 3). `measure(overrides) -> (µs, logits)` times one step under
-    overrides (bucket id -> config); `tries`: family -> list of config overrides tried at each of its sites.
+    overrides (bucket id -> config); `tries`: family -> list of config overrides tried at each of its sites;
+    `launch_tries`: overrides tried at every site (LAUNCH_TRIES: the launch without PDL).
     Returns (accepted overrides: bucket id -> config, every trial)."""
     tries = tries or {}
     chosen: dict = {}
@@ -252,7 +271,8 @@ def search(sites: list[Site], measure: Callable, *, target: str, tries: dict | N
         for site in sites:
             start = chosen.get(site.bid, site.config)
             changes = [{k: v for k, v in c.items() if start.get(k) != v}
-                       for c in neighbours(site.template, site.key, start, target)] + tries.get(site.family, [])
+                       for c in neighbours(site.template, site.key, start, target, span)]
+            changes += tries.get(site.family, []) + list(launch_tries)
             seen = set()
             for change in changes:  # each applied to the incumbent of the moment (earlier ones may be accepted)
                 if deadline is not None and time.perf_counter() > deadline:

@@ -8,7 +8,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-IN_GRAPH_ONLY = ("batch", "context", "rounds", "min_gain_us", "try_", "budget_s", "replays", "passes", "tol")
+IN_GRAPH_ONLY = ("batch", "context", "rounds", "min_gain_us", "try_", "budget_s", "replays", "passes", "span", "tol")
 KERNEL_ALONE_ONLY = ("bucket", "shapes", "plot", "study_db", "function")
 
 
@@ -25,6 +25,8 @@ def add_in_graph_args(p):
     g.add_argument("--budget-s", type=float, default=None, help="no new candidate after this (default 900)")
     g.add_argument("--replays", type=int, default=None, help="timed graph replays per measurement (default 30)")
     g.add_argument("--passes", type=int, default=None, help="coordinate-descent passes over the sites (default 1)")
+    g.add_argument("--span", type=int, default=None,
+                   help="steps along a tunable's value list a candidate may move (default 1; 0: the whole list)")
     g.add_argument("--tol", type=float, default=None,
                    help="largest relative L2 error of the step's logits vs the start's (default 1e-2 bf16, 1e-4)")
 
@@ -38,7 +40,7 @@ def problems(args) -> list[str]:
     for n in KERNEL_ALONE_ONLY:
         if getattr(args, n):
             out.append(f"--{n.replace('_', '-')} applies to kernel-alone tuning, not --in-graph")
-    for n, lo in (("batch", 1), ("context", 1), ("rounds", 1), ("replays", 1), ("passes", 1)):
+    for n, lo in (("batch", 1), ("context", 1), ("rounds", 1), ("replays", 1), ("passes", 1), ("span", 0)):
         v = getattr(args, n)
         if v is not None and v < lo:
             out.append(f"--{n} must be >= {lo}, found {v}")
@@ -161,7 +163,9 @@ def run(args, path: str, update: bool, command: str) -> int:
     rounds = args.rounds or 4
     tol = args.tol or (1e-2 if rt.device.type == "cuda" else 1e-4)
     chosen, trials = gt.search(sites, measure, target=target, tries=tries, rounds=rounds,
+                               launch_tries=gt.LAUNCH_TRIES if gt.pdl_launches(rt) else (),
                                min_gain_us=args.min_gain_us or 1.0, tol=tol, passes=args.passes or 1,
+                               span=1 if args.span is None else args.span,
                                deadline=t0 + (args.budget_s or 900), say=say)
     fin = gt.final(measure, chosen, rounds) if chosen else None
     records = gt.records_for(sites, chosen, trials, created_by=command[:500], env=env)

@@ -384,6 +384,15 @@ class CacheStore:
         self._stamp = None
 
 
+IN_GRAPH_MARKS = ("--in-graph", "--sections graph_tune")  # in created_by: a config chosen by timing the whole step
+
+
+def chosen_in_graph(record: TuningRecord | None) -> bool:
+    """Whether the record's config was chosen inside the decode step (`k31c tune --in-graph`,
+    autotune_cache/graph_tune.py): the kernel-alone tuner leaves such buckets alone."""
+    return record is not None and any(m in record.created_by for m in IN_GRAPH_MARKS)
+
+
 def newest(records: list[TuningRecord]) -> TuningRecord:
     """The most recently created record (the later one in the file on a tie)."""
     return max(reversed(records), key=lambda r: r.created_at)

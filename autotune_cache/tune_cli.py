@@ -204,7 +204,7 @@ def command_line(args, path: str) -> str:
             parts += [f"--{name}", getattr(args, name)]
     if getattr(args, "in_graph", False):
         parts.append("--in-graph")
-        for name in ("batch", "context", "rounds", "min_gain_us", "try_", "passes", "tol"):
+        for name in ("batch", "context", "rounds", "min_gain_us", "try_", "passes", "span", "tol"):
             if getattr(args, name) is not None:
                 parts += ["--" + name.rstrip("_").replace("_", "-"), str(getattr(args, name))]
     else:

@@ -42,7 +42,8 @@ import torch
 
 from .inputs import Problem, result_error
 from .policy import bucket_id
-from .records import RECORDS_DIR, CacheStore, Environment, canonical_json, device_slug, make_record, template_sha256
+from .records import (RECORDS_DIR, CacheStore, Environment, canonical_json, chosen_in_graph, device_slug, make_record,
+                      template_sha256)
 from .search import SearchSpace, build_space
 
 FINALISTS = 3
@@ -392,6 +393,17 @@ def _finish(problem, study, space, env, heur_ok, seen, final_repeats, timeout_s,
                       history, record, notes, problem.node.op)
 
 
+def kept_in_graph(store: CacheStore, p: Problem, env) -> bool:
+    """True (and said on stderr) when the store's record for the problem's bucket was chosen inside the decode step
+    (`records.chosen_in_graph`): timing the kernel alone would overwrite a choice the whole step's time made."""
+    _, status = store.lookup(p.template, p.bucket, env)
+    if not chosen_in_graph(status.record):
+        return False
+    print(f"\nk31c tune: {p.bid}: kept its record chosen inside the decode step ({status.record.created_by[:80]}); "
+          f"`k31c tune ARTIFACT --in-graph` revisits it", file=sys.stderr)
+    return True
+
+
 def tune_problems(problems: list[Problem], *, store: CacheStore | None, trials: int, progress: bool = True,
                   deadline: float | None = None, **kw) -> list[TuneResult]:
     """Tune each problem in turn, storing each record as its study ends; a problem no candidate passes is
@@ -404,6 +416,8 @@ def tune_problems(problems: list[Problem], *, store: CacheStore | None, trials: 
                 print(f"\nk31c tune: time budget spent: {len(problems) - i} studies not started "
                       f"({', '.join(q.bid for q in problems[i:])})", file=sys.stderr)
                 break
+            if store is not None and kept_in_graph(store, p, kw.get("env")):
+                continue
             try:
                 r = tune_problem(p, store=store, trials=trials, progress=bar, **kw)
             except (RuntimeError, ValueError) as e:

@@ -23,6 +23,8 @@ Measured (one JSON document, stdout and $OUT/runtime_gpu.json, saved after every
   kernel timed alone does not see (session 18 chose the batch-1 defaults of four families this way);
 - graph_tune: `k31c tune --in-graph`'s coordinate descent (autotune_cache/graph_tune.py) over the batch-1 step's
   tunable sites, records of what it accepts to --graph-tune-store;
+- replay_stream: the decode graph replayed back to back (no host synchronisation between replays) vs one replay behind
+  a sleep, every batch;
 - pdl_plain_sweep: each launch of the batch-1 step captured without its programmatic edge, one at a time;
 - trace: the decode graph of batch 1 and 8 kernel by kernel under the profiler (benches/_graph_trace.py:
   durations, idle gaps, two-stream time), and batch 1's graph as a DOT dump ($OUT/graph_b1.dot);
@@ -147,12 +149,14 @@ def _overrides(o) -> list:
 # session 18's batch-1 choices are the defaults now; "before" restores the configs they replaced
 _BEFORE = {"moe_latent_tail": {"G_warps": 4}, "moe_grouped_gemm": {"GN2": 8, "GK2": 1024, "GKS": 8, "GNW": 2},
            "attn_res_mix_norm": {"num_warps": 8}, "kda_decode": {"WARPS": 4}}
-# session 19's graph_tune records (the rank step's router, dense gate/up, MLA packed projection, shared-expert down):
+# session 19's graph_tune records (the rank step's router, dense gate/up, MLA and KDA packed projections, shared-expert
+# down, KDA decode):
 # "before_s19" restores the kernel-alone records they replaced
 _BEFORE_S19 = {"routed_gemm": {"_key": {"N": 112}, "num_stages": 1},
                "packed_glu_gemm": {"_key": {"N": 8448}, "BLOCK_K": 512},
-               "packed_gemm": {"_key": {"N": 3808}, "BLOCK_N": 32},
-               "gemm": {"_key": {"K": 3072, "N": 7168}, "BLOCK_K": 256}}
+               "gemm": {"_key": {"K": 3072, "N": 7168}, "BLOCK_K": 256},
+               "kda_decode": {"GLUON": 0},
+               "packed_gemm": [{"_key": {"N": 3808}, "BLOCK_N": 32}, {"_key": {"N": 6284}, "num_warps": 4}]}
 GRAPH_CONFIGS = {  # group -> {label: {family: overrides (or a list of them, "_key": the bucket)}}, batch-1 buckets;
     # session 18's searches (benches/results/h200-2026-12-01-s18/README.md) ran groups of ~10 labels each like these
     "b1": {"before_s19": _BEFORE_S19, "before_s18_s19": {**_BEFORE, **_BEFORE_S19}},
@@ -275,8 +279,11 @@ def main():
     ap.add_argument("--sections", default="graph_check,decode,reference_peer,prefill,torch_compile_peer")
     ap.add_argument("--graph-rounds", type=int, default=2,
                     help="graph_configs: rounds of its alternation; graph_tune: confirming pairs")
+    ap.add_argument("--stream-replays", type=int, default=50, help="replay_stream: back-to-back replays timed together")
     ap.add_argument("--graph-tune-budget-s", type=float, default=300, help="graph_tune: no new candidate after this")
     ap.add_argument("--graph-tune-min-gain-us", type=float, default=1.0, help="graph_tune: step time a change must save")
+    ap.add_argument("--graph-tune-plain", type=int, default=1, help="graph_tune: try each site launched without PDL")
+    ap.add_argument("--graph-tune-span", type=int, default=1, help="graph_tune: steps along a tunable (0: all values)")
     ap.add_argument("--graph-tune-kernels", default="", help="graph_tune: only these families (comma-separated)")
     ap.add_argument("--graph-tune-store", default="", help="graph_tune: write the accepted configs' records here")
     ap.add_argument("--pdl-plain-sets", default="",
@@ -800,9 +807,11 @@ def main():
         say = lambda m: print(m, flush=True)  # noqa: E731
         chosen, trials = gt.search(sites, gt.timed_measure(timer), target="h200", tries=GRAPH_TUNE_TRIES,
                                    rounds=args.graph_rounds, min_gain_us=args.graph_tune_min_gain_us,
+                                   span=args.graph_tune_span, launch_tries=gt.LAUNCH_TRIES if args.graph_tune_plain else (),
                                    deadline=t0 + args.graph_tune_budget_s, say=say)
         fin = gt.final(gt.timed_measure(timer), chosen, max(args.graph_rounds, 4))
-        recs = gt.records_for(sites, chosen, trials, created_by="bench_runtime_gpu.py --sections graph_tune",
+        recs = gt.records_for(sites, chosen, trials,
+                              created_by="bench_runtime_gpu.py --sections graph_tune (k31c tune --in-graph's search)",
                               env=Environment.current())
         if args.graph_tune_store:
             CacheStore(args.graph_tune_store).put_many(recs)
@@ -1022,6 +1031,34 @@ def main():
                 torch.cuda.empty_cache()
 
     @rep.section
+    def replay_stream():
+        """Device time per decode step when the batch's graph is replayed back to back (--stream-replays replays between
+        two events, no host synchronisation between them: a serving loop that keeps the device fed) vs one replay
+        behind a sleep (replay_us, the figure graph_configs compares), three rounds each, every batch at the first
+        context."""
+        if not cuda:
+            return doc["notes"].append("replay_stream: needs a cuda device")
+        ctx, k = contexts[0], args.stream_replays
+        rt = runtime(ctx, max(batches))
+        for b in batches:
+            for rnd in range(3):
+                iso, g, _ = replay_us(rt, b, ahead_cycles=AHEAD_CYCLES)
+                s_, e_ = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda._sleep(AHEAD_CYCLES)
+                s_.record()
+                for _ in range(k):
+                    g.graph.replay()
+                e_.record()
+                e_.synchronize()
+                reset(rt, ctx)
+                m = {"name": "replay_stream", "context": ctx, "batch": b, "round": rnd, "isolated_us": iso,
+                     "stream_us_per_step": s_.elapsed_time(e_) * 1e3 / k, "stream_replays": k}
+                doc["measurements"].append(m)
+                print(json.dumps(m), flush=True)
+        del rt
+        torch.cuda.empty_cache()
+
+    @rep.section
     def reference_peer():
         """The reference interpreter in the bench dtype; if it cannot run in bf16 (at HEAD its `linear` does not
         promote the f32 router input against the bf16 gate weight) it is run in fp32, and the note says so."""
@@ -1126,7 +1163,7 @@ def main():
         sections = {"graph_check": graph_check, "decode": decode, "pdl": pdl, "late": late, "absorb": absorb, "attn_early": attn_early, "trace_late": trace_late, "overlap": overlap,
                     "priority": priority, "schedule": schedule, "nodes": nodes, "trace_start": trace_start,
                     "ahead": ahead, "carveout": carveout, "pdl_window": pdl_window, "gluon": gluon, "head_sleep": head_sleep, "mla_orient": mla_orient, "l2fetch": l2fetch,
-                    "graph_configs": graph_configs, "graph_tune": graph_tune, "pdl_plain_sweep": pdl_plain_sweep,
+                    "graph_configs": graph_configs, "graph_tune": graph_tune, "replay_stream": replay_stream, "pdl_plain_sweep": pdl_plain_sweep,
                     "trace": trace, "host": host,
                     "engine_decode": engine_decode,
                     "reference_peer": reference_peer,

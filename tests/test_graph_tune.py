@@ -37,6 +37,9 @@ def test_neighbours_move_one_declared_tunable_one_step_and_drop_illegal():
     # A: 2 (8 is illegal with B=y); B: x; C unset in the config and D not a tunable: not moved
     assert got == [{"A": 2, "B": "y", "D": 3}, {"A": 4, "B": "x", "D": 3}]
     assert gt.neighbours(t, {}, {"A": 3, "B": "x"}, "cpu") == [{"A": 3, "B": "y"}]  # 3 is off A's list
+    # span 0: anywhere on the list, nearest first; span 2: two steps
+    assert [c["A"] for c in gt.neighbours(t, {}, {"A": 2, "B": "x"}, "cpu", span=0) if c["B"] == "x"] == [1, 4, 8]
+    assert [c["A"] for c in gt.neighbours(t, {}, {"A": 1, "B": "x"}, "cpu", span=2) if c["B"] == "x"] == [2, 4]
     raising = _template("r", [Tunable("A", (1, 2))], constraints=lambda c, k, tg: 1 / 0)
     assert gt.neighbours(raising, {}, {"A": 1}, "cpu") == []
 
@@ -122,6 +125,27 @@ def test_records_for_carry_the_step_time_and_confirming_pairs():
     TuningRecord.from_json(json.loads(rec.to_line()))
 
 
+def test_kernel_alone_tuning_keeps_a_bucket_chosen_in_graph(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from autotune_cache.records import chosen_in_graph, make_record
+    from autotune_cache.tuner import tune_problems
+
+    t = _template("a", [Tunable("BLOCK", (8, 16, 32))])
+    env = Environment(device="cpu", arch="cpu", k31c_version="0.1.0")
+    store = CacheStore(str(tmp_path / "s.jsonl"))
+    alone = make_record(t, {"M": 1}, {"BLOCK": 8}, median_us=3.0, spread_us=0.1, trials=5,
+                        created_by="k31c tune build --kernel a --trials 5", live=env)
+    graph = make_record(t, {"M": 2}, {"BLOCK": 32}, median_us=510.0, spread_us=1.0, trials=4,
+                        created_by="k31c tune build --in-graph --batch 2 --seed 0", live=env)
+    store.put_many([alone, graph])
+    assert not chosen_in_graph(alone) and chosen_in_graph(graph) and not chosen_in_graph(None)
+    prob = SimpleNamespace(template=t, bucket={"M": 2}, bid='a:{"M": 2}')
+    assert tune_problems([prob], store=store, trials=3, progress=False, env=env) == []  # no study started
+    assert "kept its record chosen inside the decode step" in capsys.readouterr().err
+    assert [r.config for r in store.records()] == [{"BLOCK": 8}, {"BLOCK": 32}]
+
+
 # ---- the tiny artifact, CPU (eager steps: the interpreter's kernels, one step ~10 s) ----------------------------
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory):
@@ -136,6 +160,10 @@ def test_step_sites_list_the_launches_and_overrides_reach_them(artifact, tmp_pat
     from autotune_cache.graph_tune_cli import step_runtime
     from k31c.compiler import load_artifact
 
+    from codegen.triton import _pdl
+    from k31c.runtime.executor import PLAIN
+
+    pdl_before = _pdl.enabled()
     art = load_artifact(artifact)
     rt, timer = step_runtime(art, artifact, batch=1, context=40, store=CacheStore(str(tmp_path / "s.jsonl")))
     sites = gt.step_sites(timer.launches({}))
@@ -144,8 +172,19 @@ def test_step_sites_list_the_launches_and_overrides_reach_them(artifact, tmp_pat
     assert all(s.launches >= 1 and s.config for s in sites)
     tail = next(s for s in sites if s.family == "moe_latent_tail")
     cand = {**tail.config, "G_warps": 2 if tail.config["G_warps"] != 2 else 4}
-    times, logits = timer.measure({tail.bid: cand})
+    seen = []  # what the template's launch gets with the executor's plain-launch option on top of cand
+    launch = tail.template.launch
+
+    def spy(a, attrs, config):
+        seen.append((dict(config), _pdl.enabled()))
+        return launch(a, attrs, config)
+    object.__setattr__(tail.template, "launch", spy)
+    try:
+        times, logits = timer.measure({tail.bid: {**cand, PLAIN: 1}})
+    finally:
+        object.__setattr__(tail.template, "launch", launch)
     assert len(times) == 1 and times[0] > 0 and torch.isfinite(logits).all()
+    assert seen and all(c == cand and not on for c, on in seen) and _pdl.enabled() == pdl_before
     log = timer.launches({tail.bid: cand})
     assert {json.dumps(c, sort_keys=True) for _, _, b, c, _ in log if b == tail.bid} == {json.dumps(cand, sort_keys=True)}
     assert rt.interp.configs == timer.base and rt.interp.launch_log is None  # the runtime's own configs are back

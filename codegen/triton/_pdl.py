@@ -38,7 +38,8 @@ A template launches with `**launch_kwargs()`: {PDL: True, launch_pdl: True} when
 compiles for is CUDA sm_90+ (the live GPU, or the build target while an AOT build records launches) and
 PDL is enabled, else {PDL: False}: the kernel is then compiled without the instructions (the interpreter
 never sees them) and launched plainly. `K31C_PDL=0` or `set_enabled(False)` turns PDL off (benches compare
-both); the choice is read at launch time, so graphs captured after the switch follow it.
+both); the choice is read at launch time, so graphs captured after the switch follow it. The executor turns it off
+around single launches whose config carries its `_plain` option (k31c/runtime/executor.py PLAIN).
 """
 
 from __future__ import annotations

@@ -68,6 +68,9 @@ The step's first two kernel nodes launched plainly (compiled without the instruc
 trace (span 548.7 / 547.8 vs 553.3 / 551.8 µs) but not out of the replay: batch 1 555.2 / 554.6 vs 550.9 / 550.4
 µs, batch 8 1079.1 / 1075.8 vs 1077.1 / 1074.4 (runtime_plain_head.json), so the wait moves before the graph's first
 kernel, where the trace cannot see it. Removed (it was `Executor.plain_head`).
+Session 19 (benches/results/h200-2026-12-01-s19/runtime_stream_engine.json, bench_runtime_gpu.py replay_stream): 50
+replays launched back to back (no host synchronisation between them) take 513.8-515.0 µs a step at batch 1, as one
+replay behind a sleep (513.5-514.3): every replay pays the stall, a serving loop that keeps the device fed included.
 Steps outside the buckets (more requests than the largest
 bucket, a table wider than `max_width` blocks) and every prefill/verify step run eagerly; fallbacks are
 counted by reason in `stats()`.

@@ -35,6 +35,11 @@ from ir.packed import PackedMXFP4
 
 from . import l2_fetch
 
+PLAIN = "_plain"  # a config's launch option, not a template tunable: 1 = launch this kernel without programmatic
+# dependent launch (codegen/triton/_pdl.py); the template gets the config without it. `k31c tune --in-graph`
+# tries it per bucket (autotune_cache/graph_tune.py): whether a launch should overlap its predecessor is a
+# property of the step it runs in.
+
 
 def bucket_id(template: KernelTemplate, key: dict) -> str:
     """The tuning-record bucket of a launch: the template's bucketing of its key dims."""
@@ -48,6 +53,20 @@ def _tensors(args):
             yield from _tensors(a)
         elif isinstance(a, torch.Tensor) and a.is_cuda:
             yield a
+
+
+def _launch_plain(t: KernelTemplate, a, attrs: dict, config: dict):
+    """Launch with the config's `_plain` option applied (PLAIN) and removed from what the template gets."""
+    cfg = {k: v for k, v in config.items() if k != PLAIN}
+    if not config[PLAIN]:
+        return t.launch(a, attrs, cfg)
+    from codegen.triton import _pdl
+
+    before = _pdl.set_enabled(False)
+    try:
+        return t.launch(a, attrs, cfg)
+    finally:
+        _pdl.set_enabled(before)
 
 
 class Executor(Interpreter):
@@ -170,7 +189,10 @@ class Executor(Interpreter):
         if self.launch_log is not None:  # `k31c tune --in-graph` lists a step's sites this way
             self.launch_log.append((t, key, bid, config, n.op))
         try:
-            out = t.launch(a, attrs, config)
+            if PLAIN in config:
+                out = _launch_plain(t, a, attrs, config)
+            else:
+                out = t.launch(a, attrs, config)
         except Exception as e:
             raise InterpreterError(f"kernel {t.kernel_name(config, key)} for {n.op} "
                                    f"({', '.join(o.ref for o in n.outputs)}) failed: {e}") from e

@@ -22,15 +22,17 @@ How:
      programmatic dependent launch, the launch without it (`_plain`, k31c/runtime/executor.py PLAIN: whether a
      kernel should overlap its predecessor is a property of the step, like its tile sizes). Per candidate:
        - screen: the step timed once with it and once with the incumbent configs;
-       - check: the step's logits with it vs with the incumbent, from the same state: finite, relative L2
-         error <= `tol` (else rejected and named);
+       - check: the step's logits with it vs with the configs the search started from, from the same state:
+         finite, relative L2 error <= `tol` (else rejected and named); a candidate that fails to compile or
+         launch is rejected and named too;
        - confirm, when the screen gained >= half of `min_gain_us`: `rounds` more (incumbent, candidate)
          pairs, their order alternating; accepted when the median paired gain is >= `min_gain_us` and most
          pairs gain. An accepted candidate is the incumbent from then on: later candidates are timed on top.
   4. the step with every accepted config vs the step as it started, `rounds` pairs (`final`), and the
      winners: one record per accepted bucket in the store (`median_us` / `spread_us`: the whole step's time
      with it, `trials`: its confirming pairs, `created_by`: the command, with --in-graph), and, for an
-     artifact, kernels/configs.json (source "tuned") so its loader uses them before the store's records.
+     artifact, kernels/configs.json (source "tuned") so its loader uses them before the store's records. The
+     kernel-alone tuner leaves a bucket whose record was chosen this way alone (`records.chosen_in_graph`).
 
 Measured (H200, rank preset, batch 1, 8K; session 19, benches/results/h200-2026-12-01-s19/): over the kernel-alone
 records, 23 sites and ~200 candidates a pass (~1 minute; every value of every tunable: ~400, ~4 minutes), six
@@ -66,7 +68,8 @@ LAUNCH_TRIES = ({PLAIN: 1},)  # tried at every site where kernels launch with PD
 
 @dataclass
 class Site:
-    """One (kernel family, bucket) of the step, as first launched."""
+    """One (kernel family, bucket) of the step, as first launched; `launches` counts its launches in the listing
+    step (a CUDA graph's capture runs the step three times: two warm-ups and the capture)."""
     template: object
     key: dict
     bid: str

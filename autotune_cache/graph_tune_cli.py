@@ -1,5 +1,11 @@
 """`k31c tune ARTIFACT --in-graph`: the command around `graph_tune.py` (its arguments, the runtime it times, the
-records and artifact configs it writes, its report)."""
+records and artifact configs it writes, its report).
+
+    k31c tune build/h200 --in-graph --batch 1,8,64 --context 8192
+
+Several batch sizes are searched in the order given, on one runtime holding the largest batch's requests; each
+searches the (kernel, bucket) sites of its step that no earlier batch's search visited, with the configs the earlier
+ones accepted in force (a bucket two batch sizes share is chosen once, by the first)."""
 
 from __future__ import annotations
 
@@ -16,7 +22,8 @@ def add_in_graph_args(p):
     g = p.add_argument_group("in-graph tuning (--in-graph: configs chosen by timing the whole decode step)")
     g.add_argument("--in-graph", action="store_true",
                    help="time the decode step (its CUDA graph on a GPU) per candidate config, not kernels alone")
-    g.add_argument("--batch", type=int, default=None, help="requests in the timed step (default 1)")
+    g.add_argument("--batch", default=None, metavar="B[,B...]",
+                   help="requests in the timed step; several: searched in this order (default 1)")
     g.add_argument("--context", type=int, default=None, help="tokens each request holds (default 8192)")
     g.add_argument("--rounds", type=int, default=None, help="confirming (incumbent, candidate) pairs (default 4)")
     g.add_argument("--min-gain-us", type=float, default=None, help="step time a change must save (default 1.0)")
@@ -40,7 +47,12 @@ def problems(args) -> list[str]:
     for n in KERNEL_ALONE_ONLY:
         if getattr(args, n):
             out.append(f"--{n.replace('_', '-')} applies to kernel-alone tuning, not --in-graph")
-    for n, lo in (("batch", 1), ("context", 1), ("rounds", 1), ("replays", 1), ("passes", 1), ("span", 0)):
+    if args.batch is not None:
+        try:
+            batches_of(args.batch)
+        except ValueError as e:
+            out.append(str(e))
+    for n, lo in (("context", 1), ("rounds", 1), ("replays", 1), ("passes", 1), ("span", 0)):
         v = getattr(args, n)
         if v is not None and v < lo:
             out.append(f"--{n} must be >= {lo}, found {v}")
@@ -93,15 +105,15 @@ class Accepted:
                 "op": self.op, "record": self.record.key, "in_graph_step_us": self.step_us}
 
 
-def step_runtime(art, path: str, *, batch: int, context: int, store, seed: int = 0, replays: int = 30):
-    """(runtime, StepTimer) of the artifact's decode step: `batch` requests at `context` tokens over random cache
-    rows (`graph_tune.fill_random`); configs resolve as `k31c run` resolves them (the artifact's tuned configs,
-    then the store's records, then the declared heuristics), and the runtime replays CUDA graphs on cuda."""
+def step_runtime(art, path: str, *, batch: int, context: int, store, seed: int = 0):
+    """The runtime of the artifact's decode step: `batch` requests at `context` tokens over random cache rows
+    (`graph_tune.fill_random`); configs resolve as `k31c run` resolves them (the artifact's tuned configs, then the
+    store's records, then the declared heuristics), and the runtime replays CUDA graphs on cuda. A
+    `graph_tune.StepTimer(rt, b, vocab)` times the step of its first b <= batch requests."""
     import torch
 
     from k31c.cli import UsageError
     from k31c.cli_serve import _tuned_configs
-    from k31c.compiler import artifact_config
     from k31c.runtime.cuda_graphs import GraphedRuntime
     from k31c.runtime.executor import Executor
     from k31c.runtime.reference import RequestError
@@ -120,14 +132,26 @@ def step_runtime(art, path: str, *, batch: int, context: int, store, seed: int =
         gt.fill_random(rt, {f"r{i}": (context, context + 8) for i in range(batch)}, seed=seed + 1)
     except RequestError as e:
         raise UsageError([f"--context {context} / --batch {batch}: {e}"]) from None
-    return rt, gt.StepTimer(rt, batch, artifact_config(path).vocab_size, replays=replays)
+    return rt
+
+
+def batches_of(text: str | None) -> list[int]:
+    """--batch: "1" or "1,8,64" (default 1)."""
+    try:
+        out = [int(b) for b in (text or "1").split(",")]
+    except ValueError:
+        raise ValueError(f"--batch must be batch sizes separated by commas, e.g. 1,8, found {text!r}") from None
+    if not out or min(out) < 1:
+        raise ValueError(f"--batch sizes must be >= 1, found {text!r}")
+    return out
 
 
 def run(args, path: str, update: bool, command: str) -> int:
-    """Build the runtime over the artifact at `path`, search, write the records (and, with `update`, the
-    artifact's configs), report. Returns the exit status."""
+    """Build the runtime over the artifact at `path`; per batch of --batch (in order), search the step's sites that
+    no earlier batch's search visited (the configs it accepted are in force), write the records (and, with
+    `update`, the artifact's configs); report. Returns the exit status."""
     from k31c.cli import UsageError
-    from k31c.compiler import load_artifact
+    from k31c.compiler import artifact_config, load_artifact
 
     from . import graph_tune as gt
     from .records import CacheStore, Environment
@@ -137,61 +161,81 @@ def run(args, path: str, update: bool, command: str) -> int:
     if art.weights is None:
         raise UsageError([f"artifact {path} has no weights (compiled from a config alone): --in-graph runs its "
                           f"decode step; compile from a checkpoint or a preset"])
-    target = art.manifest["target"]["name"]
-    batch, context = args.batch or 1, args.context or 8192
     known = {c.template.family for c in art.choices if c.template is not None}
     if set(args.kernel) - known:
         raise UsageError([f"--kernel {f}: the artifact uses no kernel of that family (it uses "
                           f"{', '.join(sorted(known))})" for f in sorted(set(args.kernel) - known)])
+    batches, context = batches_of(args.batch), args.context or 8192
     store = CacheStore(args.store) if args.store else CacheStore()
-    env = Environment.current()
-    say = gt.say_to(quiet=args.no_progress)
-    rt, timer = step_runtime(art, path, batch=batch, context=context, store=store, seed=args.seed,
-                             replays=args.replays or 30)
+    rt = step_runtime(art, path, batch=max(batches), context=context, store=store, seed=args.seed)
     t0 = time.perf_counter()
-    sites = gt.step_sites(timer.launches({}))
-    tries = parse_tries(args.try_) if args.try_ else {}
-    sites = [s for s in sites if (not args.kernel or s.family in args.kernel)
-             and (s.template.tunables or s.family in tries)]
-    if not sites:
+    ctx = {"args": args, "target": art.manifest["target"]["name"], "env": Environment.current(), "rt": rt,
+           "vocab": artifact_config(path).vocab_size, "context": context, "deadline": t0 + (args.budget_s or 900),
+           "say": gt.say_to(quiet=args.no_progress), "store": store, "command": command, "path": path}
+    results, visited = [], set()
+    for b in batches:
+        res = _tune_batch(b, visited, ctx)
+        results.append(res)
+        visited |= {s.bid for s in res["sites"]}
+        rt.interp.configs.update({a.bid: a.config for a in res["accepted"]})  # in force for the next batch
+        if update and res["accepted"]:
+            update_artifact(path, res["accepted"])
+    if not any(r["sites"] for r in results):
         print("k31c tune --in-graph: the step launches no tunable kernel of --kernel", file=sys.stderr)
         return 1
-    how = "CUDA graph replays" if rt.use_graphs else "eager steps (no CUDA graphs here)"
-    say(f"k31c tune --in-graph: {path} (target {target}) on {env.device}: batch {batch}, context {context}, "
-        f"{len(sites)} sites, timed as {how}; store {store.path}")
-    measure = gt.timed_measure(timer)
-    rounds = args.rounds or 4
-    tol = args.tol or (1e-2 if rt.device.type == "cuda" else 1e-4)
-    chosen, trials = gt.search(sites, measure, target=target, tries=tries, rounds=rounds,
-                               launch_tries=gt.LAUNCH_TRIES if gt.pdl_launches(rt) else (),
-                               min_gain_us=args.min_gain_us or 1.0, tol=tol, passes=args.passes or 1,
-                               span=1 if args.span is None else args.span,
-                               deadline=t0 + (args.budget_s or 900), say=say)
-    fin = gt.final(measure, chosen, rounds) if chosen else None
-    records = gt.records_for(sites, chosen, trials, created_by=command[:500], env=env)
-    store.put_many(records)
-    by_bid = {s.bid: s for s in sites}
-    accepted = [Accepted(by_bid[bid].family, bid, by_bid[bid].key, cfg, by_bid[bid].op, rec, rec.median_us)
-                for (bid, cfg), rec in zip(chosen.items(), records)]
-    if update and accepted:
-        update_artifact(path, accepted)
-    _report(args, sites, trials, accepted, fin, batch, context, how, time.perf_counter() - t0)
+    _report(args, results, context, time.perf_counter() - t0)
     return 0
 
 
-def _report(args, sites, trials, accepted, fin, batch, context, how, seconds):
-    for a in accepted:
-        print(f"{a.bid}: {json.dumps(a.config, sort_keys=True)} (step {a.step_us:.1f} us with it)")
-    line = (f"k31c tune --in-graph: {len(trials)} candidates at {len(sites)} sites in {seconds:.0f} s, "
-            f"{len(accepted)} accepted")
-    if fin:
-        line += f"; the step {fin['start_median_us']:.1f} -> {fin['tuned_median_us']:.1f} us ({how})"
-    print(line)
+def _tune_batch(batch: int, visited: set, ctx: dict) -> dict:
+    """One batch size's search (module doc of graph_tune.py); its records go to the store."""
+    from . import graph_tune as gt
+
+    args, rt = ctx["args"], ctx["rt"]
+    timer = gt.StepTimer(rt, batch, ctx["vocab"], replays=args.replays or 30)
+    tries = parse_tries(args.try_) if args.try_ else {}
+    sites = [s for s in gt.step_sites(timer.launches({})) if s.bid not in visited
+             and (not args.kernel or s.family in args.kernel) and (s.template.tunables or s.family in tries)]
+    how = "CUDA graph replays" if rt.use_graphs else "eager steps (no CUDA graphs here)"
+    out = {"batch": batch, "sites": sites, "trials": [], "accepted": [], "final": None, "timed_as": how}
+    if not sites:
+        return out
+    ctx["say"](f"k31c tune --in-graph: {ctx['path']} (target {ctx['target']}) on {ctx['env'].device}: batch {batch}, "
+               f"context {ctx['context']}, {len(sites)} sites, timed as {how}; store {ctx['store'].path}")
+    measure = gt.timed_measure(timer)
+    rounds = args.rounds or 4
+    chosen, out["trials"] = gt.search(
+        sites, measure, target=ctx["target"], tries=tries, rounds=rounds,
+        launch_tries=gt.LAUNCH_TRIES if gt.pdl_launches(rt) else (), min_gain_us=args.min_gain_us or 1.0,
+        tol=args.tol or (1e-2 if rt.device.type == "cuda" else 1e-4), passes=args.passes or 1,
+        span=1 if args.span is None else args.span, deadline=ctx["deadline"], say=ctx["say"])
+    out["final"] = gt.final(measure, chosen, rounds) if chosen else None
+    records = gt.records_for(sites, chosen, out["trials"], created_by=ctx["command"][:500], env=ctx["env"])
+    ctx["store"].put_many(records)
+    by_bid = {s.bid: s for s in sites}
+    out["accepted"] = [Accepted(by_bid[bid].family, bid, by_bid[bid].key, cfg, by_bid[bid].op, rec, rec.median_us)
+                       for (bid, cfg), rec in zip(chosen.items(), records)]
+    return out
+
+
+def _report(args, results: list, context: int, seconds: float):
+    for res in results:
+        for a in res["accepted"]:
+            print(f"{a.bid}: {json.dumps(a.config, sort_keys=True)} (batch {res['batch']}: step {a.step_us:.1f} us "
+                  f"with it)")
+        line = (f"k31c tune --in-graph: batch {res['batch']}: {len(res['trials'])} candidates at {len(res['sites'])} "
+                f"sites, {len(res['accepted'])} accepted")
+        if res["final"]:
+            fin = res["final"]
+            line += f"; the step {fin['start_median_us']:.1f} -> {fin['tuned_median_us']:.1f} us ({res['timed_as']})"
+        print(line)
+    print(f"k31c tune --in-graph: {seconds:.0f} s")
     if args.json:
-        doc = {"batch": batch, "context": context, "timed_as": how, "seconds": seconds,
-               "sites": [{"bid": s.bid, "family": s.family, "config": s.config, "launches": s.launches}
-                         for s in sites],
-               "trials": [t.to_json() for t in trials], "accepted": [a.to_json() for a in accepted],
-               "final": fin}
+        doc = {"context": context, "seconds": seconds, "batches": [
+            {"batch": r["batch"], "timed_as": r["timed_as"], "final": r["final"],
+             "sites": [{"bid": s.bid, "family": s.family, "config": s.config, "launches": s.launches}
+                       for s in r["sites"]],
+             "trials": [t.to_json() for t in r["trials"]], "accepted": [a.to_json() for a in r["accepted"]]}
+            for r in results]}
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(doc, f, indent=1, sort_keys=True, default=str)

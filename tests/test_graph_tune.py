@@ -164,8 +164,11 @@ def test_step_sites_list_the_launches_and_overrides_reach_them(artifact, tmp_pat
     from k31c.runtime.executor import PLAIN
 
     pdl_before = _pdl.enabled()
+    from k31c.compiler import artifact_config
+
     art = load_artifact(artifact)
-    rt, timer = step_runtime(art, artifact, batch=1, context=40, store=CacheStore(str(tmp_path / "s.jsonl")))
+    rt = step_runtime(art, artifact, batch=1, context=40, store=CacheStore(str(tmp_path / "s.jsonl")))
+    timer = gt.StepTimer(rt, 1, artifact_config(artifact).vocab_size)
     sites = gt.step_sites(timer.launches({}))
     fams = [s.family for s in sites]
     assert "moe_latent_tail" in fams and len(fams) == len({s.bid for s in sites})
@@ -192,16 +195,21 @@ def test_step_sites_list_the_launches_and_overrides_reach_them(artifact, tmp_pat
 
 
 def test_in_graph_command_writes_records_and_json(artifact, tmp_path):
-    """--min-gain-us far above any gain: the command runs its step, lists the sites, screens until its budget, and
-    accepts nothing (no record, artifact unchanged); the JSON names the sites and the trials."""
+    """--min-gain-us far above any gain and a 1 s budget: per batch of --batch the command runs its step, lists the
+    sites no earlier batch visited, stops at the budget and accepts nothing (no record, artifact unchanged); the
+    JSON names each batch's sites."""
     store, out = str(tmp_path / "store.jsonl"), str(tmp_path / "r.json")
     before = open(os.path.join(artifact, "kernels", "configs.json")).read()
-    argv = [artifact, "--in-graph", "--kernel", "moe_latent_tail", "--context", "40", "--rounds", "1",
-            "--min-gain-us", "1e9", "--budget-s", "1", "--store", store, "--json", out, "--no-progress"]
+    argv = [artifact, "--in-graph", "--kernel", "moe_latent_tail", "--batch", "1,2", "--context", "40", "--rounds",
+            "1", "--min-gain-us", "1e9", "--budget-s", "1", "--store", store, "--json", out, "--no-progress"]
     assert cli(argv) == 0
     doc = json.load(open(out))
-    assert doc["batch"] == 1 and doc["context"] == 40 and doc["timed_as"].startswith("eager")
-    assert {s["family"] for s in doc["sites"]} == {"moe_latent_tail"} and doc["accepted"] == []
+    assert doc["context"] == 40 and [b["batch"] for b in doc["batches"]] == [1, 2]
+    one, two = ({s["bid"] for s in b["sites"]} for b in doc["batches"])
+    assert one and two and not one & two  # batch 2's T=2 buckets: its own sites
+    for b in doc["batches"]:
+        assert b["timed_as"].startswith("eager") and b["accepted"] == [] and b["final"] is None
+        assert {s["family"] for s in b["sites"]} == {"moe_latent_tail"}
     assert CacheStore(store).records() == []
     assert open(os.path.join(artifact, "kernels", "configs.json")).read() == before
 
@@ -211,6 +219,8 @@ def test_in_graph_command_writes_records_and_json(artifact, tmp_path):
     (["x", "--try", "{}"], "--try applies to --in-graph tuning only"),
     (["x", "--in-graph", "--bucket", "{}", "--kernel", "gemm"], "--bucket applies to kernel-alone tuning"),
     (["x", "--in-graph", "--rounds", "0", "--context", "0"], "--rounds must be >= 1"),
+    (["x", "--in-graph", "--batch", "1,x"], "--batch must be batch sizes separated by commas"),
+    (["x", "--in-graph", "--batch", "0"], "--batch sizes must be >= 1"),
     (["x", "--in-graph", "--min-gain-us", "-1"], "--min-gain-us must be positive"),
     (["x", "--in-graph", "--try", "{bad"], "--try is not valid JSON"),
     (["x", "--in-graph", "--try", '{"gemm": 3}'], "expected a config override or a list of them"),

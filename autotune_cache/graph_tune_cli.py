@@ -5,7 +5,11 @@ records and artifact configs it writes, its report).
 
 Several batch sizes are searched in the order given, on one runtime holding the largest batch's requests; each
 searches the (kernel, bucket) sites of its step that no earlier batch's search visited, with the configs the earlier
-ones accepted in force (a bucket two batch sizes share is chosen once, by the first)."""
+ones accepted in force (a bucket two batch sizes share is chosen once, by the first).
+
+The step timed is the artifact's single-rank step (its module is the unsharded model; `k31c run --tp/--dcp/--ep`
+shards it when serving). One rank's share of a parallel deployment is timed by benches/bench_runtime_gpu.py's rank
+preset (`--sections graph_tune`), which runs this search on it."""
 
 from __future__ import annotations
 

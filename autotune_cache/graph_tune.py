@@ -251,6 +251,14 @@ def pdl_launches(rt) -> bool:
     return bool(_pdl.launch_kwargs().get("PDL"))
 
 
+def tunable_sites(timer: "StepTimer", *, kernels=(), tries: dict | None = None, skip=()) -> list[Site]:
+    """The sites of the timer's step worth searching: of `kernels`' families (all when empty), not in `skip` (bucket
+    ids), with declared tunables or `tries` overrides."""
+    tries = tries or {}
+    return [s for s in step_sites(timer.launches({})) if s.bid not in skip
+            and (not kernels or s.family in kernels) and (s.template.tunables or s.family in tries)]
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double().cpu(), b.double().cpu()
     if not bool(torch.isfinite(a).all()):

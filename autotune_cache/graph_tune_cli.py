@@ -19,7 +19,14 @@ import time
 from dataclasses import dataclass
 
 IN_GRAPH_ONLY = ("batch", "context", "rounds", "min_gain_us", "try_", "budget_s", "replays", "passes", "span", "tol")
+# what a record's created_by repeats: the flags that change what the search chooses (not how long it may run)
+CHOICE_FLAGS = tuple(n for n in IN_GRAPH_ONLY if n not in ("budget_s", "replays"))
 KERNEL_ALONE_ONLY = ("bucket", "shapes", "plot", "study_db", "function")
+
+
+def flag(name: str) -> str:
+    """An argparse dest as its flag: "min_gain_us" -> "--min-gain-us", "try_" -> "--try"."""
+    return "--" + name.rstrip("_").replace("_", "-")
 
 
 def add_in_graph_args(p):
@@ -47,10 +54,10 @@ def problems(args) -> list[str]:
     out = []
     if not args.in_graph:
         given = [n for n in IN_GRAPH_ONLY if getattr(args, n) is not None]
-        return [f"--{n.rstrip('_').replace('_', '-')} applies to --in-graph tuning only" for n in given]
+        return [f"{flag(n)} applies to --in-graph tuning only" for n in given]
     for n in KERNEL_ALONE_ONLY:
         if getattr(args, n):
-            out.append(f"--{n.replace('_', '-')} applies to kernel-alone tuning, not --in-graph")
+            out.append(f"{flag(n)} applies to kernel-alone tuning, not --in-graph")
     if args.batch is not None:
         try:
             batches_of(args.batch)
@@ -59,11 +66,11 @@ def problems(args) -> list[str]:
     for n, lo in (("context", 1), ("rounds", 1), ("replays", 1), ("passes", 1), ("span", 0)):
         v = getattr(args, n)
         if v is not None and v < lo:
-            out.append(f"--{n} must be >= {lo}, found {v}")
+            out.append(f"{flag(n)} must be >= {lo}, found {v}")
     for n in ("min_gain_us", "budget_s", "tol"):
         v = getattr(args, n)
         if v is not None and not v > 0:
-            out.append(f"--{n.replace('_', '-')} must be positive, found {v}")
+            out.append(f"{flag(n)} must be positive, found {v}")
     if args.try_ is not None:
         try:
             tries = parse_tries(args.try_)
@@ -198,8 +205,7 @@ def _tune_batch(batch: int, visited: set, ctx: dict) -> dict:
     args, rt = ctx["args"], ctx["rt"]
     timer = gt.StepTimer(rt, batch, ctx["vocab"], replays=args.replays or 30)
     tries = parse_tries(args.try_) if args.try_ else {}
-    sites = [s for s in gt.step_sites(timer.launches({})) if s.bid not in visited
-             and (not args.kernel or s.family in args.kernel) and (s.template.tunables or s.family in tries)]
+    sites = gt.tunable_sites(timer, kernels=args.kernel, tries=tries, skip=visited)
     how = "CUDA graph replays" if rt.use_graphs else "eager steps (no CUDA graphs here)"
     out = {"batch": batch, "sites": sites, "trials": [], "accepted": [], "final": None, "timed_as": how}
     if not sites:

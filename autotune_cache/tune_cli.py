@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 
-from .graph_tune_cli import add_in_graph_args
+from .graph_tune_cli import CHOICE_FLAGS, add_in_graph_args, flag
 from .graph_tune_cli import problems as in_graph_problems
 
 EPILOG = """examples:
@@ -204,9 +204,9 @@ def command_line(args, path: str) -> str:
             parts += [f"--{name}", getattr(args, name)]
     if getattr(args, "in_graph", False):
         parts.append("--in-graph")
-        for name in ("batch", "context", "rounds", "min_gain_us", "try_", "passes", "span", "tol"):
+        for name in CHOICE_FLAGS:
             if getattr(args, name) is not None:
-                parts += ["--" + name.rstrip("_").replace("_", "-"), str(getattr(args, name))]
+                parts += [flag(name), str(getattr(args, name))]
     else:
         parts += ["--trials", str(args.trials)]
     parts += ["--seed", str(args.seed)]

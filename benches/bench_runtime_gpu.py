@@ -801,15 +801,15 @@ def main():
         rt = runtime(ctx, 1)
         reset(rt, ctx)
         timer = gt.StepTimer(rt, 1, cfg.vocab_size)
-        fams = [f for f in args.graph_tune_kernels.split(",") if f]
-        sites = [s_ for s_ in gt.step_sites(timer.launches({})) if s_.template.tunables and (not fams or s_.family in fams)]
+        sites = gt.tunable_sites(timer, kernels=[f for f in args.graph_tune_kernels.split(",") if f],
+                                 tries=GRAPH_TUNE_TRIES)
         t0 = time.perf_counter()
-        say = lambda m: print(m, flush=True)  # noqa: E731
-        chosen, trials = gt.search(sites, gt.timed_measure(timer), target="h200", tries=GRAPH_TUNE_TRIES,
+        measure = gt.timed_measure(timer)
+        chosen, trials = gt.search(sites, measure, target="h200", tries=GRAPH_TUNE_TRIES,
                                    rounds=args.graph_rounds, min_gain_us=args.graph_tune_min_gain_us,
                                    span=args.graph_tune_span, launch_tries=gt.LAUNCH_TRIES if args.graph_tune_plain else (),
-                                   deadline=t0 + args.graph_tune_budget_s, say=say)
-        fin = gt.final(gt.timed_measure(timer), chosen, max(args.graph_rounds, 4))
+                                   deadline=t0 + args.graph_tune_budget_s, say=lambda m: print(m, flush=True))
+        fin = gt.final(measure, chosen, max(args.graph_rounds, 4))
         recs = gt.records_for(sites, chosen, trials,
                               created_by="bench_runtime_gpu.py --sections graph_tune (k31c tune --in-graph's search)",
                               env=Environment.current())

@@ -102,10 +102,15 @@ class Trial:
 def fill_random(rt, lengths: dict, seed: int = 1):
     """Admit requests (id -> (length, capacity)) over random cache rows and recurrent states (finite values;
     index-key scales positive)."""
-    g = torch.Generator(rt.device).manual_seed(seed)
     for rid, n in lengths.items():
         rt.add_request(rid, n[1])
         rt.requests[rid].length = n[0]
+    fill_pools(rt, seed)
+
+
+def fill_pools(rt, seed: int):
+    """Random cache rows and recurrent states in every pool (finite values; index-key scales positive)."""
+    g = torch.Generator(rt.device).manual_seed(seed)
     for name, t in rt.pools.items():
         x = torch.randn(t.shape, generator=g, device=rt.device) * (0.05 if name in rt.state_pools else 0.5)
         t.copy_(x.abs() + 0.5 if name.startswith("index_scales") else x)

@@ -61,7 +61,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if not torch.cuda.is_available():  # before triton's first import: its own @jit helpers must be interpreted too
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from autotune_cache.graph_tune import SLEEP_CYCLES, fill_random  # noqa: E402,F401  (bench_parallel_gpu imports it here)
+from autotune_cache.graph_tune import SLEEP_CYCLES, fill_pools, fill_random  # noqa: E402,F401  (bench_parallel_gpu imports it here)
 from autotune_cache.graph_tune import replay_us as graph_replay_us  # noqa: E402
 from benches._report import BenchReport, copy_bandwidth_GBps  # noqa: E402
 
@@ -160,6 +160,8 @@ _BEFORE_S19 = {"routed_gemm": {"_key": {"N": 112}, "num_stages": 1},
 GRAPH_CONFIGS = {  # group -> {label: {family: overrides (or a list of them, "_key": the bucket)}}, batch-1 buckets;
     # session 18's searches (benches/results/h200-2026-12-01-s18/README.md) ran groups of ~10 labels each like these
     "b1": {"before_s19": _BEFORE_S19, "before_s18_s19": {**_BEFORE, **_BEFORE_S19}},
+    # session 20: the indexer's boundary-bucket scan as before SELECT_SCAN / SELECT_PICK (1024-key steps, work-row radix)
+    "select": {"before_s20": {"indexer_select_rows": {"SELECT_SCAN": 1024, "SELECT_PICK": 0}}},
 }
 
 
@@ -279,6 +281,10 @@ def main():
     ap.add_argument("--sections", default="graph_check,decode,reference_peer,prefill,torch_compile_peer")
     ap.add_argument("--graph-rounds", type=int, default=2,
                     help="graph_configs: rounds of its alternation; graph_tune: confirming pairs")
+    ap.add_argument("--graph-groups", default="", help="graph_configs: only these GRAPH_CONFIGS groups (default all)")
+    ap.add_argument("--refill-rounds", type=int, default=0,
+                    help="graph_configs: 1 = new random cache and state contents before each round (seed 100 + round), "
+                         "so the rounds compare the settings on different data")
     ap.add_argument("--stream-replays", type=int, default=50, help="replay_stream: back-to-back replays timed together")
     ap.add_argument("--graph-tune-budget-s", type=float, default=300, help="graph_tune: no new candidate after this")
     ap.add_argument("--graph-tune-min-gain-us", type=float, default=1.0, help="graph_tune: step time a change must save")
@@ -381,6 +387,10 @@ def main():
         fill_random(rt, {f"r{i}": (ctx - 4 * args.steps - 8, ctx) for i in range(n_req)})
         return rt
 
+    def refill(rt, rnd):
+        """New random cache and state contents (seed 100 + rnd) for the requests the runtime holds."""
+        fill_pools(rt, 100 + rnd)
+
     def reset(rt, ctx):
         for r in rt.requests.values():
             r.length = ctx - 4 * args.steps - 8
@@ -472,17 +482,20 @@ def main():
         return before
 
     def alternate(name: str, switch, settings=(("on", True), ("off", False)), at=lambda b: b <= 8, rounds=2,
-                  ahead_cycles=0):
+                  ahead_cycles=0, before_round=None):
         """The device time of the same decode graph captured under each of `settings` (label, value: `switch(rt,
         value)` before the capture; default on / off), alternated `rounds` times (default 2) per batch of `at`
         (default <= 8) at the first context (drift shows as a difference between the rounds); the first setting is
         restored after. ahead_cycles:
-        each replay behind a sleep (`replay_us`: device time only, whatever the host's speed)."""
+        each replay behind a sleep (`replay_us`: device time only, whatever the host's speed). before_round(rt, round):
+        called before each round's settings."""
         ctx = contexts[0]
         rt = runtime(ctx, max(b for b in batches if at(b)))
         try:
             for b in [x for x in batches if at(x)]:
                 for rnd in range(rounds):
+                    if before_round is not None:
+                        before_round(rt, rnd)
                     for label, value in settings:
                         switch(rt, value)
                         rt.drop_graphs()
@@ -781,9 +794,11 @@ def main():
             current.update(setting)
         pol.config = config
         try:
-            for group, settings in GRAPH_CONFIGS.items():
-                alternate(f"cfg_{group}", switch, (("resolved", {}), *settings.items()), at=lambda b: b == 1,
-                          rounds=args.graph_rounds, ahead_cycles=AHEAD_CYCLES)
+            groups = [g_ for g_ in args.graph_groups.split(",") if g_] or list(GRAPH_CONFIGS)
+            for group in groups:
+                alternate(f"cfg_{group}", switch, (("resolved", {}), *GRAPH_CONFIGS[group].items()), at=lambda b: b == 1,
+                          rounds=args.graph_rounds, ahead_cycles=AHEAD_CYCLES,
+                          before_round=refill if args.refill_rounds else None)
         finally:
             del pol.config
 

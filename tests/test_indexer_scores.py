@@ -217,8 +217,9 @@ def test_heuristic_materialises_decode_scores_only():
     assert heuristic(dict(key, T=big, bi=1), "h200")["SCORES"] == 1
     for T, L in ((1, 8192), (8, 8192), (1, 32768)):
         assert not heuristic(dict(key, T=T, L=L), "h200").get("SCORES")
-    b1 = heuristic(dict(key, T=1, L=8192), "h200")   # SELECT 2, the placement counting in one step on 8 warps
+    b1 = heuristic(dict(key, T=1, L=8192), "h200")   # SELECT 2, the placement counting in one step on 8 warps,
     assert (b1["SELECT"], b1["SELECT_TILE"], b1["SELECT_WARPS"], b1["SELECT_PARTS"]) == (2, 8192, 8, 64)
+    assert b1["SELECT_SCAN"] == 8192   # the last program's scan over the row held in registers (`_topk_fused._pick`)
     for bad in (dict(SCORES, KT=16), dict(SCORES, SELECT=2)):
         assert TEMPLATES[0].constraints(bad, {"DI": DI}, "h200"), bad
         with pytest.raises(ValueError, match="SCORES 1"):

@@ -122,7 +122,7 @@ def test_parallel_select_mxfp4_keys():
 # session 9: SELECT 2 (`_topk_fused`): every program scores and counts its keys in three histograms (top 11 bits, top
 # 16, the 21-bit prefix folded), the last to arrive at the row's counter reads the threshold off them (scanning the
 # keys only when the boundary bucket is not taken whole), a second launch places the selection in parallel
-FUSED = dict(ALL_KEYS, SELECT=2, SPLITS=4, SELECT_TILE=64, SELECT_WB=16, SELECT_PARTS=4)
+FUSED = dict(ALL_KEYS, SELECT=2, SPLITS=4, SELECT_TILE=64, SELECT_SCAN=64, SELECT_WB=16, SELECT_PARTS=4)
 
 
 def _zeroed_after():
@@ -145,7 +145,8 @@ def test_select2_contexts_below_and_above_topk(cfg):
     assert _zeroed_after()
 
 
-@pytest.mark.parametrize("cfg", [FUSED, dict(FUSED, SELECT_WB=16, SELECT_TILE=16)], ids=["work_row", "streamed"])
+@pytest.mark.parametrize("cfg", [FUSED, dict(FUSED, SELECT_WB=16, SELECT_TILE=16, SELECT_SCAN=16)],
+                         ids=["work_row", "streamed"])
 def test_select2_exact_ties_and_huge_boundary_bucket(cfg):
     """Six distinct keys: scores tie in large groups, the boundary bucket is never taken whole by the histograms and
     overflows the 16-key work row (8-bit passes over every key); ties go to the lower position, exactly."""
@@ -179,11 +180,47 @@ def test_select2_boundary_below_16_bits_and_a_folded_bucket(twin):
     b = _batch(56, [(ctx, 1)], keys=keys, q=q)
     b["w"] = torch.ones(1, HI)
     want = list(range(15)) + [20]
-    for cfg in (dict(FUSED, SELECT_WB=32), FUSED):   # the scanned bucket (B + 20 A) fits 32 keys, not 16
+    # the scanned bucket (B + 20 A): its largest by one masked maximum over the row in registers (SELECT_SCAN 64 >= the
+    # row); gathered into a 32-key work row (a row scanned in two steps); 8-bit passes over every key (WB 16)
+    for cfg in (dict(FUSED, SELECT_SCAN=64), dict(FUSED, SELECT_WB=32, SELECT_SCAN=32), dict(FUSED, SELECT_SCAN=32)):
         got = _run(b, topk=topk, config=cfg)
         assert got[0].tolist() == want, (cfg, got[0].tolist())
         assert torch.equal(got, _reference(b, topk=topk))
     assert _zeroed_after()
+
+
+@pytest.mark.parametrize("topk,pick,scan", [(16, 16, 128), (48, 16, 128), (16, 4, 128), (16, 16, 64), (16, 0, 128)],
+                         ids=["max_passes", "min_passes", "too_many_passes", "row_over_tiles", "pick_off"])
+def test_select2_tied_boundary_bucket(topk, pick, scan):
+    """A boundary bucket of 40 exactly tied keys (identical index rows: one score, the key's low bits the position)
+    below 10 keys: the selection is the 10 and the tied keys at the lowest positions. The last program takes the
+    threshold from the row held in registers (SELECT_SCAN 128 >= the row) by 6 masked maxima (top-16: 6 of the 40) or
+    3 minima (top-48: 38 of 40), or gathers the bucket into the work row for 8-bit steps: more passes than SELECT_PICK
+    allows, a row scanned in two steps, or SELECT_PICK 0. All exact."""
+    ctx = 100
+    g = torch.Generator().manual_seed(58)
+    keys = torch.zeros(3 + ctx + 5, DI)
+    keys[3:3 + ctx, 0] = torch.rand(ctx, generator=g) * 0.5
+    top = torch.cat([torch.tensor([ctx - 1]), torch.randperm(ctx - 1, generator=g)[:49]])  # a top key last: an
+    keys[3 + top[:10], 0] = 4.0   # extra tied key selected would push it out of the position-ordered top-k
+    keys[3 + top[10:], 0] = 1.0
+    q = torch.zeros(1, HI, DI)
+    q[..., 0] = 1.0
+    b = _batch(59, [(ctx, 1)], keys=keys, q=q)
+    b["w"] = torch.ones(1, HI)
+    want = sorted(top[:10].tolist() + sorted(top[10:].tolist())[:topk - 10])
+    got = _run(b, topk=topk, config=dict(FUSED, SELECT_WB=64, SELECT_PICK=pick, SELECT_SCAN=scan))
+    assert got[0].tolist() == want
+    assert torch.equal(got, _reference(b, topk=topk))
+    assert _zeroed_after()
+
+
+def test_select2_pick_passes_and_scan_step_are_checked():
+    b = _batch(54, [(40, 1)])
+    with pytest.raises(ValueError, match="SELECT_PICK in 0..64"):
+        _run(b, config=dict(FUSED, SELECT_PICK=65))
+    with pytest.raises(ValueError, match="SELECT_SCAN must be powers of two"):
+        _run(b, config=dict(FUSED, SELECT_SCAN=100))
 
 
 def test_select2_mxfp4_keys_and_float64_scores():

@@ -69,7 +69,7 @@ per row), CAND, DOT, PREFETCH (score kernel: next tile in flight), num_warps / n
 MERGE_TILE, MERGE_WARPS, FILTER / FILTER_PARTS, SCORES, BUCKET, SURV / SLOT_FEW (BUCKET 1: `_topk_slots`), TMA / TMA_J
 / TMA_CARRY / TMA_PRIV (SCORES 1 with FP8 keys: key tiles as pipelined bulk tensor copies,
 `_indexer_scores.scores_launch`), GATHER_SPLITS (their fallback's programs), ZERO (BUCKET 3 / BUCKET 1: no memset, `_topk_bucket_place` /
-`_topk_bucket`), SELECT / SELECT_PARTS / SELECT_RES (SELECT 2: SELECT_PARTS, SELECT_TILE, SELECT_WB, SELECT_WARPS:
+`_topk_bucket`), SELECT / SELECT_PARTS / SELECT_RES (SELECT 2: SELECT_PARTS, SELECT_TILE, SELECT_SCAN, SELECT_PICK, SELECT_WB, SELECT_WARPS:
 `_topk_fused.fused_launch`), HIST (score kernel: per-program first-digit histogram).
 Every kernel keeps the PDL contract (`_pdl`: `pdl_enter` first, the caches they read are written earlier in the
 step). Batch invariant (each row on its own).
@@ -232,7 +232,11 @@ def heuristic(key: dict, target: str) -> dict:
     row's once: no two programs' atomics on one address) with TMA_CARRY 1: batch 32 x 128K 197.7 us (64.6% of read;
     score pass alone 162.3) vs 229.3 for the default of the round above in the same call (PDL off 210.1; score pass
     170.6), PRIV alone 205.6, CARRY alone 236.3: the new default above 8 rows. Batch 8: 81.2 vs 81.1 (CARRY): not
-    taken there (its private histograms would add 5.4 MB of workspace for nothing)."""
+    taken there (its private histograms would add 5.4 MB of workspace for nothing).
+    Session 20 (benches/indexer_b1_paths.py, per input set): at batch 1 8K the score launch's last program scans the
+    row for 5 of 64 random sets (the histograms leave the boundary bucket unresolved), which cost them 23.5 us against
+    12.8; SELECT_SCAN 8192 (the row held in registers, the bucket's threshold by masked maxima / minima: SELECT_PICK)
+    15.4-16.9 us on those sets, the others unchanged (numbers in `_topk_fused`'s docstring)."""
     L, K, T = max(1, key["L"]), key["K"], max(1, key["T"])
     if target == "cpu":
         bn = 32 if L <= 256 else 128
@@ -242,8 +246,8 @@ def heuristic(key: dict, target: str) -> dict:
     nt = -(-L // bn)
     if default_kt(bn, K, L) * 4 >= bn and L <= 8192 and T <= 1:
         return dict(BLOCK_N=bn, KT=bn, SPLITS=max(1, min(nt, round(8 * 132 / T))), num_warps=8, num_stages=1,
-                    CAND=0, DOT=3, MERGE_TILE=2048, SELECT=2, SELECT_TILE=8192, SELECT_WB=256, SELECT_PARTS=64,
-                    SELECT_WARPS=8)
+                    CAND=0, DOT=3, MERGE_TILE=2048, SELECT=2, SELECT_TILE=8192, SELECT_SCAN=8192, SELECT_WB=256,
+                    SELECT_PARTS=64, SELECT_WARPS=8)
     if default_kt(bn, K, L) * 4 >= bn:
         return dict(BLOCK_N=bn, KT=bn, SPLITS=max(1, min(nt, round(8 * 132 / T))), num_warps=4, num_stages=1,
                     CAND=0, DOT=3, MERGE_TILE=2048, FILTER=int(nt * bn > 4 * 2048), FILTER_PARTS=16,
@@ -525,8 +529,8 @@ TUNABLES = (Tunable("BLOCK_N", (64, 128, 256)), Tunable("KT", (4, 8, 16, 32, 64)
             Tunable("num_stages", (1, 2, 3, 4)), Tunable("MERGE_TILE", (1024, 2048, 4096)),
             Tunable("CAND", (0, 1)), Tunable("PREFETCH", (0, 1)), Tunable("FILTER", (0, 1)),
             Tunable("FILTER_PARTS", (16, 32)), Tunable("SELECT", (0, 1, 2)))
-# DOT fixes the numerics (never searched); MERGE_WARPS, SELECT_PARTS / SELECT_RES / SELECT_TILE / SELECT_WB /
-# SELECT_WARPS (the space stays under the tuner's enumeration limit), HIST, SCORES, BUCKET and TMA / TMA_J only by an
+# DOT fixes the numerics (never searched); MERGE_WARPS, SELECT_PARTS / SELECT_RES / SELECT_TILE / SELECT_SCAN /
+# SELECT_PICK / SELECT_WB / SELECT_WARPS (the space stays under the tuner's enumeration limit), HIST, SCORES, BUCKET and TMA / TMA_J only by an
 # explicit config (also TMA_CARRY, TMA_PRIV, GATHER_SPLITS, ZERO, SURV and SLOT_FEW)
 
 TEMPLATES = [

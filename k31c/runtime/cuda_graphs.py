@@ -71,6 +71,13 @@ kernel, where the trace cannot see it. Removed (it was `Executor.plain_head`).
 Session 19 (benches/results/h200-2026-12-01-s19/runtime_stream_engine.json, bench_runtime_gpu.py replay_stream): 50
 replays launched back to back (no host synchronisation between them) take 513.8-515.0 µs a step at batch 1, as one
 replay behind a sleep (513.5-514.3): every replay pays the stall, a serving loop that keeps the device fed included.
+Session 20 (benches/results/h200-2026-12-01-s20/head_prefetch*.json): spending the stall on the step's first weights,
+a prefetch kernel captured as the graph's first node reading the first N MB of the weights the step reads first (the
+KDA packed projection's concatenation, 90 MB) into L2, measured slower at every size: loads (`.cg`) 507.3-508.0 us at
+0 MB vs 510.7-512.5 at 16, 515.0-515.5 at 32, 517.0-517.3 at 40 (the same 32 MB on a side stream joined at the step's
+end 513.3-514.9); `prefetch.global.L2::evict_last` per line 512.6-513.0 vs 514.8-515.2 / 517.8-519.4 / 521.0-522.3 at
+16 / 32 / 48 MB. The prefetch kernel ran 10-14 us (3-4 TB/s) and the projection after it only 1-2 us faster with 40-48
+MB of its 90 MB fetched: the lines do not stay in L2 until read. Removed (that README describes the kernels).
 Steps outside the buckets (more requests than the largest
 bucket, a table wider than `max_width` blocks) and every prefill/verify step run eagerly; fallbacks are
 counted by reason in `stats()`.

@@ -61,7 +61,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if not torch.cuda.is_available():  # before triton's first import: its own @jit helpers must be interpreted too
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from autotune_cache.graph_tune import SLEEP_CYCLES, fill_pools, fill_random  # noqa: E402,F401  (bench_parallel_gpu imports it here)
+from autotune_cache.graph_tune import SLEEP_CYCLES, fill_random  # noqa: E402,F401  (bench_parallel_gpu imports it here)
+from autotune_cache.graph_tune import fill_pools  # noqa: E402
 from autotune_cache.graph_tune import replay_us as graph_replay_us  # noqa: E402
 from benches._report import BenchReport, copy_bandwidth_GBps  # noqa: E402
 
@@ -160,7 +161,7 @@ _BEFORE_S19 = {"routed_gemm": {"_key": {"N": 112}, "num_stages": 1},
 GRAPH_CONFIGS = {  # group -> {label: {family: overrides (or a list of them, "_key": the bucket)}}, batch-1 buckets;
     # session 18's searches (benches/results/h200-2026-12-01-s18/README.md) ran groups of ~10 labels each like these
     "b1": {"before_s19": _BEFORE_S19, "before_s18_s19": {**_BEFORE, **_BEFORE_S19}},
-    # session 20: the indexer's boundary-bucket scan as before SELECT_SCAN / SELECT_PICK (1024-key steps, work-row radix)
+    # session 20: the indexer's boundary-bucket scan as before SELECT_SCAN / SELECT_PICK (1024-key steps, radix)
     "select": {"before_s20": {"indexer_select_rows": {"SELECT_SCAN": 1024, "SELECT_PICK": 0}}},
 }
 
@@ -281,7 +282,8 @@ def main():
     ap.add_argument("--sections", default="graph_check,decode,reference_peer,prefill,torch_compile_peer")
     ap.add_argument("--graph-rounds", type=int, default=2,
                     help="graph_configs: rounds of its alternation; graph_tune: confirming pairs")
-    ap.add_argument("--graph-groups", default="", help="graph_configs: only these GRAPH_CONFIGS groups (default all)")
+    ap.add_argument("--graph-groups", default="",
+                    help=f"graph_configs: only these GRAPH_CONFIGS groups, of {','.join(GRAPH_CONFIGS)} (default all)")
     ap.add_argument("--refill-rounds", type=int, default=0,
                     help="graph_configs: 1 = new random cache and state contents before each round (seed 100 + round), "
                          "so the rounds compare the settings on different data")
@@ -327,6 +329,10 @@ def main():
         raise SystemExit(f"--decode-variants: unknown {sorted(set(variants) - set(DECODE_VARIANTS))}; "
                          f"known: {', '.join(DECODE_VARIANTS)}")
     batches = [int(b) for b in args.batches.split(",")]
+    groups = [g_ for g_ in args.graph_groups.split(",") if g_] or list(GRAPH_CONFIGS)
+    if set(groups) - set(GRAPH_CONFIGS):
+        raise SystemExit(f"--graph-groups: unknown {sorted(set(groups) - set(GRAPH_CONFIGS))}; "
+                         f"known: {', '.join(GRAPH_CONFIGS)}")
     if args.preset == "rank":
         cfg = rank_config()
     else:
@@ -794,10 +800,9 @@ def main():
             current.update(setting)
         pol.config = config
         try:
-            groups = [g_ for g_ in args.graph_groups.split(",") if g_] or list(GRAPH_CONFIGS)
             for group in groups:
-                alternate(f"cfg_{group}", switch, (("resolved", {}), *GRAPH_CONFIGS[group].items()), at=lambda b: b == 1,
-                          rounds=args.graph_rounds, ahead_cycles=AHEAD_CYCLES,
+                alternate(f"cfg_{group}", switch, (("resolved", {}), *GRAPH_CONFIGS[group].items()),
+                          at=lambda b: b == 1, rounds=args.graph_rounds, ahead_cycles=AHEAD_CYCLES,
                           before_round=refill if args.refill_rounds else None)
         finally:
             del pol.config

@@ -182,7 +182,8 @@ def run(args, path: str, update: bool, command: str) -> int:
     t0 = time.perf_counter()
     ctx = {"args": args, "target": art.manifest["target"]["name"], "env": Environment.current(), "rt": rt,
            "vocab": artifact_config(path).vocab_size, "context": context, "deadline": t0 + (args.budget_s or 900),
-           "say": gt.say_to(quiet=args.no_progress), "store": store, "command": command, "path": path}
+           "say": gt.say_to(quiet=args.no_progress), "store": store, "command": command, "path": path,
+           "tries": parse_tries(args.try_) if args.try_ else {}}
     results, visited = [], set()
     for b in batches:
         res = _tune_batch(b, visited, ctx)
@@ -204,7 +205,7 @@ def _tune_batch(batch: int, visited: set, ctx: dict) -> dict:
 
     args, rt = ctx["args"], ctx["rt"]
     timer = gt.StepTimer(rt, batch, ctx["vocab"], replays=args.replays or 30)
-    tries = parse_tries(args.try_) if args.try_ else {}
+    tries = ctx["tries"]
     sites = gt.tunable_sites(timer, kernels=args.kernel, tries=tries, skip=visited)
     how = "CUDA graph replays" if rt.use_graphs else "eager steps (no CUDA graphs here)"
     out = {"batch": batch, "sites": sites, "trials": [], "accepted": [], "final": None, "timed_as": how}

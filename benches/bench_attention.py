@@ -189,16 +189,21 @@ def _indexer_bytes(d, K):
     return T * d["L"] * key_b + T * HI * (DI + 6) + T * K * 8
 
 
-def _indexer_check(d, K, cfg):
+def indexer_reference_args(d) -> tuple:
+    """The IR reference's operands for an `_indexer_inputs` set: dequantised queries and keys (block views flattened:
+    a copy for the reference only), weights, positions, requests, table, block size."""
     from ir import formats
     from ir.ops.attention import dequantize_index_keys
-    from ir.ref import indexer as ref
-    sel = _indexer_call(d, K, cfg)()
     qd = formats.dequantize_fp8(d["q8"], d["qs"])
     ks = d["ks"].reshape(-1) if d["fmt"] == "fp8" else d["ks"].reshape(-1, d["ks"].shape[-1])
-    flat = d["keys"].reshape(-1, d["keys"].shape[-1]), ks
-    kd = dequantize_index_keys(*flat, d["fmt"])   # (block views flattened: a copy for the reference only)
-    args = (qd, d["w"].float(), kd, d["pos"], d["req"], d["tbl"], BLOCK_SIZE)
+    kd = dequantize_index_keys(d["keys"].reshape(-1, d["keys"].shape[-1]), ks, d["fmt"])
+    return qd, d["w"].float(), kd, d["pos"], d["req"], d["tbl"], BLOCK_SIZE
+
+
+def _indexer_check(d, K, cfg):
+    from ir.ref import indexer as ref
+    sel = _indexer_call(d, K, cfg)()
+    args = indexer_reference_args(d)
     want, _ = ref.indexer_topk(*args, K)
     scores, _ = ref.indexer_scores_padded(*args)
     kth = scores.topk(K, dim=1).values[:, -1]

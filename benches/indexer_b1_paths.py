@@ -32,21 +32,17 @@ import bench_attention as ba  # noqa: E402
 from autotune_cache.graph_tune import replay_us  # noqa: E402  (each replay behind a ~1 ms sleep)
 
 def _keys(scores: torch.Tensor) -> torch.Tensor:
-    """The kernel's int64 keys of fp32 scores (`_topk_select._score_ord`, `_ord_keys`), on the host."""
-    s = torch.where(scores == 0, torch.zeros_like(scores), scores).float().cpu()
-    bits = s.view(torch.int32).to(torch.int64)
-    ordv = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    return (ordv << 32) | (0xFFFFFFFF - torch.arange(len(s), dtype=torch.int64))
+    """The kernel's int64 keys of a row's fp32 scores (order: score desc, position asc), on the host: the DCP top-k's
+    orderable bits and (key, position) composite."""
+    from k31c.parallel.dcp_topk import _composite, order_keys
+    s = scores.float().cpu()
+    return _composite(order_keys(s), torch.arange(len(s)))
 
 
 def _reference_scores(d) -> torch.Tensor:
     """The IR reference's fp32 scores of the set's one row over its context."""
-    from ir import formats
-    from ir.ops.attention import dequantize_index_keys
     from ir.ref import indexer as ref
-    qd = formats.dequantize_fp8(d["q8"], d["qs"])
-    kd = dequantize_index_keys(d["keys"].reshape(-1, d["keys"].shape[-1]), d["ks"].reshape(-1), d["fmt"])
-    scores, _ = ref.indexer_scores_padded(qd, d["w"].float(), kd, d["pos"], d["req"], d["tbl"], ba.BLOCK_SIZE)
+    scores, _ = ref.indexer_scores_padded(*ba.indexer_reference_args(d))
     return scores[0, :d["L"]]
 
 

@@ -163,6 +163,9 @@ GRAPH_CONFIGS = {  # group -> {label: {family: overrides (or a list of them, "_k
     "b1": {"before_s19": _BEFORE_S19, "before_s18_s19": {**_BEFORE, **_BEFORE_S19}},
     # session 20: the indexer's boundary-bucket scan as before SELECT_SCAN / SELECT_PICK (1024-key steps, radix)
     "select": {"before_s20": {"indexer_select_rows": {"SELECT_SCAN": 1024, "SELECT_PICK": 0}}},
+    # session 21: sparse MLA at batch 1 as before (ORIENT 1, 64 pieces of 32 rows) instead of ORIENT 3 (Gluon)
+    "mla": {"before_s21": {"mla_sparse": {"ORIENT": 1, "BLOCK_N": 32, "num_stages": 1, "F16": 1, "CHUNK": 32,
+                                          "FOLD": 0}}},
 }
 
 

@@ -33,14 +33,14 @@ _SM90_BUILD = textwrap.dedent("""
     from codegen.aot.record import Recorder
     from codegen.triton.mla_sparse import heuristic, sparse_latent_attention
     target = GPUTarget("cuda", 90, 32)
-    T, H, KV, DR, L = 2, 12, 512, 64, 256     # CPU tensors stand in for CUDA ones (nothing is launched)
+    T, H, KV, DR, L = 2, 12, 512, 64, 2048    # CPU tensors stand in for CUDA ones (nothing is launched)
     q = torch.randn(T, H, KV).to(torch.bfloat16)
     qp = torch.randn(T, H, DR).to(torch.bfloat16)
     pool = torch.zeros(64, KV + DR, dtype=torch.float8_e4m3fn)
     sel = torch.randint(0, 64, (T, L))
     key = {"H": H, "L": 2048, "KV": KV, "fmt": 1, "sparse": 1, "bi": 0}
-    with Recorder(target) as rec:     # the batch-64 and batch-32 defaults (3 stages / 2 stages)
-        for cfg in (heuristic(dict(key, T=64), "h200"), heuristic(dict(key, T=32), "h200")):
+    with Recorder(target) as rec:     # the batch-64 and batch-8 defaults (3 stages, pieces merged in the launch / 2)
+        for cfg in (heuristic(dict(key, T=64), "h200"), heuristic(dict(key, T=8), "h200")):
             sparse_latent_attention(q, qp, pool, torch.full((T,), L - 1), None, 0.1, sel, latent_format="fp8",
                                     latent_scale=0.5, config=cfg, block_size=64, out_dtype=torch.bfloat16)
     seen = []
@@ -58,6 +58,8 @@ _SM90_BUILD = textwrap.dedent("""
         ptx = k.asm["ptx"]
         seen.append({"wgmma": ptx.count("wgmma.mma_async"), "wgmma_wait": ptx.count("wgmma.wait_group"),
                      "sass_wait": sass.count("WARPGROUP.DEPBAR"), "cp_async": ptx.count("cp.async.cg.shared.global"),
+                     "atomics": [ptx.count("atom.global.gpu.acq_rel.add"), ptx.count("atom.global.gpu.relaxed.exch")],
+                     "stages": cx[(fn.arg_names.index("STAGES"),)], "fold": cx[(fn.arg_names.index("FOLD"),)],
                      "local": sass.count("STL") + sass.count("LDL"),
                      "shared": k.metadata.shared, "num_warps": opts.num_warps, "pdl": ptx.count("griddepcontrol.wait"),
                      "launch_pdl": bool(vars(opts).get("launch_pdl")), "triton": triton.__version__})
@@ -78,16 +80,17 @@ def _build(extra_path=None):
 @pytest.mark.parametrize("tr36", [False, True])
 def test_orient3_launch_binds_and_compiles_async_for_sm90(tr36):
     """The launcher's ORIENT 3 launches recorded for sm_90 by the AOT recorder (the heuristic's batch-64 config, 3
-    stages, and batch-32 config, 2 stages) compile: 18 fp8 logits wgmmas a step (kv / 32 and dr / 32 K steps of the
-    concatenated query, N = 32) and 32 fp16 value wgmmas with A in registers (4 column groups x 2 M blocks x 4 K
-    steps), one wait for each in the loop and not serialised by ptxas (the SASS has no wait after each wgmma), no
-    spill; the rows by cp.async (16 B: a thread's share of 64 rows of 576 bytes, per row buffer filled); one PDL
-    wait."""
+    stages, merging its 2 pieces in the launch: FOLD, and batch-8 config, 2 stages, 16 pieces) compile: 18 fp8 logits
+    wgmmas a step (kv / 32 and dr / 32 K steps of the concatenated query, N = 32) and 32 fp16 value wgmmas with A in
+    registers (4 column groups x 2 M blocks x 4 K steps), one wait for each in the loop and not serialised by ptxas
+    (the SASS has no wait after each wgmma), no spill; the rows by cp.async (16 B: a thread's share of 64 rows of 576
+    bytes, per row buffer filled); one PDL wait; FOLD: the arrival counter taken acq_rel and reset (one atomic each)."""
     skip_without_triton36(tr36)
     seen = _build(f"{TR36}:{ROOT}" if tr36 else None)
     assert len(seen) == 2, seen
-    for r, stages in zip(seen, (3, 2)):
+    for r, stages, fold in zip(seen, (3, 2), (True, False)):
         assert r["triton"].startswith("3.6" if tr36 else "3.7"), r
+        assert r["stages"] == stages and r["fold"] == fold and r["atomics"] == [int(fold)] * 2, r
         assert r["wgmma"] == 50 and r["wgmma_wait"] == 2 and r["sass_wait"] == 2 and r["local"] == 0, r
         assert r["cp_async"] == stages * (64 * 576 // 16) // 128, r
         assert r["num_warps"] == 4 and r["pdl"] == 1 and r["launch_pdl"], r
@@ -119,11 +122,14 @@ def test_query_split_is_exact_in_float64():
     assert float((h8 + l8 - qs.double()).abs().max()) <= 2.0 ** -9
 
 
-def test_orient3_falls_back_to_orient2_off_cuda():
-    """On CPU (the interpreter) ORIENT 3 is never usable: the launcher runs ORIENT 2 with the same split, the same
-    result bitwise."""
+@pytest.mark.parametrize("T, fallback", [(2, dict(ORIENT=1, BLOCK_N=32, num_stages=1, F16=1)),
+                                         (32, dict(ORIENT=2, KB=128, num_stages=3))])
+def test_orient3_falls_back_off_cuda(T, fallback):
+    """On CPU (the interpreter) ORIENT 3 is never usable: the launcher runs the same split with ORIENT 1 while tokens x
+    head blocks < 32, else ORIENT 2, and the pieces merged by the combine launch (FOLD dropped): the result bitwise
+    that of the fallback's own config."""
     g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31, ()).item()))
-    T, H, KV, DR, N, L = 2, 12, 64, 16, 96, 80
+    H, KV, DR, N, L = 12, 64, 16, 96, 80
     q = torch.randn(T, H, KV, generator=g).to(torch.bfloat16)
     qp = torch.randn(T, H, DR, generator=g).to(torch.bfloat16)
     pool = (torch.randn(N, KV + DR, generator=g) * 4).to(torch.float8_e4m3fn)
@@ -132,11 +138,23 @@ def test_orient3_falls_back_to_orient2_off_cuda():
     base = dict(BLOCK_H=16, BLOCK_N=64, num_warps=4, PREFETCH=1, CHUNK=64)
     kw = dict(latent_format="fp8", latent_scale=0.5, block_size=1)
     o3, l3 = sparse_latent_attention(q, qp, pool, torch.full((T,), L - 1), None, 0.2, sel,
-                                     config=dict(base, ORIENT=3, num_stages=2), **kw)
-    o2, l2 = sparse_latent_attention(q, qp, pool, torch.full((T,), L - 1), None, 0.2, sel,
-                                     config=dict(base, ORIENT=2, KB=128, num_stages=3), **kw)
+                                     config=dict(base, ORIENT=3, num_stages=2, FOLD=1), **kw)
+    of, lf = sparse_latent_attention(q, qp, pool, torch.full((T,), L - 1), None, 0.2, sel,
+                                     config=dict(base, **fallback), **kw)
     assert not torch.isnan(o3).any() and o3.abs().sum() > 0
-    assert torch.equal(o3, o2) and torch.equal(l3, l2)
+    assert torch.equal(o3, of) and torch.equal(l3, lf)
+
+
+def test_fold_is_orient3s_for_a_few_pieces():
+    """FOLD 1 (pieces merged in the attention launch) asked of another orientation is refused with the reason."""
+    T, H, KV, DR, N, L = 1, 12, 64, 16, 96, 80
+    q, qp = torch.randn(T, H, KV), torch.randn(T, H, DR)
+    pool = torch.randn(N, KV + DR).to(torch.float8_e4m3fn)
+    sel = torch.randint(0, N, (T, L))
+    cfg = dict(ORIENT=1, BLOCK_H=16, BLOCK_N=32, CHUNK=32, num_warps=4, num_stages=1, PREFETCH=1, FOLD=1)
+    with pytest.raises(ValueError, match="FOLD 1 .* ORIENT 3's, for at most 4 pieces"):
+        sparse_latent_attention(q, qp, pool, torch.full((T,), L - 1), None, 0.2, sel, latent_format="fp8",
+                                config=cfg, block_size=1)
 
 
 def test_usable_only_on_cuda_sm90(monkeypatch):

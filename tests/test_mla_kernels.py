@@ -173,18 +173,25 @@ def test_sparse_launcher_reads_no_device_data_on_the_host(monkeypatch):
 
 
 def test_heuristic_splits_selected_rows_by_batch():
-    """The split of a token's rows follows the selection size and the batch (about 4 programs per SM in all),
-    never the context bound; batch-invariant mode fixes it per L; every GPU heuristic passes the constraints."""
+    """A selection over an FP8 pool: ORIENT 3 at every batch, the split of a token's rows following the selection size
+    and the batch (about one program an SM, pieces of 64 to 1024 rows), never the context bound (FOLD 1 asked for
+    more pieces than its merge takes is refused); a dense context at small batches: ORIENT 1; batch-invariant mode fixes the split per L; every
+    GPU heuristic passes the constraints."""
     t = sparse_mod.TEMPLATES[0]
-    one = sparse_mod.heuristic({"H": 12, "L": 2048, "KV": 512, "fmt": 1, "sparse": 1, "T": 1, "bi": 0}, "h200")
-    many = sparse_mod.heuristic({"H": 12, "L": 2048, "KV": 512, "fmt": 1, "sparse": 1, "T": 64, "bi": 0}, "h200")
-    assert one["ORIENT"] == 1 and 2048 // one["CHUNK"] >= 32 and 2048 // many["CHUNK"] <= 16
-    assert many["ORIENT"] == 3 and many["BLOCK_N"] >= 64   # rows as the wgmma M once the tokens fill the GPU (Gluon)
+
+    def h(T, **kw):
+        return sparse_mod.heuristic(dict({"H": 12, "L": 2048, "KV": 512, "fmt": 1, "sparse": 1, "T": T, "bi": 0}, **kw),
+                                    "h200")
+    got = {T: (h(T)["ORIENT"], h(T)["CHUNK"], h(T)["num_stages"]) for T in (1, 8, 32, 64)}
+    assert got == {1: (3, 64, 2), 8: (3, 128, 2), 32: (3, 512, 3), 64: (3, 1024, 3)}, got   # FOLD at 32 and 64
+    assert h(1, sparse=0)["ORIENT"] == 1 and h(64, sparse=0)["ORIENT"] == 2 and h(1, fmt=2)["ORIENT"] == 0
     inv = [sparse_mod.heuristic({"H": 12, "L": 2048, "KV": 512, "fmt": 1, "T": T, "bi": 1}, "h200") for T in (1, 64)]
-    assert inv[0] == inv[1]
-    for key in ({"H": H_, "L": 2048, "KV": 512, "fmt": f, "T": T, "bi": bi} for T in (1, 8, 64) for bi in (0, 1)
-                for f in (0, 1, 2) for H_ in (12, 64)):
+    assert inv[0] == inv[1] and inv[0]["ORIENT"] == 1
+    for key in ({"H": H_, "L": L, "KV": 512, "fmt": f, "T": T, "bi": bi} for T in (1, 8, 64) for bi in (0, 1)
+                for f in (0, 1, 2) for H_ in (12, 64) for L in (256, 2048, 8192)):
         assert not t.constraints(sparse_mod.heuristic(key, "h200"), key, "h200"), key
+    fold = dict(h(64), CHUNK=256, FOLD=1)   # 8 pieces: FOLD's one-program merge is for a few
+    assert any("FOLD" in p for p in t.constraints(fold, {"H": 12, "L": 2048, "KV": 512, "fmt": 1, "T": 64}, "h200"))
 
 
 def test_prefill_dense_decompressed():

@@ -52,6 +52,17 @@ replay == eager over 50 replays):
     62.05 (the proxy fences, MEMBAR.ALL.CTA in SASS, presumably waited for the loads in flight; CHUNK 512 71.6-73.2,
     256 84.2); 8 warps (two warpgroups, 8 heads each, every A tile read twice) CHUNK 1024 65.4-65.9, 512 75.6-76.8,
     256 86.6, batch 1 10.87 (4 warps 11.16); the gathers issued after the logits dots, 8 warps: 67.39 / 77.70.
+H200 2026-12-01 (session 21; Nsight Compute on the batch-64 launch, benches/mla_b64_profile.py, results in
+benches/results/h200-2026-12-01-s21): one warp per scheduler, an instruction issued every 4.4 cycles; of the stall
+samples the prologue took 23% (the row table loaded a step at a time, each step's entries stored and a barrier passed
+before the next load was issued: ~8 dependent memory round trips; now one load, `_row_table`) and the epilogue 8.5% (the
+partials stored 4 bytes a thread over four heads' rows; now relabelled to columns and stored 16 bytes a thread,
+`_store_o`); the loop's 69%: issue (selected 30%), fixed-latency waits (28%), the wgmma waits (12%). Kernel 36.35 ->
+32.86 us (ncu). MEMBAR.ALL.CTA (the proxy fences) shows ~1% of the samples: it does not wait for the cp.async copies in
+flight. The combine launch (5.7 us at batch 64) is folded into the kernel where a token has 2-4 pieces (FOLD,
+`_merge_pieces`: the last piece to arrive merges; a first form loading a piece at a time in a runtime loop added 7 us,
+dependent L2 round trips; a token's 32 pieces at batch 1: 453 us, hence FOLD_PIECES). Whole launcher at batch 64
+(bench_mla_b64.py, 4 input sets a graph): 37.2 us = 49.7% of read bandwidth (previous form and split 39.5).
 Not tried: a producer warp for the gathers (warp specialisation), TMA gathers of single rows, the logits' A operand
 from registers too (the rows would then leave shared memory once a step, by the loads the values already make).
 """
@@ -86,14 +97,16 @@ def layouts(kv: int, dr: int, bh: int, bn: int = 64) -> dict:
         MMA8C=gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 2 * bh, 32]),
         CP=gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0]),
         QL=gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0]),
-        RL=gl.BlockedLayout([1], [32], [4], [0]),
+        RT=gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0]),
         RS=gl.SwizzledSharedLayout(1, 1, 1, [0]),
         XK=gl.NVMMASharedLayout.get_default_for([bn, kv], gl.float8e4nv),
         XP=gl.NVMMASharedLayout.get_default_for([bn, dr], gl.float8e4nv),
         QK=gl.NVMMASharedLayout.get_default_for([2 * bh, kv], gl.float8e4nv),
         QP=gl.NVMMASharedLayout.get_default_for([2 * bh, dr], gl.float8e4nv),
         PS=gl.NVMMASharedLayout.get_default_for([bh, bn], gl.float16),
-        LX=_rows_layout(kv // 4, bn))
+        LX=_rows_layout(kv // 4, bn),
+        ML=gl.BlockedLayout([1, 1], [32, 1], [4, 1], [1, 0]),
+        M3=gl.BlockedLayout([1, 1, 4], [1, 1, 32], [1, 4, 1], [2, 1, 0]))
 
 
 def _rows_layout(kg: int, bn: int):
@@ -138,18 +151,20 @@ def _query(q_ptr, th, hm, W: gl.constexpr, QL: gl.constexpr, q_s, BLOCK_H: gl.co
 
 
 @gluon.jit
-def _row_table(idx_ptr, tblrow, t, KSEL, start, end, rows_s, STEPS: gl.constexpr, BLOCK_N: gl.constexpr,
-               RL: gl.constexpr, PAGED: gl.constexpr, LOG_BS: gl.constexpr):
-    """The piece's pool rows (int32, -1: skip) into rows_s [STEPS, BLOCK_N], read once before the loop: the loop then
-    issues no global load (a proxy fence would wait for one in flight). Entries at or past `end` and -1 entries are
-    -1; positions go through the block table (`_paging.rows_of`), rows are taken as they are."""
-    for k in gl.static_range(STEPS):
-        jj = start + k * BLOCK_N + gl.arange(0, BLOCK_N, layout=RL)
-        idx = gl.load(idx_ptr + t.to(gl.int64) * KSEL + jj, mask=jj < end, other=-1)
-        if PAGED:
-            blk = gl.load(tblrow + (idx >> LOG_BS), mask=idx >= 0, other=0)
-            idx = gl.where(idx >= 0, blk.to(gl.int64) * (1 << LOG_BS) + (idx & ((1 << LOG_BS) - 1)), -1)
-        rows_s.index(k).store(idx.to(gl.int32))
+def _row_table(idx_ptr, tblrow, t, KSEL, start, end, rows_s, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+               RT: gl.constexpr, PAGED: gl.constexpr, LOG_BS: gl.constexpr):
+    """The piece's pool rows (int32, -1: skip) into rows_s [ROWS, BLOCK_N] (ROWS: the steps rounded up to a power of
+    two), read once before the loop by one load of every step's entries (one memory round trip, two through the block
+    table; a load a step, each stored before the next was issued, cost ~8 round trips: ncu, module doc): the loop then
+    issues no global load (a proxy fence would wait for one in flight). Entries at or past `end` and -1 entries are -1;
+    positions go through the block table (`_paging.rows_of`), rows are taken as they are."""
+    k = gl.arange(0, ROWS, layout=gl.SliceLayout(1, RT))
+    jj = start + gl.expand_dims(k * BLOCK_N, 1) + gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, RT)), 0)
+    idx = gl.load(idx_ptr + t.to(gl.int64) * KSEL + jj, mask=jj < end, other=-1)
+    if PAGED:
+        blk = gl.load(tblrow + (idx >> LOG_BS), mask=idx >= 0, other=0)
+        idx = gl.where(idx >= 0, blk.to(gl.int64) * (1 << LOG_BS) + (idx & ((1 << LOG_BS) - 1)), -1)
+    rows_s._reinterpret(gl.int32, [ROWS, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).store(idx.to(gl.int32))
 
 
 @gluon.jit
@@ -214,22 +229,82 @@ def _value_dot(xb, g: gl.constexpr, pb, acc, al, LX: gl.constexpr, MMA: gl.const
 
 
 @gluon.jit
-def _store_o(o_ptr, row, KV: gl.constexpr, k, acc, inv, hm):
-    """The partial o~ columns k of the heads' rows (acc [len(k), BLOCK_H] x inv)."""
-    gl.store(o_ptr + gl.expand_dims(row * KV, 0) + gl.expand_dims(k, 1),
-             (acc * gl.expand_dims(inv, 0)).to(o_ptr.dtype.element_ty), mask=gl.expand_dims(hm, 0))
+def _store_o(o_ptr, row, KV: gl.constexpr, g: gl.constexpr, acc, inv, hm, OL: gl.constexpr):
+    """The partial o~ columns of group g of the heads' rows (acc [KG, BLOCK_H] x inv): the accumulator's rows relabelled
+    to their columns (`_sigma`'s inverse: no data moves), then in OL (the query's layout QL: a warp stores 128
+    consecutive fp32 of one head's row, 16 bytes a thread) instead of 4-byte stores scattered over four heads' rows
+    (ncu: the epilogue's stores)."""
+    KG: gl.constexpr = acc.shape[0]
+    BH: gl.constexpr = acc.shape[1]
+    C: gl.constexpr = KG // 32
+    x = gl.reshape(acc * gl.expand_dims(inv, 0), [C // 2, 4, 2, 8, BH])          # M bits (i w a g) as in _value_a
+    x = gl.convert_layout(gl.permute(gl.reshape(gl.permute(x, (1, 3, 0, 2, 4)), [KG, BH]), (1, 0)), OL)  # [BH, KG]
+    c = gl.arange(0, KG, layout=gl.SliceLayout(0, OL))
+    r = gl.expand_dims(gl.convert_layout(row, gl.SliceLayout(1, OL)) * KV + g * KG, 1)
+    gl.store(o_ptr + r + gl.expand_dims(c, 0), x.to(o_ptr.dtype.element_ty),
+             mask=gl.expand_dims(gl.convert_layout(hm, gl.SliceLayout(1, OL)), 1))
 
 
 @gluon.jit
-def _mla_gluon_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, o_ptr, lse_ptr,
-                      H, KSEL, NSPLIT, sb, sr, qk_scale, v_scale, pe_scale,
+def _merge_pieces(po_ptr, plse_ptr, o_ptr, lse_ptr, t, H, NS: gl.constexpr, NP: gl.constexpr, KV: gl.constexpr,
+                  BLOCK_H: gl.constexpr, ML: gl.constexpr, M3: gl.constexpr):
+    """FOLD: the last of the NS pieces of (token t, this head block) to arrive merges every piece's partial (read
+    through L2, .cg) with the combine's formula (`_mla_tiles._combine_kernel`; the sum over pieces a tree in a fixed
+    order, whichever program arrives last): m = max_i lse_i, o~ = sum_i e^(lse_i - m) o~_i / sum_i e^(lse_i - m),
+    lse = m + log sum_i e^(lse_i - m) (-inf, o~ 0 for a token with no rows); o~ stored in o_ptr's dtype. The pieces'
+    lse in one load and their partials as [NS, BLOCK_H, CW] column tiles, every load independent of the others (a
+    load a piece in a runtime loop made a chain of dependent L2 round trips: +7 us at NS 2, H200)."""
+    HL: gl.constexpr = gl.SliceLayout(1, ML)
+    CW: gl.constexpr = min(KV, 8192 // (NP * BLOCK_H))    # columns a tile: 64 registers of partials a thread
+    h = gl.program_id(1) * BLOCK_H + gl.arange(0, BLOCK_H, layout=HL)
+    hm = h < H
+    row = t.to(gl.int64) * H + h
+    S3: gl.constexpr = gl.SliceLayout(2, M3)
+    OL: gl.constexpr = gl.SliceLayout(0, M3)
+    r3 = gl.expand_dims(gl.expand_dims(gl.convert_layout(row, gl.SliceLayout(0, S3)), 0), 2)
+    s3 = gl.expand_dims(gl.expand_dims(gl.arange(0, NP, layout=gl.SliceLayout(1, S3)), 1), 2)
+    m3 = gl.expand_dims(gl.expand_dims(gl.convert_layout(hm, gl.SliceLayout(0, S3)), 0), 2) & (s3 < NS)
+    p3 = po_ptr + (r3 * NS + s3) * KV + gl.expand_dims(gl.expand_dims(
+        gl.arange(0, CW, layout=gl.SliceLayout(0, OL)), 0), 0)
+    part = gl.load(p3, mask=m3, other=0.0, cache_modifier=".cg")      # column tile 0, in flight with the lse
+    s = gl.arange(0, NP, layout=gl.SliceLayout(0, ML))
+    pm = gl.expand_dims(hm, 1) & gl.expand_dims(s < NS, 0)
+    ls = gl.load(plse_ptr + gl.expand_dims(row * NS, 1) + gl.expand_dims(s, 0), mask=pm, other=float("-inf"),
+                 cache_modifier=".cg")                                                       # [BLOCK_H, NP]
+    mx = gl.max(ls, axis=1)
+    mx = gl.where(mx == float("-inf"), 0.0, mx)
+    w = gl.exp(ls - gl.expand_dims(mx, 1))
+    den = gl.sum(w, axis=1)
+    w3 = gl.expand_dims(gl.convert_layout(gl.permute(w, (1, 0)), S3), 2)                  # [NP, BLOCK_H, 1]
+    ro = gl.expand_dims(gl.convert_layout(row, gl.SliceLayout(1, OL)) * KV, 1)
+    om = gl.expand_dims(gl.convert_layout(hm, gl.SliceLayout(1, OL)), 1)
+    dd = gl.expand_dims(gl.convert_layout(gl.where(den > 0.0, den, 1.0), gl.SliceLayout(1, OL)), 1)
+    c = gl.expand_dims(gl.arange(0, CW, layout=gl.SliceLayout(0, OL)), 0)
+    for cc in gl.static_range(KV // CW):
+        if cc + 1 < KV // CW:    # the next column tile in flight while this one is summed
+            nxt = gl.load(p3 + (cc + 1) * CW, mask=m3, other=0.0, cache_modifier=".cg")
+        o = gl.sum(w3 * part, axis=0) / dd                                                    # [BLOCK_H, CW]
+        gl.store(o_ptr + ro + cc * CW + c, o.to(o_ptr.dtype.element_ty), mask=om)
+        if cc + 1 < KV // CW:
+            part = nxt
+    gl.store(lse_ptr + row, gl.where(den > 0.0, mx + gl.log(den), float("-inf")), mask=hm)
+
+
+@gluon.jit
+def _mla_gluon_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, o_ptr, lse_ptr, fo_ptr, flse_ptr,
+                      cnt_ptr, H, KSEL, NSPLIT, sb, sr, qk_scale, v_scale, pe_scale, FOLD: gl.constexpr,
+                      NS: gl.constexpr, NP: gl.constexpr, ML: gl.constexpr, M3: gl.constexpr,
                       CHUNK: gl.constexpr, KV: gl.constexpr, DR: gl.constexpr, BLOCK_H: gl.constexpr,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr, LOG_BS: gl.constexpr,
                       PDL: gl.constexpr, MMA: gl.constexpr, MMA8: gl.constexpr, MMA8C: gl.constexpr,
-                      CP: gl.constexpr, QL: gl.constexpr, RL: gl.constexpr, RS: gl.constexpr, XK: gl.constexpr,
+                      ROWS: gl.constexpr, CP: gl.constexpr, QL: gl.constexpr, RT: gl.constexpr, RS: gl.constexpr,
+                      XK: gl.constexpr,
                       XP: gl.constexpr, QK: gl.constexpr, QP: gl.constexpr, PS: gl.constexpr, LX: gl.constexpr):
     """ORIENT 3 (module doc): one program per (token, head block, piece of CHUNK selected entries); writes the
-    piece's o~ partial [BLOCK_H, kv] (1 / denominator x v_scale applied) and its natural-log lse."""
+    piece's o~ partial [BLOCK_H, kv] (1 / denominator x v_scale applied) and its natural-log lse. FOLD: the piece then
+    counts itself in at its (token, head block)'s counter (acq_rel, after a barrier: every thread's partial first); the
+    last to arrive merges the pieces into fo / flse (`_merge_pieces`) and resets the counter for the next launch
+    (the protocol of `_gemv.combine_in_launch`): no combine launch."""
     pdl_enter(PDL)
     t = gl.program_id(0)
     sp = gl.program_id(2)
@@ -242,8 +317,8 @@ def _mla_gluon_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, o_
     qpc = gl.allocate_shared_memory(gl.float8e4nv, [2 * BLOCK_H, DR], QP)
     ps = gl.allocate_shared_memory(gl.float16, [BLOCK_H, BLOCK_N], PS)
     STEPS: gl.constexpr = CHUNK // BLOCK_N
-    rows_s = gl.allocate_shared_memory(gl.int32, [STEPS, BLOCK_N], RS)
-    _row_table(idx_ptr, tblrow, t, KSEL, start, end, rows_s, STEPS, BLOCK_N, RL, PAGED, LOG_BS)
+    rows_s = gl.allocate_shared_memory(gl.int32, [ROWS, BLOCK_N], RS)
+    _row_table(idx_ptr, tblrow, t, KSEL, start, end, rows_s, ROWS, BLOCK_N, RT, PAGED, LOG_BS)
     _barrier()
     # the first STAGES - 1 steps' rows in flight before the queries are read
     for st in gl.static_range(STAGES - 1):
@@ -306,12 +381,17 @@ def _mla_gluon_kernel(qa_ptr, qp_ptr, lat_ptr, idx_ptr, tbl_ptr, req_ptr, MB, o_
     lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * _LN2, float("-inf"))
     h = gl.program_id(1) * BLOCK_H + gl.arange(0, BLOCK_H, layout=HV)
     row = (t.to(gl.int64) * H + h) * NSPLIT + sp
-    k = _sigma(gl.arange(0, KG, layout=gl.SliceLayout(1, MMA)), KG)
-    _store_o(o_ptr, row, KV, k, a0, inv, h < H)
-    _store_o(o_ptr, row, KV, k + KG, a1, inv, h < H)
-    _store_o(o_ptr, row, KV, k + 2 * KG, a2, inv, h < H)
-    _store_o(o_ptr, row, KV, k + 3 * KG, a3, inv, h < H)
+    _store_o(o_ptr, row, KV, 0, a0, inv, h < H, QL)
+    _store_o(o_ptr, row, KV, 1, a1, inv, h < H, QL)
+    _store_o(o_ptr, row, KV, 2, a2, inv, h < H, QL)
+    _store_o(o_ptr, row, KV, 3, a3, inv, h < H, QL)
     gl.store(lse_ptr + row, lse, mask=h < H)
+    if FOLD:
+        _barrier()
+        tile = cnt_ptr + gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)
+        if gl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == NSPLIT - 1:
+            _merge_pieces(o_ptr, lse_ptr, fo_ptr, flse_ptr, gl.program_id(0), H, NS, NP, KV, BLOCK_H, ML, M3)
+            gl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")
 
 
 def usable(q_abs: torch.Tensor, latent: torch.Tensor, selection, fmt: int, bh: int, chunk: int) -> bool:
@@ -331,12 +411,16 @@ def usable(q_abs: torch.Tensor, latent: torch.Tensor, selection, fmt: int, bh: i
 
 
 def launch(grid, qa, qp, lat, sel, tbl, req, MB, po, plse, H, KSEL, NSPLIT, CHUNK, sb, sr, qk_scale, v_scale,
-           pe_scale, *, KV, DR, BLOCK_H, STAGES, PAGED, LOG_BS, launch_kw):
+           pe_scale, *, KV, DR, BLOCK_H, STAGES, PAGED, LOG_BS, launch_kw, fold=None):
     """One launch of `_mla_gluon_kernel` (arguments as `_mla_rowsm_kernel`'s, less the positions: a selection is
-    required); STAGES row buffers (>= 2), 4 warps."""
+    required); STAGES row buffers (>= 2), 4 warps. fold: (o, lse, counters) to merge the pieces in this launch
+    (FOLD; counters int32, 0, one per (token, head block), `_gemv.tile_counters`), else po / plse are the output."""
     if STAGES < 2:
         raise ValueError(f"mla ORIENT 3: STAGES {STAGES} must be >= 2")
-    _mla_gluon_kernel[grid](qa, qp, lat, sel, tbl, req, MB, po, plse, H, KSEL, NSPLIT, sb, sr, qk_scale,
-                            v_scale, pe_scale, CHUNK=CHUNK, KV=KV, DR=DR, BLOCK_H=BLOCK_H, BLOCK_N=64,
-                            STAGES=STAGES, PAGED=PAGED, LOG_BS=LOG_BS, num_warps=4,
-                            **layouts(KV, DR, BLOCK_H), **launch_kw)
+    fo, flse, cnt = fold if fold is not None else (po, plse, plse)
+    _mla_gluon_kernel[grid](qa, qp, lat, sel, tbl, req, MB, po, plse, fo, flse, cnt, H, KSEL, NSPLIT, sb, sr,
+                            qk_scale, v_scale, pe_scale, FOLD=fold is not None, NS=NSPLIT if fold else 1,
+                            NP=triton.next_power_of_2(NSPLIT) if fold else 1, CHUNK=CHUNK, KV=KV, DR=DR,
+                            BLOCK_H=BLOCK_H, BLOCK_N=64, STAGES=STAGES, PAGED=PAGED, LOG_BS=LOG_BS,
+                            ROWS=triton.next_power_of_2(CHUNK // 64), num_warps=4, **layouts(KV, DR, BLOCK_H),
+                            **launch_kw)

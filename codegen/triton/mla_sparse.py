@@ -38,7 +38,9 @@ blocks per row, 1 = one pass, 4 = two passes), PREFETCH (1: next step's rows res
 loop: one cross-warp reduction per step instead of two),
 F16 (ORIENT 1 on FP8 / NVFP4 pools: fp16 dots with per-head power-of-two query scaling, `_mla_heads.py`),
 KB (ORIENT 2: width of the c_KV column blocks), num_warps (ORIENT 3: 4), num_stages (ORIENT 3:
-row buffers).
+row buffers). Not searched: FOLD (ORIENT 3 with 2 to FOLD_PIECES pieces a token: the last piece of a token's head
+block to arrive merges them, `_mla_gluon._merge_pieces`, the combine's formula, no combine launch; always faster where
+measured, so on unless a config says FOLD 0).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from ._mla_heads import _mla_heads_kernel
 from ._mla_rows import _mla_sparse_kernel
 from ._mla_rowsm import _mla_rowsm_kernel
 from ._mla_tiles import _LN2, e2m1_to_f32, e8m0_to_f32  # noqa: F401  (re-exported: mla_prefill, the indexer)
+from ._gemv import tile_counters
 from ._paging import context_bound, paging_args, pool_strides
 from ._pdl import launch_kwargs
 from codegen.triton import _precision as precision
@@ -64,6 +67,8 @@ LATENT_FORMATS = ("bf16", "fp32", "fp8", "nvfp4")
 
 # ------------------------------------------------------------------------------------ host API
 PARTIAL_BYTES = 1 << 30  # split partials held at once (see sparse_latent_attention)
+FOLD_PIECES = 4          # FOLD's merge reads every piece's partial in one program: a few pieces only (measured at 2
+#                          and 4; 32 pieces at batch 1: 453 us, H200 s21)
 
 
 def _pow2(n: int) -> int:
@@ -71,16 +76,27 @@ def _pow2(n: int) -> int:
 
 
 def heuristic(key: dict, target: str) -> dict:
-    """FP8 pools (the model's): ORIENT 3 (`_mla_gluon_kernel`: BLOCK_N 64 rows as the wgmma M, 4 warps; from 64
-    token x head blocks about one program per SM with 3 row buffers, below that about two with 2 (95 KB of shared
-    memory each): CHUNK up to 1024; ORIENT 2 where Gluon cannot run) once the tokens
-    alone fill the GPU (T x head blocks >= 32, not batch-invariant mode; a dense context: ORIENT 2), else ORIENT 1
-    (`_mla_heads_kernel`); BLOCK_H 16 heads per program (ORIENT 1: the MMA's
-    minimum M; the fp32 accumulator is BLOCK_H x kv), rows resolved a step ahead (PREFETCH 1: positions are two dependent
-    reads, index then block id, before the gather). CHUNK (rows per program) sizes the split of a token's
-    rows, which is what fills the GPU at small batches: a batch of T tokens gets about 4 programs per SM
-    (132 SMs) in all, pieces of >= BLOCK_N rows (the split is over the selected rows, never the context
-    bound). Under batch-invariant mode (key bi 1) the chunk depends on L only (16 pieces).
+    """FP8 pools (the model's) read through a selection: ORIENT 3 (`_mla_gluon_kernel`: BLOCK_N 64 rows as the wgmma M,
+    4 warps) at every batch (not batch-invariant mode), CHUNK sized for about one program an SM (128 of 132) and at
+    least one step of 64 rows, up to 1024 (the row table): batch 1 CHUNK 64, 8 128, 32 512, 64 1024; 3 row buffers
+    where one program an SM runs >= 4 steps, else 2; a token's 2-4 pieces are merged in the launch (FOLD, below),
+    more by the combine launch. Off sm_90 the launcher runs that split with ORIENT 2 (tokens x head blocks >= 32) or ORIENT 1.
+    A dense context (no selection): ORIENT 2 (`_mla_rowsm_kernel`) once the tokens fill the GPU (T x head blocks >=
+    32), else ORIENT 1 (`_mla_heads_kernel`), as batch-invariant mode; BLOCK_H 16 heads per program (ORIENT 1: the
+    MMA's minimum M; the fp32 accumulator is BLOCK_H x kv), rows resolved a step ahead (PREFETCH 1: positions are two
+    dependent reads, index then block id, before the gather). There CHUNK (rows per program) sizes the split of a
+    token's rows, which is what fills the GPU at small batches: a batch of T tokens gets about 4 programs per SM
+    (132 SMs) in all, pieces of >= BLOCK_N rows. Under batch-invariant mode (key bi 1) the chunk depends on L only
+    (16 pieces).
+    H200 session 21 (benches/results/h200-2026-12-01-s21, bench_mla_b64.py with 4 input sets in one graph at batch
+    64 / 32 and 16 at 8 / 1; every config checked against float64, graph == eager, -1 entries, short contexts, an
+    empty token, positions; ncu profiles in mla_b64_ncu*): the Gluon kernel's row table read in one load instead of
+    one a step (its prologue was ~23% of the kernel's stall samples) and its partials stored 16 bytes a thread (the
+    epilogue ~8.5%): kernel 36.35 -> 32.86 us at batch 64 (ncu). Batch 64: CHUNK 1024 / 3 stages / FOLD 38.06 us
+    (48.1% of read bandwidth) vs 40.50 without FOLD (the previous rule), CHUNK 512 / 2 stages / FOLD 39.69, CHUNK 512
+    / 2 stages 45.66; batch 32: CHUNK 512 / 3 / FOLD 26.42 vs the previous CHUNK 256 / 2 29.30; batch 8: ORIENT 3
+    CHUNK 128 / 2 stages 16.68 vs ORIENT 1 (the previous rule) 24.19, CHUNK 64 18.78; batch 1: CHUNK 64 10.25 vs
+    ORIENT 1 11.65 (10.14 / 11.63, 9.94 / 11.36 in two more calls), CHUNK 128 11.41.
     H200 2026-11-29 (benches/bench_attention_decode.py; FP8 latents, 12 heads, top-2048 rows of 8K contexts,
     whole launcher under graph replay, inputs rotated so rows come from HBM):
       batch 1:  BLOCK_N 64, 8 warps, num_stages 2, CHUNK 64 (32 pieces): 16.8 us; 32-row pieces 17.6-17.9;
@@ -173,11 +189,12 @@ def heuristic(key: dict, target: str) -> dict:
     if fmt != 1:   # bf16 / NVFP4 pools: the previous rows-major configs (ORIENT 1 not yet measured on them)
         cfg = dict(ORIENT=0, BLOCK_H=bh, BLOCK_N=32, num_warps=4, num_stages=2, SUB=1, PREFETCH=1) if fmt == 0 else \
             dict(ORIENT=0, BLOCK_H=bh, BLOCK_N=64, num_warps=4, num_stages=1, SUB=4, PREFETCH=1)
-    elif many and key.get("sparse", 1):   # the tokens fill the GPU: rows as the wgmma M, fp8 logits, in Gluon
-        two = T * -(-H // bh) < 64   # batch 32: two programs per SM (2 stages: 95 KB of shared memory each)
-        cfg = dict(ORIENT=3, BLOCK_H=bh, BLOCK_N=64, num_warps=4, num_stages=2 if two else 3, PREFETCH=1)  # (Gluon)
-        per_token = max(1, (264 if two else 132) // (T * -(-H // bh)))
-        return dict(cfg, CHUNK=min(1024, max(64, _pow2(-(-L // per_token)))))
+    elif key.get("sparse", 1) and T and not key.get("bi", 0):   # rows as the wgmma M, fp8 logits, in Gluon
+        blocks = T * -(-H // bh)
+        chunk = min(1024, max(64, _pow2(-(-L * blocks // 128))))   # about one program an SM (128 of 132)
+        n = -(-L // chunk)
+        return dict(ORIENT=3, BLOCK_H=bh, BLOCK_N=64, num_warps=4, PREFETCH=1, CHUNK=chunk,
+                    num_stages=3 if blocks * n <= 132 and chunk >= 256 else 2)
     elif many:   # a dense context: rows as the dots' M (wgmma), fp8 logits (_mla_rowsm.py)
         cfg = dict(ORIENT=2, BLOCK_H=bh, BLOCK_N=64, KB=128, num_warps=4, num_stages=3, PREFETCH=1)
     else:
@@ -224,20 +241,31 @@ def sparse_latent_attention(q_abs, q_pe, latent, token_pos, paging, scale: float
     prefetch = int(cfg.get("PREFETCH", 0))
     lsum = int(cfg.get("LSUM", 0))
     kb = min(KV, int(cfg.get("KB", 128)))
-    if orient == 3:   # Gluon (CUDA sm_90, FP8 pool, a selection); elsewhere ORIENT 2 (session 13's config) with the
-        # same split (CHUNK unchanged: ORIENT 2 at CHUNK 1024 is not measured; its own rule gives 512 at batch 64)
+    if orient == 3:   # Gluon (CUDA sm_90, FP8 pool, a selection); elsewhere, with the same split, ORIENT 2 (session
+        # 13's config; CHUNK unchanged: ORIENT 2 at CHUNK 1024 is not measured) once the tokens fill the GPU, else
+        # ORIENT 1 (the rule before session 21)
         from . import _mla_gluon
         if not _mla_gluon.usable(q_abs, latent, selection, fmt, bh, chunk):
-            orient = 2
-            cfg.update(ORIENT=2, BLOCK_N=64, KB=128, num_warps=4, num_stages=3, PREFETCH=1)
-            bn, prefetch = 64, 1
+            if T * -(-H // bh) >= 32:
+                orient, bn = 2, 64
+                cfg.update(ORIENT=2, BLOCK_N=64, KB=128, num_warps=4, num_stages=3, PREFETCH=1, FOLD=0)
+            else:
+                orient, bn = 1, 32
+                cfg.update(ORIENT=1, BLOCK_N=32, num_warps=4, num_stages=1, PREFETCH=1, F16=1, FOLD=0)
+            prefetch = 1
     if prefetch not in (0, 1, 2) or orient not in (0, 1, 2, 3) or (orient != 0 and int(cfg.get("SUB", 1)) != 1) or \
             (orient != 1 and (prefetch == 2 or lsum)) or lsum not in (0, 1) or \
             (orient == 2 and (fmt != 1 or KV % kb or kb & (kb - 1) or kb < 16)):
         raise ValueError(f"mla: config {cfg}: ORIENT must be 0, 1, 2 or 3 (2: FP8 pools only, KB a power of two "
                          f"dividing kv), PREFETCH 0 or 1 (ORIENT 1 also 2), LSUM 0 or 1 (ORIENT 1's), and ORIENT 1 / 2 "
                          f"take whole rows (SUB 1)")
+    fold_cfg = cfg.get("FOLD")   # None: on where it applies
     nsplit = max(1, -(-L // chunk))
+    if fold_cfg not in (None, 0, 1) or (fold_cfg == 1 and (orient != 3 or nsplit > FOLD_PIECES)):
+        raise ValueError(f"mla: config {cfg}: FOLD 1 (pieces merged in the attention launch) is ORIENT 3's, for at "
+                         f"most {FOLD_PIECES} pieces (L {L} / CHUNK {chunk}: {nsplit}); FOLD 0 keeps the combine "
+                         f"launch")
+    fold_cfg = orient == 3 and 1 < nsplit <= FOLD_PIECES and fold_cfg != 0
     o = torch.empty(T, H, KV, dtype=out_dtype, device=dev)
     lse = torch.empty(T, H, dtype=torch.float32, device=dev)
     if T == 0:
@@ -282,12 +310,13 @@ def sparse_latent_attention(q_abs, q_pe, latent, token_pos, paging, scale: float
         t1 = min(T, t0 + tb)
         po, plse = (o[t0:t1], lse[t0:t1]) if nsplit == 1 else (po_all[:t1 - t0], plse_all[:t1 - t0])
         if orient == 3:
+            fold = (o[t0:t1], lse[t0:t1], tile_counters(dev, (t1 - t0) * -(-H // bh))) if fold_cfg else None
             _mla_gluon.launch((t1 - t0, -(-H // bh), nsplit), qa[t0:t1], qp[t0:t1], lat, sel[t0:t1], tbl,
                               req[t0:t1] if paging is not None else req, MB, po, plse, H, sel.shape[1], nsplit, chunk,
                               sb, sr, scale * LOG2E, vs, ps, KV=KV, DR=DR, BLOCK_H=bh,
                               STAGES=int(cfg["num_stages"]), PAGED=paging is not None, LOG_BS=log_bs,
-                              launch_kw=launch_kwargs())
-            if nsplit > 1:
+                              launch_kw=launch_kwargs(), fold=fold)
+            if nsplit > 1 and fold is None:
                 combine_chunks(po, plse, o[t0:t1], lse[t0:t1])
             continue
         kernel[(t1 - t0, -(-H // bh), nsplit)](
@@ -376,6 +405,9 @@ def _constraints(config: dict, key: dict, target: str) -> list[str]:
                                          or config["num_stages"] < 2 or config.get("SUB", 1) != 1):
         out.append("ORIENT=3 (Gluon, sm_90) reads FP8 pools through a selection: BLOCK_N 64, BLOCK_H 16, CHUNK a "
                    "multiple of 64 up to 1024, num_stages >= 2, whole rows")
+    if config.get("FOLD") == 1 and (config.get("ORIENT", 0) != 3
+                                    or -(-key.get("L", 1) // config["CHUNK"]) > FOLD_PIECES):
+        out.append(f"FOLD 1 (pieces merged in the attention launch) is ORIENT=3's, for at most {FOLD_PIECES} pieces")
     if config.get("ORIENT", 0) == 3 and config["num_warps"] != 4:
         out.append("ORIENT=3 runs one warpgroup (num_warps 4)")
     if config["CHUNK"] % config["BLOCK_N"]:

@@ -67,7 +67,12 @@ UP_VARIANTS = {}
 # tile): DEC 0 W4 x MT1 0.632 / 0.636 [0.971 / 0.978], W2 x MT1 0.637, W4 x MT2 0.646, W8 x MT1 0.657, NWT 2 0.707,
 # 8 tokens a tile 0.856; DEC 1 W4 x MT1 0.646 [0.996], at a 128 cap 0.613 [0.954] (GLUON_T64), W4 x MT2 0.617 [0.966],
 # W2 x MT2 0.621, W2 x MT1 0.652; scales and words two steps ahead 0.713; cp.async rings of 3-6 stages 0.619-0.754.
-# GLUON_T64 with the L2 fetch granularity at 128 bytes: whole op 0.906. MOE_BENCH_T64_GG=1: GLUON_T64 again, beside the
+# GLUON_T64 with the L2 fetch granularity at 128 bytes: whole op 0.906.
+# Session 21 (h200-2026-12-01-s21/moe_t64_ggu_tiles.json; GLUON_T64 gate-up 0.548 [0.858 / 0.866]; ncu of GLUON_T64 in
+# moe_t64_ncu.txt: L1/TEX 82% and L2 80% busy, DRAM 60%, 43% of stall samples on the first use of a step's loads, each
+# warp loading its B columns (4 KB a step) for 2 KB of weight words): GGU with MT2 (32 rows a warp, half the column
+# bytes per weight byte) at a 168 cap 0.728 [1.029], uncapped 0.580 [0.882], W2 x MT2 / 168 0.721 [1.030]; W8 x MT1
+# 0.596 [0.888]. Not taken. MOE_BENCH_T64_GG=1: GLUON_T64 again, beside the
 # baseline, both also at 128 bytes (with the probes on).
 GG = os.environ.get("MOE_BENCH_T64_GG", "0") == "1"
 if GG:

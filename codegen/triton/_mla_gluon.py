@@ -63,6 +63,10 @@ flight. The combine launch (5.7 us at batch 64) is folded into the kernel where 
 `_merge_pieces`: the last piece to arrive merges; a first form loading a piece at a time in a runtime loop added 7 us,
 dependent L2 round trips; a token's 32 pieces at batch 1: 453 us, hence FOLD_PIECES). Whole launcher at batch 64
 (bench_mla_b64.py, 4 input sets a graph): 37.2 us = 49.7% of read bandwidth (previous form and split 39.5).
+Measured and removed: `prefetch.global.L2` (CCTL.E.PF2) of the step one or two past the ring's last (4 a thread a
+step: a line at every 128 bytes of the rows), to stand in for a deeper ring: batch 64 CHUNK 1024 / 3 stages 48.2-52.3
+us vs 37.1-38.5, CHUNK 512 / 2 stages 51.1-52.4 (two ahead 61.0-63.6) vs 36.6-38.7; batch 32 34.5 vs 25.3; batch 8
+20.7 vs 16.3 (benches/results/h200-2026-12-01-s21/mla_l2_prefetch.json).
 Not tried: a producer warp for the gathers (warp specialisation), TMA gathers of single rows, the logits' A operand
 from registers too (the rows would then leave shared memory once a step, by the loads the values already make).
 """

@@ -155,13 +155,20 @@ def mla_set(T, ctx, K, seed):
     return d
 
 
-def mla_call(d, cfg):
-    """The whole sparse MLA decode launcher (absorption, attention, combine) on `mla_set`'s inputs."""
+def mla_call(d, cfg, absorbed=False):
+    """The whole sparse MLA decode launcher (absorption, attention, combine) on `mla_set`'s inputs; absorbed: as the
+    runtime runs it, q~ = W_UK^T q_nope computed once beforehand (the IR's `mla_absorb` node, which the runtime
+    overlaps with the indexer on its side stream) and the launcher given q~ (`nope_dim`)."""
     import bench_attention as ba
+    from codegen.triton._mla_combine import absorb_queries, split_kv_b
     from codegen.triton.mla_sparse import mla_sparse_decode
-    return lambda: mla_sparse_decode(d["qn"], d["qp"], d["pool"], d["kvb"], d["pos"], d["req"], d["tbl"],
+    q, extra = d["qn"], {}
+    if absorbed:
+        q = absorb_queries(d["qn"], split_kv_b(d["kvb"], d["H"], d["qn"].shape[2])[0], d["qn"].dtype)
+        extra = {"nope_dim": d["qn"].shape[2]}
+    return lambda: mla_sparse_decode(q, d["qp"], d["pool"], d["kvb"], d["pos"], d["req"], d["tbl"],
                                      ba.BLOCK_SIZE, ba.SCALE, d["rows"], latent_format="fp8", latent_scale=d["ls"],
-                                     selection_rows=True, latent_out=True, return_lse=True, config=cfg)
+                                     selection_rows=True, latent_out=True, return_lse=True, config=cfg, **extra)
 
 
 def mla_check(d, cfg):

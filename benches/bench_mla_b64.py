@@ -1,14 +1,19 @@
 """H200 bench of sparse MLA decode (issue 4): the heuristic's default against other configs, batch 64, 32, 8 and 1,
 12 heads, top-2048 FP8 latent rows of 8K contexts (paged, 64-row blocks in random order), absorbed form, whole
 launcher (absorption, attention, combine) under CUDA-graph replay of several input sets in one graph (SETS: rows
-from HBM, the graph's start spread over them). Every config is checked against float64 (o~ and lse) and graph replay ==
-eager over 50 replays (PDL on); at batch 64 and 32 the configs in L2RES also run with every token reading token 0's rows
-(L2 resident: the kernel's cost without HBM); the ORIENT 3 (Gluon) configs also run `holes_check` (-1 entries, short
-contexts, an empty token, positions through the block table). Session 13's call: benches/results/h200-2026-11-30-s13/
+from HBM, the graph's start spread over them); the default also as the runtime runs it (`default_q_absorbed`: q~
+computed beforehand by the mla_absorb node, which the runtime overlaps with the indexer; the attention's own bytes).
+Every config is checked against float64 (o~ and lse) and graph replay == eager over 50 replays (PDL on); at batch
+64 and 32 the configs in L2RES also run with every token reading token 0's rows (L2 resident: the kernel's cost
+without HBM); the ORIENT 3 (Gluon) configs also run `holes_check` (-1 entries, short contexts, an empty token,
+positions through the block table). Session 13's call: benches/results/h200-2026-11-30-s13/
 mla_b64_orient2*; session 15's: benches/results/h200-2026-11-30-s15/mla_b64_gluon*.
 One JSON document in $OUT/mla_b64.json (rewritten after every measurement); the summary on stdout.
 
-    python benches/bench_mla_b64.py [--budget-s 200] [--rounds 1] [--batches 64,32,8,1]
+    python benches/bench_mla_b64.py [--budget-s 200] [--rounds 1] [--batches 64,32,8,1] [--gather]
+
+--gather: first, per batch, the access pattern's own ceiling (`_gather_ceiling.py`: the same rows read and xor-reduced,
+nothing else, several grid shapes) and a sequential read of as many bytes.
 """
 
 from __future__ import annotations
@@ -129,12 +134,12 @@ def _set(T, seed):
     return mla_set(T, 8192, 2048, seed)
 
 
-def measure(tag, name, cfg, sets, nbytes):
+def measure(tag, name, cfg, sets, nbytes, calls=None):
     if BUDGET - (time.time() - T0) < 8:
         DOC["skipped"].append(f"{tag}_{name}")
         return None
     try:
-        us = graph_ms([_call(d, cfg) for d in sets], reps=15) * 1e3
+        us = graph_ms(calls or [_call(d, cfg) for d in sets], reps=15) * 1e3
         m = {"name": f"{tag}_{name}", "config": cfg, "median_us": us, "bytes": nbytes}
         bw = DOC["hbm"].get("floor_TBps")
         if bw:
@@ -194,6 +199,18 @@ def section(T):
         summ.update(best_other=best["name"], best_other_us=best["median_us"], best_other_config=best["config"],
                     speedup_default_vs_best_other=summ["default_us"] and best["median_us"] / summ["default_us"])
     DOC.setdefault("summary", {})[tag] = summ
+    # the default as the runtime runs it: q~ computed beforehand (the mla_absorb node, overlapped with the indexer on
+    # the runtime's side stream), the attention's own bytes (no W_UK), results equal to the whole launcher's
+    dflt = configs(T)[0][1]
+    qa_bytes = T * 2048 * (576 + 8) + T * 12 * (512 * 2 + 64 * 2 + 512 * 2 + 4)
+    same = check(f"{tag}_default_q_absorbed_equals_launcher", lambda: {"ok": all(
+        torch.equal(a, b) for a, b in zip(_call(sets[0], dflt, absorbed=True)(), _call(sets[0], dflt)()))})
+    m = measure(tag, "default_q_absorbed", dflt, [], qa_bytes,
+                calls=[_call(d, dflt, absorbed=True) for d in sets])
+    if m:
+        m["checked_ok"] = bool(same and same["ok"])
+        summ["default_q_absorbed_us"] = m["median_us"]
+        summ["default_q_absorbed_frac"] = m.get("frac_of_measured_bw")
     for name, cfg in configs(T):   # graph replay == eager bitwise (PDL on) for every config that was timed
         if name in res:
             g = check(f"{tag}_{name}_graph_vs_eager", lambda: graph_vs_eager(_call(sets[0], cfg)))
@@ -210,6 +227,34 @@ def section(T):
             m = measure(tag, f"{name}_l2_resident_rows", cfg, [l2] * len(sets), nbytes)
             if m:
                 summ[f"{name}_l2_resident_us"] = m["median_us"]
+    del sets
+    torch.cuda.empty_cache()
+
+
+GATHER = [dict(pieces=4, R=32, warps=4, stages=3), dict(pieces=4, R=64, warps=4, stages=3),
+          dict(pieces=8, R=32, warps=4, stages=3), dict(pieces=16, R=32, warps=4, stages=2),
+          dict(pieces=2, R=64, warps=8, stages=4), dict(pieces=4, R=64, warps=8, stages=3),
+          dict(pieces=8, R=64, warps=8, stages=2), dict(pieces=16, R=64, warps=4, stages=2)]
+
+
+def gather_section(T):
+    """--gather: the ceiling of the access pattern (`_gather_ceiling.gather_xor`: the selected rows' bytes read and
+    xor-reduced, nothing else) over the same input sets, against the sequential-read floor; each variant checked against
+    numpy's xor first."""
+    from _gather_ceiling import gather_xor, reference_xor
+    tag = f"b{T}_gather"
+    sets = [_set(T, 100 + i) for i in range(SETS.get(T, 4))]
+    nbytes = T * 2048 * 576
+    for g in GATHER:
+        name = "p{pieces}_r{R}_w{warps}_s{stages}".format(**g)
+        d = sets[0]
+        ok = check(f"{tag}_{name}_vs_torch", lambda: {"ok": bool(torch.equal(
+            gather_xor(d["pool"], d["rows"], **g)(), reference_xor(d["pool"], d["rows"], g["pieces"])))})
+        m = measure(tag, name, g, [], nbytes, calls=[gather_xor(x["pool"], x["rows"], **g) for x in sets])
+        if m:
+            m["checked_ok"] = bool(ok and ok["ok"])
+    flat = [x["pool"].view(-1)[:nbytes].view(torch.float32) for x in sets]
+    measure(tag, "sequential_read_same_bytes", {}, [], nbytes, calls=[lambda f=f: f.sum() for f in flat])
     del sets
     torch.cuda.empty_cache()
 
@@ -273,6 +318,8 @@ def main():
         if ONLY and str(T) not in ONLY:
             continue
         try:
+            if "--gather" in sys.argv:
+                gather_section(T)
             section(T)
         except Exception as e:  # noqa: BLE001
             DOC["errors"].append(f"b{T}: {e!r}\n{traceback.format_exc()[-1500:]}")

@@ -31,6 +31,7 @@ _SM90_BUILD = textwrap.dedent("""
     import torch, triton
     from triton.backends.compiler import GPUTarget
     from codegen.aot.record import Recorder
+    from codegen.triton import mla_sparse
     from codegen.triton.mla_sparse import heuristic, sparse_latent_attention
     target = GPUTarget("cuda", 90, 32)
     T, H, KV, DR, L = 2, 12, 512, 64, 2048    # CPU tensors stand in for CUDA ones (nothing is launched)
@@ -40,7 +41,10 @@ _SM90_BUILD = textwrap.dedent("""
     sel = torch.randint(0, 64, (T, L))
     key = {"H": H, "L": 2048, "KV": KV, "fmt": 1, "sparse": 1, "bi": 0}
     with Recorder(target) as rec:     # the batch-64 and batch-8 defaults (3 stages, pieces merged in the launch / 2)
-        for cfg in (heuristic(dict(key, T=64), "h200"), heuristic(dict(key, T=8), "h200")):
+        base = mla_sparse.FOLD_PIECES
+        for cfg, limit in ((heuristic(dict(key, T=64), "h200"), base), (heuristic(dict(key, T=8), "h200"), base),
+                           (dict(heuristic(dict(key, T=1), "h200"), CHUNK=64, FOLD=1), 32)):
+            mla_sparse.FOLD_PIECES = limit    # 32: the third build only, a merge of 32 pieces (the launcher's is lower)
             sparse_latent_attention(q, qp, pool, torch.full((T,), L - 1), None, 0.1, sel, latent_format="fp8",
                                     latent_scale=0.5, config=cfg, block_size=64, out_dtype=torch.bfloat16)
     seen = []
@@ -84,13 +88,16 @@ def test_orient3_launch_binds_and_compiles_async_for_sm90(tr36):
     wgmmas a step (kv / 32 and dr / 32 K steps of the concatenated query, N = 32) and 32 fp16 value wgmmas with A in
     registers (4 column groups x 2 M blocks x 4 K steps), one wait for each in the loop and not serialised by ptxas
     (the SASS has no wait after each wgmma), no spill; the rows by cp.async (16 B: a thread's share of 64 rows of 576
-    bytes, per row buffer filled); one PDL wait; FOLD: the arrival counter taken acq_rel and reset (one atomic each)."""
+    bytes, per row buffer filled); one PDL wait; FOLD: the arrival counter taken acq_rel and reset (one atomic each).
+    A third build merges 32 pieces (batch 1, CHUNK 64; allowed here only) without a spill: the merge tile's layout
+    follows its column count (`_mla_gluon.layouts`; a fixed one held 8x the registers there and spilled)."""
     skip_without_triton36(tr36)
     seen = _build(f"{TR36}:{ROOT}" if tr36 else None)
-    assert len(seen) == 2, seen
-    for r, stages, fold in zip(seen, (3, 2), (True, False)):
+    assert sorted((r["stages"], r["fold"]) for r in seen) == [(2, False), (2, True), (3, True)], seen
+    for r in seen:
+        stages, fold = r["stages"], r["fold"]
         assert r["triton"].startswith("3.6" if tr36 else "3.7"), r
-        assert r["stages"] == stages and r["fold"] == fold and r["atomics"] == [int(fold)] * 2, r
+        assert r["atomics"] == [int(fold)] * 2, r
         assert r["wgmma"] == 50 and r["wgmma_wait"] == 2 and r["sass_wait"] == 2 and r["local"] == 0, r
         assert r["cp_async"] == stages * (64 * 576 // 16) // 128, r
         assert r["num_warps"] == 4 and r["pdl"] == 1 and r["launch_pdl"], r

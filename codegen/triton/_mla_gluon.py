@@ -60,15 +60,31 @@ partials stored 4 bytes a thread over four heads' rows; now relabelled to column
 `_store_o`); the loop's 69%: issue (selected 30%), fixed-latency waits (28%), the wgmma waits (12%). Kernel 36.35 ->
 32.86 us (ncu). MEMBAR.ALL.CTA (the proxy fences) shows ~1% of the samples: it does not wait for the cp.async copies in
 flight. The combine launch (5.7 us at batch 64) is folded into the kernel where a token has 2-4 pieces (FOLD,
-`_merge_pieces`: the last piece to arrive merges; a first form loading a piece at a time in a runtime loop added 7 us,
-dependent L2 round trips; a token's 32 pieces at batch 1: 453 us, hence FOLD_PIECES). Whole launcher at batch 64
-(bench_mla_b64.py, 4 input sets a graph): 37.2 us = 49.7% of read bandwidth (previous form and split 39.5).
+`_merge_pieces`: the last piece to arrive merges; a first form loading a piece at a time in a runtime loop added 7
+us, dependent L2 round trips; a token's 32 pieces at batch 1: 453 us, a spilling layout, see session 22). Whole
+launcher at batch 64 (bench_mla_b64.py, 4 input sets a graph): 37.2 us = 49.7% of read bandwidth (previous form and
+split 39.5).
 Measured and removed: `prefetch.global.L2` (CCTL.E.PF2) of the step one or two past the ring's last (4 a thread a
 step: a line at every 128 bytes of the rows), to stand in for a deeper ring: batch 64 CHUNK 1024 / 3 stages 48.2-52.3
 us vs 37.1-38.5, CHUNK 512 / 2 stages 51.1-52.4 (two ahead 61.0-63.6) vs 36.6-38.7; batch 32 34.5 vs 25.3; batch 8
 20.7 vs 16.3 (benches/results/h200-2026-12-01-s21/mla_l2_prefetch.json).
+H200 2026-12-01 (session 22; benches/mla_ablation.py: the kernel with parts taken out; bench_mla_b64.py --gather;
+benches/results/h200-2026-12-01-s22): at batch 64 the loop runs at the access pattern's ceiling. Steps 2-16 take 1.49
+us each with the rows in HBM and 1.48 with them L2-resident (4.72 MB a step over the GPU: 72% of read bandwidth),
+and a kernel that only reads the same rows (`_gather_ceiling.py`) reaches 74.5% at best (65.7% to 74.5% over grid
+shapes): compute and the gather are balanced, so neither alone shortens the loop (without the value dots: 34.1-34.4 us
+from HBM vs 37.2-37.4, 25.3-25.9 L2-resident). What separates the launcher from 60% is fixed latency, ~14 us of its
+37.3: the absorption launch (3.2-3.8 us; the runtime runs it on its side stream beside the indexer: the attention alone
+is 34.5 us = 51.2%), the pieces' merge after the last piece's stores and arrival (1.9-2.3 us; three column tiles in
+flight instead of one: no change), and the prologue (row table, first rows from HBM) with the epilogue and the launch
+boundaries. Two programs an SM (CHUNK 512, 2 stages) run the no-gather, no-dot skeleton in the same time as one:
+latency, not issue. FOLD's merge tile now takes its layout from its column count (`layouts`): 8-32 pieces no longer
+spill (batch 1, 32 pieces: 42.3 us, was 453), but one program reading every partial stays slower than the combine
+launch there (10.1 us), hence FOLD_PIECES 4.
 Not tried: a producer warp for the gathers (warp specialisation), TMA gathers of single rows, the logits' A operand
-from registers too (the rows would then leave shared memory once a step, by the loads the values already make).
+from registers too (the rows would then leave shared memory once a step, by the loads the values already make); the two
+pieces of a token as a cluster of two CTAs merging through distributed shared memory (no stores, fence and atomic
+before the merge: the ~2 us the merge costs).
 """
 
 from __future__ import annotations
@@ -89,12 +105,21 @@ _barrier = getattr(gl, "barrier", None) or gl.thread_barrier      # Triton 3.7 /
 _LN2 = gl.constexpr(0.6931471805599453)
 
 
-def layouts(kv: int, dr: int, bh: int, bn: int = 64) -> dict:
+def merge_cols(kv: int, np_: int, bh: int) -> int:
+    """FOLD's merge: the columns of a [np_ pieces, bh heads, CW] partial tile (64 fp32 registers a thread)."""
+    return min(kv, 8192 // (np_ * bh))
+
+
+def layouts(kv: int, dr: int, bh: int, bn: int = 64, np_: int = 1) -> dict:
     """The kernel's constexpr layouts (one warpgroup): the wgmma accumulators (MMA8C: fp8 logits [bn, 2 bh] of the
     concatenated query, MMA8: their folded [bn, bh], MMA: the fp16 value groups [kv / 4, bh]; the same registers per
     head, so per-head vectors move between them for free), the 16-byte copy layout (a thread's chunks in bn / 32 rows:
-    few row offsets to hold), the value operand's register layout (LX, `_rows_layout`), and the NVMMA shared layouts
-    (the query as [2 bh, width], P as [bh, bn]: K-major B operands)."""
+    few row offsets to hold), the value operand's register layout (LX, `_rows_layout`), the NVMMA shared layouts
+    (the query as [2 bh, width], P as [bh, bn]: K-major B operands), and FOLD's merge tile [np_, bh, CW] (M3: a lane's
+    4 columns, the lanes over CW / 4 columns and the rest over pieces, so that no lane holds a copy of another's
+    elements; with the lanes over 128 columns whatever CW, 8 to 32 pieces held 2-8x the registers and spilled: a
+    token's 32 pieces at batch 1 took 453 us, session 21)."""
+    lc = min(32, merge_cols(kv, np_, bh) // 4)
     return dict(
         MMA=gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, bh, 16]),
         MMA8=gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, bh, 32]),
@@ -110,7 +135,7 @@ def layouts(kv: int, dr: int, bh: int, bn: int = 64) -> dict:
         PS=gl.NVMMASharedLayout.get_default_for([bh, bn], gl.float16),
         LX=_rows_layout(kv // 4, bn),
         ML=gl.BlockedLayout([1, 1], [32, 1], [4, 1], [1, 0]),
-        M3=gl.BlockedLayout([1, 1, 4], [1, 1, 32], [1, 4, 1], [2, 1, 0]))
+        M3=gl.BlockedLayout([1, 1, 4], [32 // lc, 1, lc], [1, 4, 1], [2, 1, 0]))
 
 
 def _rows_layout(kg: int, bn: int):
@@ -257,9 +282,11 @@ def _merge_pieces(po_ptr, plse_ptr, o_ptr, lse_ptr, t, H, NS: gl.constexpr, NP: 
     order, whichever program arrives last): m = max_i lse_i, o~ = sum_i e^(lse_i - m) o~_i / sum_i e^(lse_i - m),
     lse = m + log sum_i e^(lse_i - m) (-inf, o~ 0 for a token with no rows); o~ stored in o_ptr's dtype. The pieces'
     lse in one load and their partials as [NS, BLOCK_H, CW] column tiles, every load independent of the others (a
-    load a piece in a runtime loop made a chain of dependent L2 round trips: +7 us at NS 2, H200)."""
+    load a piece in a runtime loop made a chain of dependent L2 round trips: +7 us at NS 2, H200); the next tile in
+    flight while one is summed (three in flight, session 22: batch 64 37.06-37.91 us vs 36.85-37.10, batch 32
+    25.25-25.76 vs 25.62-26.01, 4 rounds each: not kept)."""
     HL: gl.constexpr = gl.SliceLayout(1, ML)
-    CW: gl.constexpr = min(KV, 8192 // (NP * BLOCK_H))    # columns a tile: 64 registers of partials a thread
+    CW: gl.constexpr = min(KV, 8192 // (NP * BLOCK_H))    # merge_cols: 64 registers of partials a thread
     h = gl.program_id(1) * BLOCK_H + gl.arange(0, BLOCK_H, layout=HL)
     hm = h < H
     row = t.to(gl.int64) * H + h
@@ -422,9 +449,9 @@ def launch(grid, qa, qp, lat, sel, tbl, req, MB, po, plse, H, KSEL, NSPLIT, CHUN
     if STAGES < 2:
         raise ValueError(f"mla ORIENT 3: STAGES {STAGES} must be >= 2")
     fo, flse, cnt = fold if fold is not None else (po, plse, plse)
+    np_ = triton.next_power_of_2(NSPLIT) if fold else 1
     _mla_gluon_kernel[grid](qa, qp, lat, sel, tbl, req, MB, po, plse, fo, flse, cnt, H, KSEL, NSPLIT, sb, sr,
-                            qk_scale, v_scale, pe_scale, FOLD=fold is not None, NS=NSPLIT if fold else 1,
-                            NP=triton.next_power_of_2(NSPLIT) if fold else 1, CHUNK=CHUNK, KV=KV, DR=DR,
-                            BLOCK_H=BLOCK_H, BLOCK_N=64, STAGES=STAGES, PAGED=PAGED, LOG_BS=LOG_BS,
-                            ROWS=triton.next_power_of_2(CHUNK // 64), num_warps=4, **layouts(KV, DR, BLOCK_H),
-                            **launch_kw)
+                            qk_scale, v_scale, pe_scale, FOLD=fold is not None, NS=NSPLIT if fold else 1, NP=np_,
+                            CHUNK=CHUNK, KV=KV, DR=DR, BLOCK_H=BLOCK_H, BLOCK_N=64, STAGES=STAGES, PAGED=PAGED,
+                            LOG_BS=LOG_BS, ROWS=triton.next_power_of_2(CHUNK // 64), num_warps=4,
+                            **layouts(KV, DR, BLOCK_H, np_=np_), **launch_kw)

@@ -77,6 +77,14 @@ UP_VARIANTS = {}
 GG = os.environ.get("MOE_BENCH_T64_GG", "0") == "1"
 if GG:
     UP_VARIANTS["gluon_t64"] = dict(mc.GLUON_T64)
+# MOE_BENCH_T64_RING=1: the gate-up's words through a TMA ring (GGT stages, one warp a program: _moe_gate_up_ring.py)
+# beside the register form on one warp (its control: the same tiling, h bitwise equal, `ring_equal_check`)
+RING = os.environ.get("MOE_BENCH_T64_RING", "0") == "1"
+if RING:
+    UP_VARIANTS.update({"w1_register": {"GG": 1, "GGW": 1}, "ring_s4": {"GG": 1, "GGW": 1, "GGT": 4},
+                        "ring_s6": {"GG": 1, "GGW": 1, "GGT": 6}, "ring_s3": {"GG": 1, "GGW": 1, "GGT": 3},
+                        "ring_s4_r168": {"GG": 1, "GGW": 1, "GGT": 4, "GGR": 168},
+                        "ring_s8_r96": {"GG": 1, "GGW": 1, "GGT": 8, "GGR": 96}})
 # down variants. Session 10 (down alone, ms): session 8's BN2 128 / cap 168 (165 regs) 0.352; BN2 64 at a 96 cap
 # (the new heuristic: 10 programs an SM) 0.341; BN2 128 uncapped 0.354, cap 128 0.352, 6 stages 0.398, 4-warp
 # wgmma 0.396; KU2 4 / 2 stages 0.346, KU2 2 / 3 stages 0.347. Session 12 (baseline 0.3435, its down kernel at the
@@ -162,6 +170,17 @@ def run_variant(name, cfg, case, part, bitwise=False) -> dict | None:
         return None
     return record(f"t64_{name}_part_{'_'.join(part)}", t, whole_ms=round(res[0], 5), config=cfg,
                   kernels=kernel_stats(before) if DEV == "cuda" else None, timing="cuda graph, distinct routings")
+
+
+def ring_equal_check(case, base):
+    """The ring gate-up (each GGT variant) against the register form on the same tiling (one warp, MT, NWT, BN):
+    the whole op's output bitwise equal (same mma sequence, only where the words wait differs)."""
+    z, w, ids = case[0][0]
+    ref = gg.moe_experts(z, w, ids, W["w1"], W["w2"], W["w3"], "situ", B1, B2, {**base, **UP_VARIANTS["w1_register"]})
+    for n, v in UP_VARIANTS.items():
+        if v.get("GGT"):
+            out = gg.moe_experts(z, w, ids, W["w1"], W["w2"], W["w3"], "situ", B1, B2, {**base, **v})
+            DOC.setdefault("t64_ring_equal", {})[n] = bool(torch.equal(out, ref)) and not bool(torch.isnan(out).any())
 
 
 # ------------------------------------------------------------------------------ read-pattern probe
@@ -340,6 +359,8 @@ def t64_sweep():
             parts["best_up_only"] = {**base, **UP_VARIANTS[bu["name"].split("_part_")[0][4:]]}
         l2_fetch_check(parts, case, n_tiles, live)
     decode_variant(T64, K64, "t64_heuristic_again", base, case)     # the run's spread: the baseline timed twice
+    if RING:
+        ring_equal_check(case, base)
     wide_scales_check(case, best, "best")
     gluon_ups = [n for n, c in UP_VARIANTS.items() if c.get("GG")]     # Gluon gate-ups: skewed routing, wide scales
     gluon_ups += [n for n, c in DOWN_VARIANTS.items() if c.get("GD") and f"t64_{n}_part_down" in

@@ -16,6 +16,7 @@ their numbers, are in the comments above them.
     MOE_BENCH_T64_PROBES=0: skip the read-pattern probe and the L2 fetch-granularity check (session 12's figures)
     MOE_BENCH_T64_GG=1: also the Gluon gate-up (_moe_configs.GLUON_T64), at 128-byte L2 fetches too
     MOE_BENCH_T64_PATTERN=0: no read-pattern probe (the whole op at 128-byte L2 fetches still runs, PROBES=1)
+    MOE_BENCH_T64_ABLATE=1: the Gluon kernels with parts taken out, each alone (_moe_ablation.py)
 Every config also runs a skewed routing (expert 0 in every token) against the float64 reference (`skew_check`).
 """
 
@@ -77,14 +78,18 @@ UP_VARIANTS = {}
 GG = os.environ.get("MOE_BENCH_T64_GG", "0") == "1"
 if GG:
     UP_VARIANTS["gluon_t64"] = dict(mc.GLUON_T64)
-# MOE_BENCH_T64_RING=1: the gate-up's words through a TMA ring (GGT stages, one warp a program: _moe_gate_up_ring.py)
-# beside the register form on one warp (its control: the same tiling, h bitwise equal, `ring_equal_check`)
-RING = os.environ.get("MOE_BENCH_T64_RING", "0") == "1"
-if RING:
-    UP_VARIANTS.update({"w1_register": {"GG": 1, "GGW": 1}, "ring_s4": {"GG": 1, "GGW": 1, "GGT": 4},
-                        "ring_s6": {"GG": 1, "GGW": 1, "GGT": 6}, "ring_s3": {"GG": 1, "GGW": 1, "GGT": 3},
-                        "ring_s4_r168": {"GG": 1, "GGW": 1, "GGT": 4, "GGR": 168},
-                        "ring_s8_r96": {"GG": 1, "GGW": 1, "GGT": 8, "GGR": 96}})
+# Session 23 (h200-2026-12-02-s23/moe_t64_ring.json; GLUON_T64 gate-up 0.551 [0.864 / 0.856]): the weight words
+# through a TMA ring in shared memory instead of registers (commit 8566831's _moe_gate_up_ring.py, config GGT: one warp
+# a program, one mbarrier a slot, the slot refilled right after its words are read, no CTA barrier in the loop; whole
+# op bitwise equal to the register form on one warp, 0.568 [0.877]): 3 slots 0.729 [1.035], 4 slots 0.760 [1.081], at
+# a 168 cap 0.682 [0.987], 6 slots 0.943 [1.381], 8 at a 96 cap 1.214 [1.644]. The deeper the ring the slower: the
+# shared memory it takes comes out of L1, where every warp's B columns (2 bytes for each weight byte, 64% L1 hit
+# rate in session 21's ncu) are served. Removed.
+# MOE_BENCH_T64_WG=1: the gate-up on wgmma (GGX 1, _moe_gate_up_wgmma.py: 64 weight rows a warpgroup, A = the decoded
+# words in registers, B = the tile's activation columns through a ring of GGS slots in shared memory)
+if os.environ.get("MOE_BENCH_T64_WG", "0") == "1":
+    UP_VARIANTS.update({"wg_s3": {"GG": 1, "GGX": 1, "GGS": 3}, "wg_s2": {"GG": 1, "GGX": 1, "GGS": 2},
+                        "wg_s4": {"GG": 1, "GGX": 1, "GGS": 4}, "wg_s5": {"GG": 1, "GGX": 1, "GGS": 5}})
 # down variants. Session 10 (down alone, ms): session 8's BN2 128 / cap 168 (165 regs) 0.352; BN2 64 at a 96 cap
 # (the new heuristic: 10 programs an SM) 0.341; BN2 128 uncapped 0.354, cap 128 0.352, 6 stages 0.398, 4-warp
 # wgmma 0.396; KU2 4 / 2 stages 0.346, KU2 2 / 3 stages 0.347. Session 12 (baseline 0.3435, its down kernel at the
@@ -118,7 +123,7 @@ def _grouped_compiled() -> dict:
     """{(kernel, key): CompiledKernel} of the grouped gate-up / down kernels compiled so far (CUDA)."""
     out = {}
     for fn in (gg._moe_gate_up_kernel, gg._moe_down_kernel, gg.gg_gluon._grouped_gate_up_kernel,
-               gg.gd_gluon._grouped_down_kernel):
+               gg.gd_gluon._grouped_down_kernel, gg.gg_wgmma._wg_gate_up_kernel):
         try:
             for dev_cache in getattr(fn, "device_caches", {}).values():
                 for key, kern in dev_cache[0].items():
@@ -170,17 +175,6 @@ def run_variant(name, cfg, case, part, bitwise=False) -> dict | None:
         return None
     return record(f"t64_{name}_part_{'_'.join(part)}", t, whole_ms=round(res[0], 5), config=cfg,
                   kernels=kernel_stats(before) if DEV == "cuda" else None, timing="cuda graph, distinct routings")
-
-
-def ring_equal_check(case, base):
-    """The ring gate-up (each GGT variant) against the register form on the same tiling (one warp, MT, NWT, BN):
-    the whole op's output bitwise equal (same mma sequence, only where the words wait differs)."""
-    z, w, ids = case[0][0]
-    ref = gg.moe_experts(z, w, ids, W["w1"], W["w2"], W["w3"], "situ", B1, B2, {**base, **UP_VARIANTS["w1_register"]})
-    for n, v in UP_VARIANTS.items():
-        if v.get("GGT"):
-            out = gg.moe_experts(z, w, ids, W["w1"], W["w2"], W["w3"], "situ", B1, B2, {**base, **v})
-            DOC.setdefault("t64_ring_equal", {})[n] = bool(torch.equal(out, ref)) and not bool(torch.isnan(out).any())
 
 
 # ------------------------------------------------------------------------------ read-pattern probe
@@ -329,6 +323,9 @@ def t64_sweep():
     except Exception as e:
         DOC["errors"].append({"section": "t64_heuristic_down", "error": f"{type(e).__name__}: {str(e)[:300]}"})
     decode_variant(T64, K64, "t64_heuristic_pdl_off", base, case, pdl=False)
+    if os.environ.get("MOE_BENCH_T64_ABLATE", "0") == "1":     # the kernels with parts taken out (_moe_ablation.py)
+        from _moe_ablation import t64_ablation
+        t64_ablation(base, case, _parts, _grouped_compiled, kernel_stats)
     seg = mr.permute_tokens(case[0][0][2], E)
     n_tiles = int(((seg.counts + base["BM"] - 1) // base["BM"]).sum())
     live = int((seg.counts > 0).sum())
@@ -359,8 +356,6 @@ def t64_sweep():
             parts["best_up_only"] = {**base, **UP_VARIANTS[bu["name"].split("_part_")[0][4:]]}
         l2_fetch_check(parts, case, n_tiles, live)
     decode_variant(T64, K64, "t64_heuristic_again", base, case)     # the run's spread: the baseline timed twice
-    if RING:
-        ring_equal_check(case, base)
     wide_scales_check(case, best, "best")
     gluon_ups = [n for n, c in UP_VARIANTS.items() if c.get("GG")]     # Gluon gate-ups: skewed routing, wide scales
     gluon_ups += [n for n, c in DOWN_VARIANTS.items() if c.get("GD") and f"t64_{n}_part_down" in

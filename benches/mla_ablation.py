@@ -16,17 +16,16 @@ One JSON document in $OUT/mla_ablation.json.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
-import tempfile
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+from benches._ablate import AblatedLaunch, ablated_module, guard  # noqa: E402
 from benches._report import graph_ms  # noqa: E402
 from _attention_checks import mla_call, mla_set  # noqa: E402
 
@@ -42,21 +41,15 @@ _VALUE = """        a0 = _value_dot(xb, 0, pb, a0, al, LX, MMA)
         a0, a1, a2, a3 = warpgroup_mma_wait(0, deps=[a0, a1, a2, a3])"""
 
 
-def _guard(block: str, bit: int, other: str = "pass") -> str:
-    """`block` (8-space indented) run only when ABL lacks `bit`, else `other`."""
-    body = "\n".join("    " + line for line in block.splitlines())
-    return f"        if ABL & {bit} == 0:\n{body}\n        else:\n            {other}"
-
-
 EDITS = {   # name: (text in the module, its replacement)
     "ABL parameter": ("PS: gl.constexpr, LX: gl.constexpr):",
                       "PS: gl.constexpr, LX: gl.constexpr, ABL: gl.constexpr = 0):"),
     "one step (8)": ("    n = gl.cdiv(end - start, BLOCK_N)\n",
                      "    n = gl.cdiv(end - start, BLOCK_N)\n    if ABL & 8:\n        n = 1\n"),
-    "loop gathers (2)": (_LOOP_GATHER, _guard(_LOOP_GATHER, 2, "cp.commit_group()")),
-    "logits (4)": (_LOGITS, _guard(_LOGITS, 4)),
+    "loop gathers (2)": (_LOOP_GATHER, guard(_LOOP_GATHER, 2, "cp.commit_group()")),
+    "logits (4)": (_LOGITS, guard(_LOGITS, 4)),
     "row max (16)": ("        m_new = gl.maximum(m_i, gl.max(s, axis=0))",
-                     _guard("        m_new = gl.maximum(m_i, gl.max(s, axis=0))", 16, "m_new = m_i")),
+                     guard("        m_new = gl.maximum(m_i, gl.max(s, axis=0))", 16, "m_new = m_i")),
     "P store (32)": ("""        ps.store(gl.permute(p.to(gl.float16), (1, 0)))
         al = gl.expand_dims(gl.convert_layout(alpha, HV), 0)
         fence_async_shared()
@@ -66,27 +59,10 @@ EDITS = {   # name: (text in the module, its replacement)
         if ABL & 32 == 0:
             fence_async_shared()
             _barrier()"""),
-    "value (1)": (_VALUE, _guard(_VALUE, 1, "a0 = a0 * al")),
+    "value (1)": (_VALUE, guard(_VALUE, 1, "a0 = a0 * al")),
     "merge (64)": ("    if FOLD:\n        _barrier()", "    if FOLD and ABL & 64 == 0:\n        _barrier()"),
     "absolute import": ("from ._pdl import pdl_enter", "from codegen.triton._pdl import pdl_enter"),
 }
-
-
-def ablated_module():
-    """The module's source with EDITS applied, imported from a temporary file."""
-    from codegen.triton import _mla_gluon
-    src = open(_mla_gluon.__file__).read()
-    for name, (old, new) in EDITS.items():
-        if src.count(old) != 1:
-            raise SystemExit(f"mla_ablation: edit {name!r} finds its text {src.count(old)} times in "
-                             f"{_mla_gluon.__file__} (expected once): update EDITS to the kernel")
-        src = src.replace(old, new)
-    path = os.path.join(tempfile.mkdtemp(prefix="mla_ablation_"), "_mla_gluon_ablated.py")
-    open(path, "w").write(src)
-    spec = importlib.util.spec_from_file_location("_mla_gluon_ablated", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def main():
@@ -95,13 +71,8 @@ def main():
     rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 2
     abls = [int(a) for a in (sys.argv[sys.argv.index("--abl") + 1].split(",") if "--abl" in sys.argv else
                              "0,8,15,79,7,23,39,55,71,64,1,17,33,5,4".split(","))]
-    mod, cur = ablated_module(), {"ABL": 0}
-
-    class _Kernel:   # the launcher's kernel, with the current ABL bits
-        def __getitem__(self, grid):
-            return lambda *a, **kw: mla_abl_kernel[grid](*a, ABL=cur["ABL"], **kw)
-    mla_abl_kernel = mod._mla_gluon_kernel
-    _mla_gluon._mla_gluon_kernel = _Kernel()
+    launch = AblatedLaunch(ablated_module(_mla_gluon, EDITS, "mla_ablation")._mla_gluon_kernel)
+    _mla_gluon._mla_gluon_kernel = launch     # the launcher's kernel, with the current ABL bits
     import triton
     doc = {"bench": "mla_ablation", "command": " ".join([sys.executable] + sys.argv), "measurements": [],
            "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}}
@@ -117,7 +88,7 @@ def main():
         for name, cfg in (("c1024_s3", dict(o3, CHUNK=1024, num_stages=3)),
                           ("c512_s2", dict(o3, CHUNK=512, num_stages=2))):
             for abl in abls:
-                cur["ABL"] = abl
+                launch.abl = abl
                 for rows, ss in (("hbm", sets), ("l2", l2)):
                     if rows == "l2" and abl & 2:     # no loop gathers: the rows' home does not matter
                         continue

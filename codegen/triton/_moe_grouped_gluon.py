@@ -108,14 +108,20 @@ def layouts(w: int, mt: int, nwt: int, bn: int) -> dict:
 
 
 @gluon.jit
-def _a_mul(w, s, A4: gl.constexpr, DA: gl.constexpr, M: gl.constexpr, NWT: gl.constexpr, WIDE: gl.constexpr):
-    """`_moe_gemv_gluon._a_operand` (same factor, operand and K permutation) with the DEC 1 word decode."""
+def _a_mul(w, s, A4: gl.constexpr, DA: gl.constexpr, M: gl.constexpr, NWT: gl.constexpr, WIDE: gl.constexpr,
+          WG: gl.constexpr = 0):
+    """`_moe_gemv_gluon._a_operand` (same factor, operand and K permutation) with the DEC 1 word decode. WG: the
+    operand of a wgmma with A in registers (DA: k_width 2 over a version-3 MMA layout) instead of mma.sync's; the
+    same registers, labelled k = 32j + 16c1 + 8c0 + 2t + a for code pair c = 2c1 + c0, half a, word NWT·t + j
+    (`_moe_gate_up_wgmma.logical_columns`), so that no value moves."""
     f = (s.to(gl.int32) + (0 if WIDE else 126)) * 0x00800080       # bf16x2 2^(s-127) | 2^(s-1)
     shape = gl.zeros([M, NWT, 4, 8], gl.int32, A4)
     w4, shape = gl.broadcast(gl.expand_dims(w, 3), shape)
     f4, shape = gl.broadcast(gl.expand_dims(gl.expand_dims(f, 1), 3), shape)
     v = gl.inline_asm_elementwise(WORD_MUL_ASM_WIDE if WIDE else WORD_MUL_ASM, "=r,=r,=r,=r," + "r," * 15 + "r",
                                   [w4, f4], dtype=gl.bfloat16, is_pure=True, pack=8)
+    if WG:
+        v = gl.permute(gl.reshape(v, [M, NWT, 4, 2, 2, 2]), (0, 1, 3, 4, 2, 5))      # (j, t, c1, c0, a) -> (j, c1, c0, t, a)
     return gl.convert_layout(gl.reshape(v, [M, 32 * NWT]), DA)
 
 

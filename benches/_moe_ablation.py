@@ -44,14 +44,16 @@ _GU_STEP = """    b = _z_operand(x, ZL, DB, NWT, BN)
         return (mma_v2(_a_mul(w1, s1, A4, DA, M, NWT, WIDE), b, acc1),
                 mma_v2(_a_mul(w3, s3, A4, DA, M, NWT, WIDE), b, acc3))"""
 GATE_UP_EDITS = {
-    "_a_mul RAW parameter": ("          WG: gl.constexpr = 0):", "          WG: gl.constexpr = 0, RAW: gl.constexpr = 0):"),
+    "_a_mul RAW parameter": ("NWT: gl.constexpr, WIDE: gl.constexpr):\n    \"\"\"`_moe_gemv_gluon._a_operand`",
+                             "NWT: gl.constexpr, WIDE: gl.constexpr,\n          RAW: gl.constexpr = 0):\n"
+                             "    \"\"\"`_moe_gemv_gluon._a_operand`"),
     "_a_mul RAW asm (8)": ("v = gl.inline_asm_elementwise(WORD_MUL_ASM_WIDE if WIDE else WORD_MUL_ASM,",
                            "v = gl.inline_asm_elementwise(RAW_ASM if RAW else WORD_MUL_ASM_WIDE if WIDE else "
                            "WORD_MUL_ASM,"),
     "RAW_ASM": ("\n\ndef layouts(", "\n\n" + RAW + "\n\ndef layouts("),
     "_gu_step ABL": ("DB: gl.constexpr):\n    \"\"\"GGU: one K step", "DB: gl.constexpr, ABL: gl.constexpr = 0):\n"
                      "    \"\"\"GGU: one K step"),
-    "_gu_step decode": (_GU_STEP, _GU_STEP.replace("NWT, WIDE)", "NWT, WIDE, 0, ABL & 8)")),
+    "_gu_step decode": (_GU_STEP, _GU_STEP.replace("NWT, WIDE)", "NWT, WIDE, ABL & 8)")),
     "kernel ABL": ("GU: gl.constexpr = 0, ZL: gl.constexpr = None):",
                    "GU: gl.constexpr = 0, ZL: gl.constexpr = None, ABL: gl.constexpr = 0):"),
     "step a": ("_gu_step(acc1, acc3, w1a, w3a, s1a, s3a, xa, DEC, WIDE, M, NWT, BN, A4, ZL, DA, DB)",
@@ -73,7 +75,7 @@ DOWN_EDITS = {
                            "import _a_mul,"),
     "_step ABL": ("DB: gl.constexpr):\n    \"\"\"acc += (a K step's", "DB: gl.constexpr, ABL: gl.constexpr = 0):\n"
                   "    \"\"\"acc += (a K step's"),
-    "_step decode (8)": ("_a_mul(w, s, A4, DA, M, NWT, WIDE)", "_a_mul(w, s, A4, DA, M, NWT, WIDE, 0, ABL & 8)"),
+    "_step decode (8)": ("_a_mul(w, s, A4, DA, M, NWT, WIDE)", "_a_mul(w, s, A4, DA, M, NWT, WIDE, ABL & 8)"),
     "kernel ABL": ("HL: gl.constexpr):\n    \"\"\"o[pair_ids[pos], rows]", "HL: gl.constexpr, ABL: gl.constexpr = 0):\n"
                    "    \"\"\"o[pair_ids[pos], rows]"),
     "step a": ("acc = _step(acc, wa, sa, xa, WIDE, M, NWT, BN, A4, HL, DA, DB)",

@@ -85,11 +85,18 @@ if GG:
 # a 168 cap 0.682 [0.987], 6 slots 0.943 [1.381], 8 at a 96 cap 1.214 [1.644]. The deeper the ring the slower: the
 # shared memory it takes comes out of L1, where every warp's B columns (2 bytes for each weight byte, 64% L1 hit
 # rate in session 21's ncu) are served. Removed.
-# MOE_BENCH_T64_WG=1: the gate-up on wgmma (GGX 1, _moe_gate_up_wgmma.py: 64 weight rows a warpgroup, A = the decoded
-# words in registers, B = the tile's activation columns through a ring of GGS slots in shared memory)
-if os.environ.get("MOE_BENCH_T64_WG", "0") == "1":
-    UP_VARIANTS.update({"wg_s3": {"GG": 1, "GGX": 1, "GGS": 3}, "wg_s2": {"GG": 1, "GGX": 1, "GGS": 2},
-                        "wg_s4": {"GG": 1, "GGX": 1, "GGS": 4}, "wg_s5": {"GG": 1, "GGX": 1, "GGS": 5}})
+# Session 23, the gate-up on wgmma (commit b93b65e's _moe_gate_up_wgmma.py, config GGX; h200-2026-12-02-s23/
+# moe_t64_wgmma*.json; the heuristic's gate-up 0.547-0.559 in the same calls): 64 weight rows a warpgroup, the decoded
+# words as the wgmma's A in registers (`_a_mul` relabelled, no value moved; z's columns permuted to match by one gather
+# a launch), the tile's activation columns as B through a cp.async ring in shared memory (no L1 traffic, no PRMT), the
+# K loop at about half the register form's instructions. Words two steps ahead in registers, one step an iteration:
+# 0.627-0.661 (GGR 168 / 128 / uncapped, 3-4 slots); two steps an iteration 0.621 uncapped (167 regs), 0.634 S4 / 168,
+# 0.80 at a 128 cap (32 spills). Words through a TMA ring (one mbarrier a slot): S2 0.587, S3 0.585, S4 0.703, S5 0.691
+# (128 regs), S4 / 168 0.715. With the next step's operands decoded while this step's chains run (two operand sets,
+# wgmma_wait(2)): 250 registers (two programs an SM) S3 0.706, S4 0.826, S6 0.853; at a 168 cap ptxas serialises the
+# wgmmas (136 regs) 0.850. Every form within the fp32 reference's bf16 rounding (0.00234), graph == eager, skewed
+# routing and wide scales pass. A warpgroup serialises decode -> wgmma chain -> wait within a step, and the register
+# form's 16 independent warps hide that better; removed.
 # down variants. Session 10 (down alone, ms): session 8's BN2 128 / cap 168 (165 regs) 0.352; BN2 64 at a 96 cap
 # (the new heuristic: 10 programs an SM) 0.341; BN2 128 uncapped 0.354, cap 128 0.352, 6 stages 0.398, 4-warp
 # wgmma 0.396; KU2 4 / 2 stages 0.346, KU2 2 / 3 stages 0.347. Session 12 (baseline 0.3435, its down kernel at the
@@ -123,7 +130,7 @@ def _grouped_compiled() -> dict:
     """{(kernel, key): CompiledKernel} of the grouped gate-up / down kernels compiled so far (CUDA)."""
     out = {}
     for fn in (gg._moe_gate_up_kernel, gg._moe_down_kernel, gg.gg_gluon._grouped_gate_up_kernel,
-               gg.gd_gluon._grouped_down_kernel, gg.gg_wgmma._wg_gate_up_kernel):
+               gg.gd_gluon._grouped_down_kernel):
         try:
             for dev_cache in getattr(fn, "device_caches", {}).values():
                 for key, kern in dev_cache[0].items():

@@ -46,6 +46,16 @@ W4 x MT1 capped at 128 registers (no spills on the H200's Triton 3.6) 0.573 [0.8
 [0.929], uncapped (167) 0.585 [0.930]; its first two steps' words before the PDL wait 0.589 at 168 (no gain,
 removed). With the Gluon down kernel (GD): whole op 0.860 ms (47.0% of read bandwidth; PDL off 0.862, at 128-byte L2
 fetches 0.864), now GLUON_T64.
+Session 23 (benches/results/h200-2026-12-02-s23; benches/_moe_ablation.py rebuilds this kernel and the down kernel with
+parts taken out): the gate-up is not bound by HBM. With its weights read from a two-step window (L1 / L2-resident, the
+same loads and decode) it takes 0.501 of 0.590 ms uncapped (0.53 of 0.555 at the 128 cap); without the activation loads
+0.518, without the decode 0.524, without all three 0.243 (the skeleton: mma.sync, the word loads, the loop). The time is
+the instruction stream's: decode, activation path and skeleton share the issue slots. Measured and removed, both
+slower: the words through a TMA ring in shared memory, one warp a program (0.68-1.21 ms: the ring's shared memory
+comes out of the L1 that serves every warp's activation columns); the gate-up on wgmma with the decoded words as A in
+registers and the activation columns as B in shared memory (about half the instructions a K step; 0.585 at best with
+a TMA ring of words, 0.62-0.85 in other forms: a warpgroup serialises decode -> wgmma chain -> wait within a step, which
+16 independent mma.sync warps hide better). Numbers in benches/_moe_t64.py's variant comments.
 """
 from __future__ import annotations
 
@@ -108,20 +118,14 @@ def layouts(w: int, mt: int, nwt: int, bn: int) -> dict:
 
 
 @gluon.jit
-def _a_mul(w, s, A4: gl.constexpr, DA: gl.constexpr, M: gl.constexpr, NWT: gl.constexpr, WIDE: gl.constexpr,
-          WG: gl.constexpr = 0):
-    """`_moe_gemv_gluon._a_operand` (same factor, operand and K permutation) with the DEC 1 word decode. WG: the
-    operand of a wgmma with A in registers (DA: k_width 2 over a version-3 MMA layout) instead of mma.sync's; the
-    same registers, labelled k = 32j + 16c1 + 8c0 + 2t + a for code pair c = 2c1 + c0, half a, word NWT·t + j
-    (`_moe_gate_up_wgmma.logical_columns`), so that no value moves."""
+def _a_mul(w, s, A4: gl.constexpr, DA: gl.constexpr, M: gl.constexpr, NWT: gl.constexpr, WIDE: gl.constexpr):
+    """`_moe_gemv_gluon._a_operand` (same factor, operand and K permutation) with the DEC 1 word decode."""
     f = (s.to(gl.int32) + (0 if WIDE else 126)) * 0x00800080       # bf16x2 2^(s-127) | 2^(s-1)
     shape = gl.zeros([M, NWT, 4, 8], gl.int32, A4)
     w4, shape = gl.broadcast(gl.expand_dims(w, 3), shape)
     f4, shape = gl.broadcast(gl.expand_dims(gl.expand_dims(f, 1), 3), shape)
     v = gl.inline_asm_elementwise(WORD_MUL_ASM_WIDE if WIDE else WORD_MUL_ASM, "=r,=r,=r,=r," + "r," * 15 + "r",
                                   [w4, f4], dtype=gl.bfloat16, is_pure=True, pack=8)
-    if WG:
-        v = gl.permute(gl.reshape(v, [M, NWT, 4, 2, 2, 2]), (0, 1, 3, 4, 2, 5))      # (j, t, c1, c0, a) -> (j, c1, c0, t, a)
     return gl.convert_layout(gl.reshape(v, [M, 32 * NWT]), DA)
 
 

@@ -97,7 +97,7 @@ from codegen.triton._moe_host import (DEQ_MODES, _BYTE_DECODE, _TL, _fit_bk, _in
                                       _kernel_weight, _weight, max_tiles, scale_words, storage, target_cc)
 from codegen.triton._moe_gemv import gemv_experts, gemv_supported
 from codegen.triton._moe_gemv_gluon import GLUON_T1, GLUON_T1_DOWN, GLUON_T8
-from codegen.triton import _moe_down_gluon as gd_gluon, _moe_grouped_gluon as gg_gluon, _moe_gate_up_wgmma as gg_wgmma
+from codegen.triton import _moe_down_gluon as gd_gluon, _moe_grouped_gluon as gg_gluon
 from codegen.triton._moe_splits import _combine_splits_kernel, _glu_splits_kernel, combine_pairs  # noqa: F401
 from codegen.triton._moe_tiles import (MX_ASM16, MX_ASM16I, MX_BYTES16, _glu, _k_range, _load_bt, _locate_tile,
                                       _mma_step_t, _mma_step_tma, _top_scales, _swizzle)
@@ -302,9 +302,8 @@ def expert_pair_outputs(z: torch.Tensor, ids: torch.Tensor, w1, w2, w3, act: str
         a1, a3, sl = d1, d3, sl + 4
     ggu = gg_gluon.usable(z, w1, w3, cfg, split)        # config GG: the Gluon grouped gate-up (_moe_grouped_gluon)
     hp = gd_gluon.h_order(h, w2, cfg, split2) if ggu else 0     # config GD (_moe_down_gluon): h in its operand order
-    if up and ggu:      # config GGX: on wgmma (_moe_gate_up_wgmma), else the register form
-        (gg_wgmma if gg_wgmma.usable(z, w1, w3, cfg, split) else gg_gluon).gate_up(z, seg, w1, w3, h, glu, betas, cfg,
-                                                                                   hp)
+    if up and ggu:
+        gg_gluon.gate_up(z, seg, w1, w3, h, glu, betas, cfg, hp)
     else:
         _moe_gate_up_kernel[(n_tiles * triton.cdiv(inter, cfg["BN"]) * split * up,)](
             z, seg.pair_ids, seg.counts, seg.offsets, a1, a3, b1, b3, part, E, ell, inter, z.stride(0), *st1, *h_st,

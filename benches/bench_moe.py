@@ -40,29 +40,20 @@ import torch
 from _moe_common import (ACT, B1, B2, COMPILE_DEADLINE, D, DEV, DOC, E, ELL, EPS, INTER, K, LAYER_T,  # noqa: E402
                          PREFILL_DEADLINE, REPORT, SECTIONS, SHARED_I, T_DECODE, T_PREFILL, TINY, W, WIDE_SWEEP,
                          PackedMXFP4, _cfg, gg, graph_ms, mr, ms, mt, mx_bytes, pdl_mod, rand_mx, record, ref_experts,
-                         rel_err, routing, save, section, situ_glu, tl, to_bf16, triton)
+                         rel_err, routing, save, section, situ_glu, to_bf16, triton)
 from _moe_decode import (DECODE_SHAPES, DECODE_VARIANTS, GEMV_SWEEP, PREVIOUS, decode_case,  # noqa: E402
                          decode_parts, gemv_parts, decode_side_measurements, decode_variant, launch_floor, summarize_decode,
                          wide_check)
 from _moe_t64 import t64_sweep  # noqa: E402
+from _read_ceiling import read_fn  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------- ceilings
-@triton.jit
-def _read_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-    base = tl.program_id(0).to(tl.int64) * BLOCK * ITERS
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for i in range(ITERS):
-        acc += tl.load(x_ptr + base + i * BLOCK + tl.arange(0, BLOCK))
-    tl.store(out_ptr + tl.program_id(0), tl.sum(acc, 0))
-
-
 @section
 def ceilings():
     n = 1 << (16 if TINY else 30)
     x = torch.empty(n, device=DEV).uniform_()
-    part = torch.empty(n // (4096 * 16), device=DEV)
-    t_tr = ms(lambda: _read_kernel[(part.numel(),)](x, part, BLOCK=4096, ITERS=16, num_warps=8))
+    t_tr = ms(read_fn(x))
     t_sum = ms(lambda: x.sum())
     y = torch.empty_like(x)
     t_cp = ms(lambda: y.copy_(x))

@@ -8,7 +8,10 @@ expert keeps one full 3072 expert (a rank's TP share of 2 x 3072 would be 768; t
 it), so the rank preset reads a little more than a real rank does.
 
 Measured (one JSON document, stdout and $OUT/runtime_gpu.json, saved after every section):
-- bandwidth: a device-to-device copy (read + write bytes / time), the ceiling of the byte floor;
+- bandwidth: a device-to-device copy (read + write bytes / time), the ceiling of the byte floor, and the read
+  bandwidth (`_read_ceiling.py`: a kernel that only reads; session 23), the ceiling of the read floor: the step reads
+  ~100x what it writes, so `x_floor_read` (time / (bytes / read bandwidth)) is the stricter ratio, ~5-7% above
+  `x_floor` on the H200 (read 4.35-4.51 TB/s vs copy 4.13-4.29);
 - decode step time (runtime.decode, host work included) at batch 1, 8, 64 and context 8K / 32K, with
   and without CUDA graphs, against the step's byte floor = (weights read: every non-expert weight, one
   embedding row per token, the expected share 1 - (1 - k/E)^batch of routed experts; cache read: every
@@ -358,8 +361,10 @@ def main():
     @rep.section
     def bandwidth():
         if not cuda:
-            return doc["ceilings"].update(bandwidth_GBps=10.0)  # CPU logic check: a nominal ceiling
+            return doc["ceilings"].update(bandwidth_GBps=10.0, read_GBps=10.0)  # CPU logic check: nominal ceilings
+        from benches._read_ceiling import read_bandwidth_GBps
         doc["ceilings"]["bandwidth_GBps"] = copy_bandwidth_GBps(dev)
+        doc["ceilings"]["read_GBps"] = read_bandwidth_GBps(dev)
 
     @rep.section
     def build():
@@ -404,15 +409,19 @@ def main():
         for r in rt.requests.values():
             r.length = ctx - 4 * args.steps - 8
 
+    def floors(nbytes, ms):
+        """The step's byte floors (ms) under the copy and the read bandwidth, and `ms` over each."""
+        f, fr = (nbytes / (doc["ceilings"][k] * 1e9) * 1e3 for k in ("bandwidth_GBps", "read_GBps"))
+        return {"floor_ms": f, "x_floor": ms / f, "floor_read_ms": fr, "x_floor_read": ms / fr}
+
     def measure(name, rt, ctx, b, extra, steps=None):
         toks = {f"r{i}": (7 * i + 3) % cfg.vocab_size for i in range(b)}
         time_ms(lambda: rt.decode(toks), 2, dev)  # warm-up (kernel compilation, graph capture)
         ts = sorted(time_ms(lambda: rt.decode(toks), steps or args.steps, dev))
         reset(rt, ctx)
         by = step_bytes(rt, cfg, st["weights"], b, ctx)
-        floor_ms = by["total_bytes"] / (doc["ceilings"]["bandwidth_GBps"] * 1e9) * 1e3
         m = {"name": name, "context": ctx, "batch": b, "median_ms": ts[len(ts) // 2], "min_ms": ts[0], **by,
-             "floor_ms": floor_ms, "x_floor": ts[len(ts) // 2] / floor_ms, **extra}
+             **floors(by["total_bytes"], ts[len(ts) // 2]), **extra}
         doc["measurements"].append(m)
         print(json.dumps(m), flush=True)
         return m
@@ -1175,10 +1184,8 @@ def main():
             return
         ts = sorted(time_ms(lambda: fn(meta, rt.pools), args.steps, dev))
         by = step_bytes(rt, cfg, st["weights"], b, ctx)
-        floor_ms = by["total_bytes"] / (doc["ceilings"]["bandwidth_GBps"] * 1e9) * 1e3
         doc["measurements"].append({"name": "decode_torch_compile", "context": ctx, "batch": b, "mode": mode,
-                                    "median_ms": ts[len(ts) // 2], **by, "floor_ms": floor_ms,
-                                    "x_floor": ts[len(ts) // 2] / floor_ms})
+                                    "median_ms": ts[len(ts) // 2], **by, **floors(by["total_bytes"], ts[len(ts) // 2])})
 
     bandwidth()
     build()
@@ -1201,6 +1208,7 @@ def summary(doc):
     """Per (context, batch): the graphed step's ratio to its byte floor and each peer's time over it."""
     by = {(m["name"], m.get("context"), m.get("batch")): m for m in doc["measurements"] if "median_ms" in m}
     doc["summary"] = [{"context": c, "batch": b, "graphs_ms": m["median_ms"], "graphs_x_floor": m["x_floor"],
+                       "graphs_x_floor_read": m.get("x_floor_read"),
                        **{f"{p}_over_graphs": by[(p, c, b)]["median_ms"] / m["median_ms"] for p in
                           ("decode_compiled_eager", "decode_compiled_graphs_no_pdl", "decode_compiled_graphs_metadata_outside",
                            "decode_reference_eager", "decode_torch_compile") if (p, c, b) in by}}

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from benches._report import event_ms
+
 
 @triton.jit
 def _read_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
@@ -26,16 +28,8 @@ def read_fn(x: torch.Tensor, block: int = 4096, iters: int = 16):
 
 
 def read_bandwidth_GBps(device, nbytes: int = 1 << 31) -> float:
-    """Read bytes / time of `read_fn` over `nbytes`, the median of 6 timed by events after one warm-up (GPU)."""
+    """Read bytes / time of `read_fn` over `nbytes`, timed by events after one warm-up (`_report.event_ms`; GPU)."""
     x = torch.empty(nbytes // 4, device=device).uniform_()
     fn = read_fn(x)
     fn()
-    ts = []
-    for _ in range(6):
-        a, b = torch.cuda.Event(True), torch.cuda.Event(True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return nbytes / (sorted(ts)[3] * 1e-3) / 1e9
+    return nbytes / (event_ms(fn) * 1e-3) / 1e9

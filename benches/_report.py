@@ -60,15 +60,22 @@ def copy_bandwidth_GBps(device, nbytes: int = 1 << 31) -> float:
 
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
+    return 2 * nbytes / (event_ms(lambda: dst.copy_(src)) * 1e-3) / 1e9
+
+
+def event_ms(fn, n: int = 6) -> float:
+    """fn's time in ms by CUDA events around each of `n` calls, the 4th fastest of 6 (the bandwidth ceilings)."""
+    import torch
+
     ts = []
-    for _ in range(6):
+    for _ in range(n):
         a, b = torch.cuda.Event(True), torch.cuda.Event(True)
         a.record()
-        dst.copy_(src)
+        fn()
         b.record()
         b.synchronize()
         ts.append(a.elapsed_time(b))
-    return 2 * nbytes / (sorted(ts)[3] * 1e-3) / 1e9
+    return sorted(ts)[n // 2]
 
 
 def graph_ms(calls, reps: int = 20) -> float:

@@ -54,8 +54,8 @@ GATE_UP_EDITS = {
     "_gu_step ABL": ("DB: gl.constexpr):\n    \"\"\"GGU: one K step", "DB: gl.constexpr, ABL: gl.constexpr = 0):\n"
                      "    \"\"\"GGU: one K step"),
     "_gu_step decode": (_GU_STEP, _GU_STEP.replace("NWT, WIDE)", "NWT, WIDE, ABL & 8)")),
-    "kernel ABL": ("GU: gl.constexpr = 0, ZL: gl.constexpr = None):",
-                   "GU: gl.constexpr = 0, ZL: gl.constexpr = None, ABL: gl.constexpr = 0):"),
+    "kernel ABL": ("ZL: gl.constexpr = None, DONE: gl.constexpr = 0):",
+                   "ZL: gl.constexpr = None, DONE: gl.constexpr = 0, ABL: gl.constexpr = 0):"),
     "step a": ("_gu_step(acc1, acc3, w1a, w3a, s1a, s3a, xa, DEC, WIDE, M, NWT, BN, A4, ZL, DA, DB)",
                "_gu_step(acc1, acc3, w1a, w3a, s1a, s3a, xa, DEC, WIDE, M, NWT, BN, A4, ZL, DA, DB, ABL)"),
     "step b": ("_gu_step(acc1, acc3, w1b, w3b, s1b, s3b, xb, DEC, WIDE, M, NWT, BN, A4, ZL, DA, DB)",

@@ -176,3 +176,32 @@ def test_gate_up_word_pairs_are_the_code_pair_order():
     cols = [(words[q] >> (16 * p)) & 0xFFFF for q in range(4) for p in range(2)]      # column 2q + p
     for c in range(4):
         assert np.array_equal(got[f"${c}"], cols[c] | (cols[c + 4] << 16)), c
+
+
+_DONE_LAUNCH = _FAKE_LAUNCH.split("D.down(h, seg")[0] + textwrap.dedent("""
+    done = torch.zeros(2 * E, dtype=torch.int32)
+    cfg = {"GGW": 2, "GGM": 1, "GGN": 4, "GGB": 16, "GGD": 1, "GGU": 1, "GDW": 2, "GDM": 2, "GDN": 4, "GDB": 16}
+    G.gate_up(torch.randn(T, L).to(torch.bfloat16), seg, w1, w3, h, dict(ACT=0, HAS_BETA2=True), (4.0, 25.0), cfg,
+              hp=4, done=done)
+    D.down(h, seg, w2, o, cfg, 4, done, G.row_blocks(w1, cfg))
+    for s, ptx in zip(seen, ptxs):
+        s.update(release=ptx.count("atom.global.gpu.release.add"), acq_rel=ptx.count("atom.global.gpu.acq_rel.add"),
+                 exch=ptx.count("atom.global.gpu.relaxed.exch"), acquire=ptx.count("ld.global.gpu.acquire"),
+                 waits=ptx.count("griddepcontrol.wait"))
+    print(json.dumps(seen))
+""")
+
+
+def test_done_counters_compile_to_the_overlap_protocol():
+    """Config GDO (the down kernel started on each expert as its gate-up programs finish) as compiled for sm_90: the
+    gate-up counts in with one release add after its stores (one PDL wait, first); the down kernel reads its expert's
+    count by acquire loads (before its spin loop and in it), counts in with one acq_rel add, the last arriver resets
+    both counters (two exchanges), and it has two PDL wait sites (before the first store; at the end without tokens).
+    The ordering itself is what the H200 checks (bench_moe.py, MOE_BENCH_T64_GDO=1: the whole op against the fp32
+    reference, skewed routing, wide scales, graph replay == eager over replays)."""
+    seen = glu_test._aot(None, _DONE_LAUNCH)
+    assert [s["name"] for s in seen] == ["_grouped_gate_up_kernel", "_grouped_down_kernel"], seen
+    up, dn = seen
+    assert up["release"] == 1 and up["acq_rel"] == up["exch"] == up["acquire"] == 0 and up["waits"] == 1, up
+    assert dn["release"] == 0 and dn["acq_rel"] == 1 and dn["exch"] == 2 and dn["acquire"] == 2, dn
+    assert dn["waits"] == 2 and dn["launch_pdl"] and up["launch_pdl"], dn

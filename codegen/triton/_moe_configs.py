@@ -94,8 +94,11 @@ DECODE_T64 = {"DEQ": "asm16i", "SL": 1, "TMA": 1, "SL2": 3, "BK": 64, "BK2": 64,
 # h in its operand order): whole op 0.860 ms (47.0% of read bandwidth; PDL off 0.862; 0.864 at 128-byte L2 fetches)
 # vs session 15's GLUON_T64 0.988 / 0.995 (0.912 at 128 bytes) in the same call; gate-up alone 0.573 vs 0.641, down
 # alone 0.290 vs the Triton kernel's 0.332
+# Session 23 (benches/results/h200-2026-12-02-s23/moe_t64_gdo*.json): + GDO (the down kernel starts on each expert as
+# that expert's gate-up programs finish, `_moe_down_gluon._await_expert`, filling the gate-up's last wave: 5376
+# programs on 528 slots): whole op 0.843 vs 0.860 / 0.863 in the same call, the same bits
 GLUON_T64 = {"GG": 1, "GGW": 4, "GGM": 1, "GGN": 4, "GGB": 16, "GGD": 1, "GGR": 128, "GGU": 1,
-             "GD": 1, "GDW": 4, "GDM": 2, "GDN": 4, "GDB": 16}
+             "GD": 1, "GDW": 4, "GDM": 2, "GDN": 4, "GDB": 16, "GDO": 1}
 
 
 def decode_split(programs: int, k_steps: int, most: int = 8) -> int:

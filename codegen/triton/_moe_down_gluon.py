@@ -18,6 +18,14 @@ weights then read again per N tile, from L2). No shared memory.
     them (k and k + 32 adjacent), so h goes from the loads into the MMAs with no PRMT or register move. In column
     order the re-pack cost ~60 PRMT / moves a step (sm_90 SASS). h's columns one step ahead, two sets in turn.
 No masks on the weights (`fits`); h rows past the expert's count read its first row and are not stored.
+  - Config GDO (session 23, GLUON_T64's): the gate-up's 5376 programs fill 528 slots 10.2 times, so its last wave
+    leaves most SMs idle while this kernel waits for all of it. Under GDO each gate-up program of an expert with
+    tokens counts itself in at done[e] after its h stores (release); this kernel's programs launch as soon as every
+    gate-up program has started (PDL), read done[e] until the expert's gate-up is complete (acquire, `_await_expert`),
+    compute, and take the PDL wait only before their first store (WAR safety and the wait chain, `_pdl.py`); the last
+    of an expert's programs resets its two counters. H200 (benches/results/h200-2026-12-02-s23/moe_t64_gdo.json):
+    whole op 0.843 ms vs 0.860 / 0.863 in the same call, rel err as before (0.00234), graph == eager, skewed routing
+    and wide scales pass.
 
 H200, session 16 (benches/results/h200-2026-11-30-s16/moe_t64_down_gluon_call1.json, _call2.json; T=64 top-16,
 l=3584, I=3072, graph replay; the Triton down kernel (DECODE_T64) alone 0.328 / 0.332 ms in the same calls), down
@@ -44,6 +52,8 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from codegen.triton._moe_grouped_gluon import _a_mul, _row_offsets, _words, layouts
 from codegen.triton._moe_host import _wide_scales
 from codegen.triton._pdl import launch_kwargs, pdl_enter
+
+_barrier = getattr(gl, "barrier", None) or gl.thread_barrier      # Triton 3.7 / 3.6 name of the CTA barrier
 
 
 def word_layout(nwt: int, bn: int, w: int) -> gl.DistributedLinearLayout:
@@ -98,12 +108,31 @@ def _step(acc, w, s, x, WIDE: gl.constexpr, M: gl.constexpr, NWT: gl.constexpr, 
 
 
 @gluon.jit
-def _grouped_down_kernel(h_ptr, pair_ptr, counts_ptr, offsets_ptr, w2_ptr, s2_ptr, o_ptr, stride_h, stride_we,
-                         stride_wn, stride_se, stride_sn, stride_o, NRB, STEPS, W: gl.constexpr, MT: gl.constexpr,
-                         NWT: gl.constexpr, BN: gl.constexpr, WIDE: gl.constexpr, PDL: gl.constexpr,
+def _await_expert(done_ptr, e, cnt, NRB, NRB_UP):
+    """DONE (config GDO): wait, without the PDL wait, until the gate-up's NRB_UP programs of expert e have counted
+    themselves in at done_ptr[e] (each after its h stores; acquire), then count this program in at done_ptr[E + e];
+    the last of the expert's NRB programs resets both counters for the next launch. Experts without tokens: neither
+    kernel counts."""
+    if cnt > 0:
+        n_e = gl.num_programs(0) // NRB
+        c = gl.atomic_add(done_ptr + e, 0, sem="acquire", scope="gpu")
+        while c < NRB_UP:
+            c = gl.atomic_add(done_ptr + e, 0, sem="acquire", scope="gpu")
+        _barrier()
+        if gl.atomic_add(done_ptr + n_e + e, 1, sem="acq_rel", scope="gpu") == NRB - 1:
+            gl.atomic_xchg(done_ptr + e, 0, sem="relaxed", scope="gpu")
+            gl.atomic_xchg(done_ptr + n_e + e, 0, sem="relaxed", scope="gpu")
+
+
+@gluon.jit
+def _grouped_down_kernel(h_ptr, pair_ptr, counts_ptr, offsets_ptr, w2_ptr, s2_ptr, o_ptr, done_ptr, stride_h,
+                         stride_we, stride_wn, stride_se, stride_sn, stride_o, NRB, STEPS, NRB_UP, W: gl.constexpr,
+                         MT: gl.constexpr, NWT: gl.constexpr, BN: gl.constexpr, WIDE: gl.constexpr, PDL: gl.constexpr,
+                         DONE: gl.constexpr,
                          MMA: gl.constexpr, A4: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr, HL: gl.constexpr):
     """o[pair_ids[pos], rows] = W2_e h[pos] for expert e = pid // NRB's rows pos (offsets[e] + n) and its weight
-    rows (pid % NRB)·M .. +M; two K steps an iteration, words two steps ahead, h one (module doc)."""
+    rows (pid % NRB)·M .. +M; two K steps an iteration, words two steps ahead, h one (module doc). DONE: the gate-up
+    may still run (`_await_expert`); the PDL wait comes before the first store instead of first."""
     M: gl.constexpr = 16 * MT * W
     XS: gl.constexpr = 16 * NWT      # h's int32 words a step
     e = gl.program_id(0) // NRB
@@ -111,11 +140,14 @@ def _grouped_down_kernel(h_ptr, pair_ptr, counts_ptr, offsets_ptr, w2_ptr, s2_pt
     woff, soff = _row_offsets(r0, stride_wn, stride_sn, A4, M, NWT)
     wr = w2_ptr + e.to(gl.int64) * stride_we + woff
     sr = s2_ptr + e.to(gl.int64) * stride_se + soff
-    pdl_enter(PDL)      # counts, offsets, pair ids and h come from earlier launches
+    if not DONE:
+        pdl_enter(PDL)      # counts, offsets, pair ids and h come from earlier launches
     wa, sa = _w_at(wr, sr, 0, STEPS, NWT)
     wb, sb = _w_at(wr, sr, 1, STEPS, NWT)
-    cnt = gl.load(counts_ptr + e)
+    cnt = gl.load(counts_ptr + e)       # DONE: written two launches back (the permutation), so before the wait
     pos0 = gl.load(offsets_ptr + e)
+    if DONE:
+        _await_expert(done_ptr, e, cnt, NRB, NRB_UP)
     rm = r0 + gl.arange(0, M, layout=gl.SliceLayout(1, MMA))
     rn = gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))
     for n0 in range(0, cnt, BN):
@@ -133,7 +165,13 @@ def _grouped_down_kernel(h_ptr, pair_ptr, counts_ptr, offsets_ptr, w2_ptr, s2_pt
         live = col < cnt
         pair = gl.load(pair_ptr + pos0 + gl.where(live, col, 0))
         out = o_ptr + gl.expand_dims(pair.to(gl.int64) * stride_o, 0) + gl.expand_dims(rm, 1)
+        if DONE:
+            if n0 == 0:
+                pdl_enter(PDL)      # before the first store: the gate-up (and what it overlapped) complete
         gl.store(out, acc.to(o_ptr.dtype.element_ty), mask=gl.expand_dims(live, 0) & gl.expand_dims(rm >= 0, 1))
+    if DONE:
+        if cnt == 0:
+            pdl_enter(PDL)          # every program waits once
 
 
 def tiles(cfg: dict) -> tuple[int, int, int, int]:
@@ -162,10 +200,20 @@ def h_order(h: torch.Tensor, w2, cfg: dict, split2: int) -> int:
     return t[2] if _words(w2) is not None and fits(int(w2.shape[1]), h.shape[1], t) else 0
 
 
-def down(h, seg, w2, o, cfg: dict, hp: int) -> None:
+def done_counters(device, experts: int) -> torch.Tensor:
+    """Config GDO's counters for one gate-up + down pair: 2 per expert from the stream's arrival counters (0 between
+    launches; `_gemv.tile_counters`: the kernels before and after on the stream finish their use before these start
+    theirs, the down kernel's early part overlapping only the gate-up)."""
+    from codegen.triton._gemv import tile_counters
+    return tile_counters(device, 2 * experts)
+
+
+def down(h, seg, w2, o, cfg: dict, hp: int, done=None, nrb_up: int = 0) -> None:
     """o [T·k, l] (z's dtype, rows by pair) = W2_e h (h bf16 [T·k, I], expert-sorted rows, columns in the order the
     Gluon gate-up stored them for NWT = hp = `h_order`'s) by the Gluon kernel; rows of pairs outside [0, E) are left
-    unwritten, as by the Triton kernel."""
+    unwritten, as by the Triton kernel. done (config GDO, with the gate-up launched just before with the same
+    counters and nrb_up programs an expert): the kernel starts on an expert's rows once that expert's gate-up programs
+    have stored them, while the gate-up's last programs still run."""
     q2, s2 = _words(w2)
     E, ell, inter = int(q2.shape[0]), int(q2.shape[1]), h.shape[1]
     w, mt, nwt, bn = tiles(cfg)
@@ -173,8 +221,9 @@ def down(h, seg, w2, o, cfg: dict, hp: int) -> None:
     nrb = ell // (16 * mt * w)
     hx = h.view(torch.int32)        # h's bf16 pairs as int32 words
     _grouped_down_kernel[(E * nrb,)](
-        hx, seg.pair_ids, seg.counts, seg.offsets, q2, s2, o, hx.stride(0), q2.stride(0), q2.stride(1), s2.stride(0),
-        s2.stride(1), o.stride(0), nrb, inter // (32 * nwt), W=w, MT=mt, NWT=nwt, BN=bn, WIDE=_wide_scales(s2),
+        hx, seg.pair_ids, seg.counts, seg.offsets, q2, s2, o, done if done is not None else seg.counts, hx.stride(0),
+        q2.stride(0), q2.stride(1), s2.stride(0), s2.stride(1), o.stride(0), nrb, inter // (32 * nwt), nrb_up, W=w,
+        MT=mt, NWT=nwt, BN=bn, WIDE=_wide_scales(s2), DONE=int(done is not None),
         num_warps=w, **({"maxnreg": int(cfg["GDR"])} if cfg.get("GDR") else {}),
         **{k: v for k, v in layouts(w, mt, nwt, bn).items() if k != "XL"}, HL=word_layout(nwt, bn, w),
         **launch_kwargs())

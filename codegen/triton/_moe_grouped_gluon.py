@@ -70,6 +70,8 @@ from codegen.triton._moe_gemv_gluon import _a_operand
 from codegen.triton._moe_host import _int32_view, _wide_scales
 from codegen.triton._moe_tiles import _glu
 from codegen.triton._pdl import launch_kwargs, pdl_enter
+
+_barrier = getattr(gl, "barrier", None) or gl.thread_barrier      # Triton 3.7 / 3.6 name of the CTA barrier
 from ir.packed import PackedMXFP4
 
 
@@ -274,18 +276,19 @@ def _hp_column(r, NWT: gl.constexpr):
 
 @gluon.jit
 def _grouped_gate_up_kernel(z_ptr, pair_ptr, counts_ptr, offsets_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr,
-                            stride_z, stride_we, stride_wn, stride_se, stride_sn, stride_h, beta1, beta2, NRB, STEPS,
+                            done_ptr, stride_z, stride_we, stride_wn, stride_se, stride_sn, stride_h, beta1, beta2, NRB, STEPS,
                             TOPK: gl.constexpr, ACT: gl.constexpr, HAS_BETA2: gl.constexpr, W: gl.constexpr,
                             MT: gl.constexpr, NWT: gl.constexpr, BN: gl.constexpr, DEC: gl.constexpr,
                             WIDE: gl.constexpr, PDL: gl.constexpr, MMA: gl.constexpr, A4: gl.constexpr,
                             XL: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr, HP: gl.constexpr = 0,
-                            GU: gl.constexpr = 0, ZL: gl.constexpr = None):
+                            GU: gl.constexpr = 0, ZL: gl.constexpr = None, DONE: gl.constexpr = 0):
     """h[pos, rows] = act(W1_e z_t, W3_e z_t) for expert e = pid // NRB's tokens (rows offsets[e] + n of the
     permutation, t = pair // TOPK) and its weight rows (pid % NRB)·M .. +M (module doc). HP > 0: h's columns stored
     in the order the Gluon down kernel with NWT = HP reads them (`_hp_column`). GU 2 (GGU): two K steps an
     iteration, each step's words loaded two steps ahead into the registers the step just used (carried over N tiles:
     the last steps load the next tile's first), z read as int32 words (stride_z in words) one step ahead, the code
-    pairs formed by `_z_operand`."""
+    pairs formed by `_z_operand`. DONE (config GDO, with the Gluon down kernel in the same call): a program of an
+    expert with tokens counts itself in at done_ptr[e] once its h rows are stored (`_moe_down_gluon`'s overlap)."""
     M: gl.constexpr = 16 * MT * W
     pdl_enter(PDL)          # counts, offsets, pair ids and z come from earlier launches
     e = gl.program_id(0) // NRB
@@ -323,6 +326,10 @@ def _grouped_gate_up_kernel(z_ptr, pair_ptr, counts_ptr, offsets_ptr, w1_ptr, w3
         rs = _hp_column(rm, HP) if HP else rm
         out = h_ptr + gl.expand_dims((pos0 + col).to(gl.int64) * stride_h, 0) + gl.expand_dims(rs, 1)
         gl.store(out, h, mask=gl.expand_dims(col < cnt, 0) & gl.expand_dims(rm >= 0, 1))
+    if DONE:
+        if cnt > 0:
+            _barrier()      # every thread's h stores before the release
+            gl.atomic_add(done_ptr + e, 1, sem="release", scope="gpu")
 
 
 def tiles(cfg: dict) -> tuple[int, int, int, int]:
@@ -331,6 +338,12 @@ def tiles(cfg: dict) -> tuple[int, int, int, int]:
     GGU 1 two steps an iteration with the words two steps ahead (where l is a multiple of 64·NWT and z's rows of
     4-byte aligned pairs; module doc)."""
     return int(cfg.get("GGW", 4)), int(cfg.get("GGM", 1)), int(cfg.get("GGN", 4)), int(cfg.get("GGB", 16))
+
+
+def row_blocks(w1, cfg: dict) -> int:
+    """The gate-up's programs an expert (its row blocks of I)."""
+    w, mt, _, _ = tiles(cfg)
+    return int(w1.shape[1]) // (16 * mt * w)
 
 
 def fits(ell: int, inter: int, t: tuple) -> bool:
@@ -361,20 +374,22 @@ def usable(z: torch.Tensor, w1, w3, cfg: dict, split: int) -> bool:
     return fits(z.shape[1], int(w1.shape[1]), tiles(cfg))
 
 
-def gate_up(z, seg, w1, w3, h, glu: dict, betas: tuple, cfg: dict, hp: int = 0) -> None:
+def gate_up(z, seg, w1, w3, h, glu: dict, betas: tuple, cfg: dict, hp: int = 0, done=None) -> None:
     """h [T·k, I] (bf16, expert-sorted rows) = act(W1 z, W3 z) by the Gluon kernel (`usable` checked first); hp > 0:
-    h's columns in the order the Gluon down kernel with NWT = hp reads them (`_hp_column`)."""
+    h's columns in the order the Gluon down kernel with NWT = hp reads them (`_hp_column`); done: int32 counters
+    (0, one per expert, `_moe_down_gluon.done_counters`) the programs count in at (DONE)."""
     (q1, s1), (q3, s3) = _words(w1), _words(w3)
     E, inter, ell = int(q1.shape[0]), int(q1.shape[1]), z.shape[1]
     w, mt, nwt, bn = tiles(cfg)
-    nrb = inter // (16 * mt * w)
+    nrb = row_blocks(w1, cfg)
     gu = 2 if int(cfg.get("GGU", 0)) and ell % (64 * nwt) == 0 and z.stride(0) % 2 == 0 and z.data_ptr() % 4 == 0 else 0
     zz = z.view(torch.int32) if gu else z       # GGU: z's bf16 pairs as int32 words
     _grouped_gate_up_kernel[(E * nrb,)](
-        zz, seg.pair_ids, seg.counts, seg.offsets, q1, q3, s1, s3, h, zz.stride(0), q1.stride(0), q1.stride(1),
+        zz, seg.pair_ids, seg.counts, seg.offsets, q1, q3, s1, s3, h, done if done is not None else seg.counts,
+        zz.stride(0), q1.stride(0), q1.stride(1),
         s1.stride(0), s1.stride(1), h.stride(0), *betas, nrb, ell // (32 * nwt), TOPK=seg.topk, W=w, MT=mt, NWT=nwt,
         BN=bn, DEC=int(cfg.get("GGD", 0)), WIDE=_wide_scales(s1) or _wide_scales(s3), num_warps=w,
         **({"maxnreg": int(cfg["GGR"])} if cfg.get("GGR") else {}), **glu, **layouts(w, mt, nwt, bn),
         **launch_kwargs(), **({"HP": int(hp)} if hp else {}),
-        **({"GU": gu, "ZL": zword_layout(nwt, bn, w)} if gu else {}))
+        **({"GU": gu, "ZL": zword_layout(nwt, bn, w)} if gu else {}), DONE=int(done is not None))
 

@@ -34,6 +34,13 @@ state, and the step-metadata kernel is the step's first launch. This holds only 
 before its wait (checked on the H200 by bench_kda.py's PDL race check: a chain of launches reading state
 written two launches back, graph replays equal to PDL-off eager).
 
+And data of the kernel just before, where a completion counter that kernel releases says it is written: the Gluon
+MoE down kernel under config GDO (`_moe_down_gluon._await_expert`) reads an expert's h rows once the gate-up's
+programs of that expert have counted in (each after its stores; an acquire load), and takes its `pdl_wait` only
+before its first store, so that it computes while the gate-up's last programs run. Its programs launch only after
+every gate-up program has triggered (at its start), so all the programs it waits for are already resident: no
+program can wait for one that has no SM.
+
 A template launches with `**launch_kwargs()`: {PDL: True, launch_pdl: True} when the device Triton
 compiles for is CUDA sm_90+ (the live GPU, or the build target while an AOT build records launches) and
 PDL is enabled, else {PDL: False}: the kernel is then compiled without the instructions (the interpreter

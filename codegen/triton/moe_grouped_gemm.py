@@ -302,8 +302,11 @@ def expert_pair_outputs(z: torch.Tensor, ids: torch.Tensor, w1, w2, w3, act: str
         a1, a3, sl = d1, d3, sl + 4
     ggu = gg_gluon.usable(z, w1, w3, cfg, split)        # config GG: the Gluon grouped gate-up (_moe_grouped_gluon)
     hp = gd_gluon.h_order(h, w2, cfg, split2) if ggu else 0     # config GD (_moe_down_gluon): h in its operand order
+    done = None     # config GDO: the Gluon down kernel starts on each expert as its gate-up programs finish
+    if up and hp and "down" in kernels and int(cfg.get("GDO") or 0):
+        done = gd_gluon.done_counters(z.device, E)
     if up and ggu:
-        gg_gluon.gate_up(z, seg, w1, w3, h, glu, betas, cfg, hp)
+        gg_gluon.gate_up(z, seg, w1, w3, h, glu, betas, cfg, hp, done)
     else:
         _moe_gate_up_kernel[(n_tiles * triton.cdiv(inter, cfg["BN"]) * split * up,)](
             z, seg.pair_ids, seg.counts, seg.offsets, a1, a3, b1, b3, part, E, ell, inter, z.stride(0), *st1, *h_st,
@@ -317,7 +320,7 @@ def expert_pair_outputs(z: torch.Tensor, ids: torch.Tensor, w1, w2, w3, act: str
             part, h, P, inter, *h_st[1:], h_st[0], h.stride(0), *betas, SPLIT=split, BR=br, BI=bi, num_warps=4, **glu,
             **launch_kwargs())
     if hp and "down" in kernels:     # the Gluon grouped down
-        gd_gluon.down(h, seg, w2, o, cfg, hp)
+        gd_gluon.down(h, seg, w2, o, cfg, hp, done, gg_gluon.row_blocks(w1, cfg))
         return o, seg
     c2, a2, b2, st2, wide2 = _kernel_weight(f2, q2, s2, cfg["DEQ"], z.dtype)
     sl2, b2, st2 = scale_words(int(cfg.get("SL2", launch["SL"])), c2, b2, st2)    # SL2: the down kernel's own SL

@@ -97,11 +97,11 @@ if GG:
 # wgmmas (136 regs) 0.850. Every form within the fp32 reference's bf16 rounding (0.00234), graph == eager, skewed
 # routing and wide scales pass. A warpgroup serialises decode -> wgmma chain -> wait within a step, and the register
 # form's 16 independent warps hide that better; removed.
-# MOE_BENCH_T64_GDO=1: GLUON_T64 without GDO (the Gluon down kernel started on each expert as its gate-up programs
+# MOE_BENCH_T64_GDO=N: N alternated pairs of GLUON_T64 without GDO (the Gluon down kernel started on each expert as its gate-up programs
 # finish: per-expert completion counters, the down kernel's PDL wait before its first store; `_await_expert`), and
 # with it again. Session 23 (moe_t64_gdo.json, before GDO was GLUON_T64's): whole op 0.843 with vs 0.860 / 0.863
-if os.environ.get("MOE_BENCH_T64_GDO", "0") == "1":
-    UP_VARIANTS.update({"gdo_off": {"GG": 1, "GDO": 0}, "gdo_on": {"GG": 1, "GDO": 1}})
+for _r in range(int(os.environ.get("MOE_BENCH_T64_GDO", "0"))):      # N: N alternated pairs
+    UP_VARIANTS.update({f"gdo_off{_r}": {"GG": 1, "GDO": 0}, f"gdo_on{_r}": {"GG": 1, "GDO": 1}})
 # down variants. Session 10 (down alone, ms): session 8's BN2 128 / cap 168 (165 regs) 0.352; BN2 64 at a 96 cap
 # (the new heuristic: 10 programs an SM) 0.341; BN2 128 uncapped 0.354, cap 128 0.352, 6 stages 0.398, 4-warp
 # wgmma 0.396; KU2 4 / 2 stages 0.346, KU2 2 / 3 stages 0.347. Session 12 (baseline 0.3435, its down kernel at the

@@ -96,7 +96,8 @@ DECODE_T64 = {"DEQ": "asm16i", "SL": 1, "TMA": 1, "SL2": 3, "BK": 64, "BK2": 64,
 # alone 0.290 vs the Triton kernel's 0.332
 # Session 23 (benches/results/h200-2026-12-02-s23/moe_t64_gdo*.json): + GDO (the down kernel starts on each expert as
 # that expert's gate-up programs finish, `_moe_down_gluon._await_expert`, filling the gate-up's last wave: 5376
-# programs on 528 slots): whole op 0.843 vs 0.860 / 0.863 in the same call, the same bits
+# programs on 528 slots): whole op 0.843 vs 0.860 / 0.863 in the same call, the same bits; four alternated pairs on a
+# noisier machine (moe_t64_gdo_pairs.json) faster in each, medians 0.862 vs 0.888
 GLUON_T64 = {"GG": 1, "GGW": 4, "GGM": 1, "GGN": 4, "GGB": 16, "GGD": 1, "GGR": 128, "GGU": 1,
              "GD": 1, "GDW": 4, "GDM": 2, "GDN": 4, "GDB": 16, "GDO": 1}
 

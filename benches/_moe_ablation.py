@@ -4,13 +4,14 @@ modules' source at run time), each kernel timed alone under graph replay as benc
 (`_moe_t64._parts`: distinct routings, the heuristic's config). Bits of ABL:
     1 the activation columns (z / h) of a step from a two-step window: always L1-resident, the same instructions
     2 no activation loads in the loop (the first steps' columns reused)
-    4 the weight words and scale bytes of a step from a two-step window (the program's first two steps: L1 / L2-resident,
-      the same loads and decode): no weight stream from HBM
+    4 the weight words and scale bytes of a step from a two-step window (the program's first two steps: L1 /
+      L2-resident, the same loads and decode): no weight stream from HBM
     8 no decode: the words and scale factors moved into the A registers as they are (a mov per register, the loads
       kept live) instead of `_a_mul`'s masks, multiplies and bf16 scaling
 The results are wrong under any bit but 0: only the times mean anything. Run by the t64 section:
 
-    cd benches && MOE_BENCH_SECTIONS=t64 MOE_BENCH_T64_ABLATE=1 MOE_BENCH_T64_PROBES=0 PYTHONPATH=..:. python3 bench_moe.py
+    cd benches && MOE_BENCH_SECTIONS=t64 MOE_BENCH_T64_ABLATE=1 MOE_BENCH_T64_PROBES=0 PYTHONPATH=..:. \
+        python3 bench_moe.py
 MOE_BENCH_T64_ABLATE_BITS (default 0,1,2,4,8,6,12,14,5), _ROUNDS (2) and _CFG (config overrides) choose the runs.
 """
 
@@ -69,7 +70,8 @@ GATE_UP_EDITS = {
     "words b (4)": (_GU_W[1], guard(_GU_W[1], 4, "w1b, w3b, s1b, s3b = _w_step(w1r, w3r, s1r, s3r, (st + 1) % 2, "
                                     "NWT)", indent=16)),
 }
-_DN_W = ["            wa, sa = _w_at(wr, sr, st + 2, STEPS, NWT)", "            wb, sb = _w_at(wr, sr, st + 3, STEPS, NWT)"]
+_DN_W = ["            wa, sa = _w_at(wr, sr, st + 2, STEPS, NWT)",
+         "            wb, sb = _w_at(wr, sr, st + 3, STEPS, NWT)"]
 DOWN_EDITS = {
     "the ablated A side": ("from codegen.triton._moe_grouped_gluon import _a_mul,", "from _moe_grouped_gluon_ablated "
                            "import _a_mul,"),

@@ -17,6 +17,7 @@ their numbers, are in the comments above them.
     MOE_BENCH_T64_GG=1: also the Gluon gate-up (_moe_configs.GLUON_T64), at 128-byte L2 fetches too
     MOE_BENCH_T64_PATTERN=0: no read-pattern probe (the whole op at 128-byte L2 fetches still runs, PROBES=1)
     MOE_BENCH_T64_ABLATE=1: the Gluon kernels with parts taken out, each alone (_moe_ablation.py)
+    MOE_BENCH_T64_GDO=N: N alternated pairs of the whole op without / with config GDO
 Every config also runs a skewed routing (expert 0 in every token) against the float64 reference (`skew_check`).
 """
 
@@ -97,9 +98,10 @@ if GG:
 # wgmmas (136 regs) 0.850. Every form within the fp32 reference's bf16 rounding (0.00234), graph == eager, skewed
 # routing and wide scales pass. A warpgroup serialises decode -> wgmma chain -> wait within a step, and the register
 # form's 16 independent warps hide that better; removed.
-# MOE_BENCH_T64_GDO=N: N alternated pairs of GLUON_T64 without GDO (the Gluon down kernel started on each expert as its gate-up programs
-# finish: per-expert completion counters, the down kernel's PDL wait before its first store; `_await_expert`), and
-# with it again. Session 23 (moe_t64_gdo.json, before GDO was GLUON_T64's): whole op 0.843 with vs 0.860 / 0.863
+# MOE_BENCH_T64_GDO=N: N alternated pairs of GLUON_T64 without and with GDO (the Gluon down kernel started on each
+# expert as its gate-up programs finish: per-expert completion counters, the down kernel's PDL wait before its first
+# store; `_moe_down_gluon._await_expert`). Session 23 (moe_t64_gdo.json, before GDO was GLUON_T64's): whole op 0.843
+# with vs 0.860 / 0.863; moe_t64_gdo_pairs.json: four pairs, faster with GDO in each (medians 0.862 vs 0.888)
 for _r in range(int(os.environ.get("MOE_BENCH_T64_GDO", "0"))):      # N: N alternated pairs
     UP_VARIANTS.update({f"gdo_off{_r}": {"GG": 1, "GDO": 0}, f"gdo_on{_r}": {"GG": 1, "GDO": 1}})
 # down variants. Session 10 (down alone, ms): session 8's BN2 128 / cap 168 (165 regs) 0.352; BN2 64 at a 96 cap

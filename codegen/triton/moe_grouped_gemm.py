@@ -69,6 +69,9 @@ operand order; sm_90+, MXFP4, bf16): program (expert, block of W2 rows), the exp
 K steps ahead. H200 session 16 (benches/results/h200-2026-11-30-s16/moe_t64_down_gluon_call2.json, T=64 top-16): down
 alone 0.290 ms vs the Triton kernel's 0.332; with GG's words two steps ahead too (GGU: gate-up alone 0.573 vs 0.641)
 the whole op 0.860 ms vs 0.988 / 0.995 (47.0% of read bandwidth; 0.864 vs 0.912 at 128-byte L2 fetches): GLUON_T64.
+Config GDO (with GG and GD, in one call; session 23, GLUON_T64's): the down kernel starts on each expert once that
+expert's gate-up programs have stored h (per-expert completion counters, `_moe_down_gluon._await_expert`), filling the
+gate-up's last wave: the op 0.843 vs 0.860 / 0.863 ms (48.0%); four alternated pairs faster in each.
 Host-side operand, storage and target helpers: _moe_host.py;
 the heuristic's named configs, the split-K rule and the config constraints: _moe_configs.py.
 Decode T=64 (E=112, top-16, l=3584, I=3072, bf16; 1.82 GB of MXFP4 weights): 0.860 ms with the Gluon kernels (47.0%,

@@ -49,11 +49,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from codegen.triton._moe_grouped_gluon import _a_mul, _row_offsets, _words, layouts
+from codegen.triton._moe_grouped_gluon import _a_mul, _barrier, _row_offsets, _words, layouts
 from codegen.triton._moe_host import _wide_scales
 from codegen.triton._pdl import launch_kwargs, pdl_enter
-
-_barrier = getattr(gl, "barrier", None) or gl.thread_barrier      # Triton 3.7 / 3.6 name of the CTA barrier
 
 
 def word_layout(nwt: int, bn: int, w: int) -> gl.DistributedLinearLayout:
@@ -198,14 +196,6 @@ def h_order(h: torch.Tensor, w2, cfg: dict, split2: int) -> int:
         return 0
     t = tiles(cfg)
     return t[2] if _words(w2) is not None and fits(int(w2.shape[1]), h.shape[1], t) else 0
-
-
-def done_counters(device, experts: int) -> torch.Tensor:
-    """Config GDO's counters for one gate-up + down pair: 2 per expert from the stream's arrival counters (0 between
-    launches; `_gemv.tile_counters`: the kernels before and after on the stream finish their use before these start
-    theirs, the down kernel's early part overlapping only the gate-up)."""
-    from codegen.triton._gemv import tile_counters
-    return tile_counters(device, 2 * experts)
 
 
 def down(h, seg, w2, o, cfg: dict, hp: int, done=None, nrb_up: int = 0) -> None:

@@ -66,12 +66,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from codegen.triton._moe_gemv_gluon import _a_operand
+from codegen.triton._moe_gemv_gluon import _a_operand, _barrier
 from codegen.triton._moe_host import _int32_view, _wide_scales
 from codegen.triton._moe_tiles import _glu
 from codegen.triton._pdl import launch_kwargs, pdl_enter
-
-_barrier = getattr(gl, "barrier", None) or gl.thread_barrier      # Triton 3.7 / 3.6 name of the CTA barrier
 from ir.packed import PackedMXFP4
 
 
@@ -377,7 +375,7 @@ def usable(z: torch.Tensor, w1, w3, cfg: dict, split: int) -> bool:
 def gate_up(z, seg, w1, w3, h, glu: dict, betas: tuple, cfg: dict, hp: int = 0, done=None) -> None:
     """h [T·k, I] (bf16, expert-sorted rows) = act(W1 z, W3 z) by the Gluon kernel (`usable` checked first); hp > 0:
     h's columns in the order the Gluon down kernel with NWT = hp reads them (`_hp_column`); done: int32 counters
-    (0, one per expert, `_moe_down_gluon.done_counters`) the programs count in at (DONE)."""
+    (0, 2 per expert, `_gemv.tile_counters`; the first E here) the programs count in at (DONE)."""
     (q1, s1), (q3, s3) = _words(w1), _words(w3)
     E, inter, ell = int(q1.shape[0]), int(q1.shape[1]), z.shape[1]
     w, mt, nwt, bn = tiles(cfg)

@@ -98,6 +98,7 @@ from codegen.triton._moe_configs import (BATCH_INVARIANT_CONFIG, DECODE_MAXNREG,
                                          GPU_SLOTS, constraints, decode_split)
 from codegen.triton._moe_host import (DEQ_MODES, _BYTE_DECODE, _TL, _fit_bk, _int16_view,  # noqa: F401
                                       _kernel_weight, _weight, max_tiles, scale_words, storage, target_cc)
+from codegen.triton._gemv import tile_counters
 from codegen.triton._moe_gemv import gemv_experts, gemv_supported
 from codegen.triton._moe_gemv_gluon import GLUON_T1, GLUON_T1_DOWN, GLUON_T8
 from codegen.triton import _moe_down_gluon as gd_gluon, _moe_grouped_gluon as gg_gluon
@@ -307,7 +308,9 @@ def expert_pair_outputs(z: torch.Tensor, ids: torch.Tensor, w1, w2, w3, act: str
     hp = gd_gluon.h_order(h, w2, cfg, split2) if ggu else 0     # config GD (_moe_down_gluon): h in its operand order
     done = None     # config GDO: the Gluon down kernel starts on each expert as its gate-up programs finish
     if up and hp and "down" in kernels and int(cfg.get("GDO") or 0):
-        done = gd_gluon.done_counters(z.device, E)
+        # 2 per expert, 0 between launches: the kernels before and after on the stream finish their use of the set
+        # before these start (the down kernel's early part overlaps only this gate-up)
+        done = tile_counters(z.device, 2 * E)
     if up and ggu:
         gg_gluon.gate_up(z, seg, w1, w3, h, glu, betas, cfg, hp, done)
     else:
